@@ -1,0 +1,174 @@
+"""The recipe model: srtctl schema-2 keys for vLLM prefill + TileRT decode, plus our ``agent:`` section.
+
+Field names are the ones users write (srtctl spellings, hyphens kept through ``rename``), so a
+msgspec error path or a rule's key path reads like the user's YAML. Everything is optional at the
+type level; the rules in ``agent.rules`` say what is required, so all problems can be reported
+together instead of msgspec's first one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# A scalar or structured value as YAML gives it. Engine args keep their YAML type until rendered.
+ArgValue = str | int | float | bool | None | list[Any] | dict[str, Any]
+EnvValue = str | int | float | bool
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Base for recipe sections: unknown keys are errors (with a "did you mean" from the loader)."""
+
+
+class Model(_Strict):
+    path: str | None = None
+    container: str | None = None
+    precision: str | None = None
+
+
+class Resources(_Strict):
+    gpu_type: str | None = None
+    gpus_per_node: int | None = None
+
+
+class Role(_Strict):
+    # A string ("vllm") or a mapping with a ``type`` key ({type: vllm, ...}).
+    engine: str | dict[str, Any] | None = None
+    container: str | None = None
+    nodes: int | None = None
+    workers: int | None = None
+    gpus: int | None = None
+    env: dict[str, EnvValue] = {}
+    args: dict[str, ArgValue] = {}
+
+
+class Roles(_Strict):
+    prefill: Role | None = None
+    decode: Role | None = None
+    # srtctl's aggregated workers: accepted by the schema so the rules can say why they are refused.
+    aggregated: Role | None = None
+
+
+class Frontend(_Strict):
+    type: str | None = None
+    container_image: str | None = None
+    enable_multiple_frontends: bool | None = None
+    args: dict[str, ArgValue] = {}
+    env: dict[str, EnvValue] = {}
+
+
+class HealthCheck(_Strict):
+    max_attempts: int | None = None
+    interval_seconds: float | None = None
+
+
+class Slurm(_Strict):
+    account: str | None = None
+    partition: str | None = None
+    time_limit: str | None = None
+
+
+class Benchmark(_Strict):
+    type: str | None = None
+
+
+# ---- our own section -------------------------------------------------------------------------
+
+
+class RolePorts(_Strict):
+    """Where an agent starts probing for free ports; the chosen ones are published in its record."""
+
+    http: int
+    agent: int
+    ctrl: int | None = None
+
+
+class PortBases(_Strict):
+    prefill: RolePorts = msgspec.field(default_factory=lambda: RolePorts(http=8100, agent=9100))
+    decode: RolePorts = msgspec.field(
+        default_factory=lambda: RolePorts(http=6100, agent=9200, ctrl=5600)
+    )
+
+
+class Probe(_Strict):
+    """Health probing cadence: fast while starting (readiness seen within ~50 ms), slower after."""
+
+    startup_interval_s: float = 0.05
+    interval_s: float = 1.0
+    timeout_s: float = 2.0
+    failure_threshold: int = 3
+
+
+class RestartPolicy(_Strict):
+    """Exponential backoff with a cap; ``max_restarts`` within ``window_s`` means failed for good."""
+
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    max_restarts: int = 5
+    window_s: float = 600.0
+
+
+class PerRole(_Strict):
+    prefill: float | None = None
+    decode: float | None = None
+    router: float | None = None
+
+
+class Canary(_Strict):
+    prompt: str = "Say hello."
+    max_tokens: int = 8
+    timeout_s: float = 180.0
+
+
+class LogSettings(_Strict):
+    max_bytes: int = 64 * 1024 * 1024
+    backups: int = 3
+
+
+class AgentSection(_Strict):
+    router_port: int = 8000
+    router_python: str = "python"
+    # Address the agent's own endpoint binds to; None means the node's address.
+    bind: str | None = None
+    ports: PortBases = msgspec.field(default_factory=PortBases)
+    probe: Probe = msgspec.field(default_factory=Probe)
+    restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
+    # None for a role means srtctl's health_check budget (max_attempts x interval_seconds).
+    startup_budget_s: PerRole = msgspec.field(default_factory=lambda: PerRole(router=300.0))
+    stop_grace_s: PerRole = msgspec.field(
+        default_factory=lambda: PerRole(prefill=20.0, decode=20.0, router=5.0)
+    )
+    canary: Canary = msgspec.field(default_factory=Canary)
+    logs: LogSettings = msgspec.field(default_factory=LogSettings)
+
+
+class Recipe(_Strict):
+    schema: int | None = None
+    name: str | None = None
+    # srtctl's shared engine; refused together with role engines (see agent.rules).
+    engine: str | dict[str, Any] | None = None
+    model: Model = msgspec.field(default_factory=Model)
+    resources: Resources = msgspec.field(default_factory=Resources)
+    roles: Roles = msgspec.field(default_factory=Roles)
+    frontend: Frontend = msgspec.field(default_factory=Frontend)
+    health_check: HealthCheck = msgspec.field(default_factory=HealthCheck)
+    slurm: Slurm = msgspec.field(default_factory=Slurm)
+    environment: dict[str, EnvValue] = {}
+    container_mounts: list[str] | dict[str, str] = []
+    setup_script: str | None = None
+    benchmark: Benchmark = msgspec.field(default_factory=Benchmark)
+    agent: AgentSection = msgspec.field(default_factory=AgentSection)
+
+
+# srtctl's health_check defaults when a recipe omits it: one hour, enough for a GLM-5 load.
+DEFAULT_HEALTH_MAX_ATTEMPTS = 360
+DEFAULT_HEALTH_INTERVAL_S = 10.0
+
+
+def engine_type(engine: str | dict[str, Any] | None) -> str | None:
+    """The engine type of a role (``vllm`` from ``vllm`` or ``{type: vllm}``)."""
+    if isinstance(engine, dict):
+        value = engine.get("type")
+        return value if isinstance(value, str) else None
+    return engine

@@ -1,0 +1,103 @@
+"""Formats that cross processes and nodes: rendezvous records, agent ``/status``, ``status.json``.
+
+The field names are DESIGN.md's contracts; other people's tools read these files.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import msgspec
+
+RECORD_SCHEMA = 1
+
+EngineState = Literal[
+    "starting", "healthy", "unhealthy", "restarting", "failed", "stopping", "stopped"
+]
+JobState = Literal[
+    "pending", "starting", "waiting", "ready", "degraded", "stopping", "stopped", "failed"
+]
+
+
+class RendezvousRecord(msgspec.Struct, kw_only=True):
+    """``J/rendezvous/<name>.json``: who is where. Written on port choice and on every port change."""
+
+    schema: int = RECORD_SCHEMA
+    name: str
+    role: str
+    index: int
+    node: str
+    address: str
+    # engine "http", decode "ctrl", "agent", and "router" for prefill-0.
+    ports: dict[str, int]
+    status_url: str
+    metrics_url: str
+    # Engine software detected by the preflight, e.g. {"tilert": "0.1.6.post3", "vllm": "0.11.0"}.
+    versions: dict[str, str] = {}
+    updated_at: float = msgspec.field(default_factory=time.time)
+
+
+class EngineStatus(msgspec.Struct, kw_only=True):
+    """The supervised state of one engine (the role's engine, or the router in prefill-0)."""
+
+    state: EngineState
+    pid: int | None
+    ports: dict[str, int]
+    restarts: int
+    reason: str
+    since: float
+    uptime_s: float | None
+
+
+class AgentStatus(msgspec.Struct, kw_only=True):
+    """An agent's ``/status``: identity plus its engine's state; prefill-0 adds ``router``."""
+
+    name: str
+    role: str
+    index: int
+    node: str
+    state: EngineState
+    pid: int | None
+    ports: dict[str, int]
+    restarts: int
+    reason: str
+    since: float
+    uptime_s: float | None
+    # Increases on every change; long-poll with ``/status?after=<version>``.
+    version: int = 0
+    router: EngineStatus | None = None
+
+
+class JobAgent(msgspec.Struct, kw_only=True):
+    name: str
+    role: str
+    index: int
+    node: str | None
+    state: str
+    restarts: int
+    reason: str
+    log: str
+    metrics_url: str | None
+    status_url: str | None
+
+
+class JobStatus(msgspec.Struct, kw_only=True):
+    """``J/status.json``: the submitter writes ``pending``; the head agent every change and every 5 s."""
+
+    state: JobState
+    model: str
+    router_url: str | None = None
+    slurm_job_id: str | None = None
+    local_pid: int | None = None
+    updated_at: float = msgspec.field(default_factory=time.time)
+    error: str | None = None
+    agents: list[JobAgent] = []
+
+
+def agent_name(role: str, index: int) -> str:
+    """The public name of an agent: ``prefill-0``, ``decode-1``."""
+    return f"{role}-{index}"
+
+
+ROUTER_NAME = "router"
