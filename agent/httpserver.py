@@ -127,31 +127,47 @@ class App:
         try:
             if handler is None:
                 known = any(path == scope["path"] for _, path in self.routes)
-                raise HTTPError(405 if known else 404, f"no route {scope['method']} {scope['path']}")
+                raise HTTPError(
+                    405 if known else 404, f"no route {scope['method']} {scope['path']}"
+                )
             response = await handler(request)
         except HTTPError as exc:
             response = json_response({"error": exc.message}, exc.status)
         except Exception:
             log.exception("handler for %s %s failed", scope["method"], scope["path"])
             response = json_response({"error": "internal error"}, 500)
-        await _send_response(send, response)
+        await _send_response(send, receive, response)
 
 
-async def _send_response(send: Send, response: Response | StreamingResponse) -> None:
+async def _send_response(
+    send: Send, receive: Receive, response: Response | StreamingResponse
+) -> None:
     headers = [(b"content-type", response.content_type.encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     if isinstance(response, Response):
         await send({"type": "http.response.body", "body": response.body})
         return
-    try:
-        async for chunk in response.chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-    finally:
-        aclose = getattr(response.chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
+    # hypercorn drops sends after a hang-up without raising, so watch for the disconnect ourselves
+    # and cancel the iteration: that runs the async generator's ``finally`` at once.
+    async with trio.open_nursery() as nursery:
+
+        async def cancel_on_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(cancel_on_disconnect)
+        try:
+            async for chunk in response.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            aclose = getattr(response.chunks, "aclose", None)
+            if aclose is not None:
+                with trio.CancelScope(shield=True):
+                    await aclose()
+        nursery.cancel_scope.cancel()
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
@@ -176,12 +192,14 @@ async def serve(
 ) -> None:
     """Serve ``app`` on an already bound socket until cancelled (or until ``shutdown`` is set)."""
     config = hypercorn.config.Config()
-    config.bind = [f"fd://{sock.fileno()}"]
+    # hypercorn wraps the fd in a socket object of its own: hand the fd over (detach) so that the
+    # caller's object, when collected, cannot close a descriptor number reused later.
+    config.bind = [f"fd://{sock.detach()}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.loglevel = "WARNING"
     config.graceful_timeout = 1.0
     config.keep_alive_timeout = 75.0
-    event = shutdown or trio.Event()
+    event = shutdown if shutdown is not None else trio.Event()
     task_status.started()
     await hypercorn.trio.serve(app, config, shutdown_trigger=event.wait)  # type: ignore[arg-type]

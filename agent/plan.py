@@ -93,6 +93,8 @@ class Plan(msgspec.Struct, kw_only=True):
     visible_devices_env: str
     mounts: list[str]
     setup_script: str | None
+    # Where setup scripts are looked up on the node: <configs_dir>/<script>, then .../patches/.
+    configs_dir: str = "/configs"
     prefill: RolePlan
     decode: RolePlan
     router: RouterPlan

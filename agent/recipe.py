@@ -1,4 +1,4 @@
-"""The recipe model: srtctl schema-2 keys for vLLM prefill + TileRT decode, plus our ``agent:`` section.
+"""The recipe model: srtctl schema-2 keys for vLLM prefill + TileRT decode, plus ``agent:``.
 
 Field names are the ones users write (srtctl spellings, hyphens kept through ``rename``), so a
 msgspec error path or a rule's key path reads like the user's YAML. Everything is optional at the
@@ -46,7 +46,9 @@ class Role(_Strict):
 class Roles(_Strict):
     prefill: Role | None = None
     decode: Role | None = None
-    # srtctl's aggregated workers: accepted by the schema so the rules can say why they are refused.
+    # srtctl's aggregated workers (``agg``; ``aggregated`` in older recipes): accepted by the schema
+    # so the rules can say why they are refused.
+    agg: Role | None = None
     aggregated: Role | None = None
 
 
@@ -101,7 +103,7 @@ class Probe(_Strict):
 
 
 class RestartPolicy(_Strict):
-    """Exponential backoff with a cap; ``max_restarts`` within ``window_s`` means failed for good."""
+    """Exponential backoff with a cap; ``max_restarts`` within ``window_s``: failed for good."""
 
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 60.0
@@ -164,6 +166,51 @@ class Recipe(_Strict):
 # srtctl's health_check defaults when a recipe omits it: one hour, enough for a GLM-5 load.
 DEFAULT_HEALTH_MAX_ATTEMPTS = 360
 DEFAULT_HEALTH_INTERVAL_S = 10.0
+
+
+# resources.gpus_per_node when neither the recipe nor the cluster file says (TileRT runs TP8).
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def norm_arg(key: str) -> str:
+    """An engine-arg key in canonical form (``_`` == ``-``, no leading dashes)."""
+    return key.lstrip("-").replace("_", "-")
+
+
+def find_arg(args: dict[str, ArgValue], name: str) -> tuple[str, ArgValue] | None:
+    """The (key as the user wrote it, value) of arg ``name``, matching ``_`` and ``-`` alike."""
+    want = norm_arg(name)
+    for key, value in args.items():
+        if norm_arg(key) == want:
+            return key, value
+    return None
+
+
+def gpus_per_node(recipe: Recipe) -> int:
+    """GPUs per node: the recipe's (cluster default merged in by the loader), else 8."""
+    return recipe.resources.gpus_per_node or DEFAULT_GPUS_PER_NODE
+
+
+def role_layout(role: Role, node_gpus: int) -> tuple[int, int, int]:
+    """(nodes, workers, gpus per worker) of a role, with srtctl's defaults for what is unset."""
+    nodes = role.nodes if role.nodes is not None else (role.workers or 1)
+    workers = role.workers if role.workers is not None else (role.nodes or 1)
+    gpus = role.gpus if role.gpus is not None else (nodes * node_gpus) // max(workers, 1)
+    return nodes, workers, gpus
+
+
+def role_env(recipe: Recipe, role: Role) -> dict[str, EnvValue]:
+    """A role's effective environment: top-level ``environment`` overlaid by the role's ``env``."""
+    return {**recipe.environment, **role.env}
+
+
+def public_model_name(recipe: Recipe) -> str | None:
+    """The name clients send: the prefill's served-model-name, else model.path."""
+    prefill = recipe.roles.prefill
+    found = find_arg(prefill.args, "served-model-name") if prefill else None
+    if found is not None and isinstance(found[1], str):
+        return found[1]
+    return recipe.model.path
 
 
 def engine_type(engine: str | dict[str, Any] | None) -> str | None:

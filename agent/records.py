@@ -93,6 +93,8 @@ class JobStatus(msgspec.Struct, kw_only=True):
     updated_at: float = msgspec.field(default_factory=time.time)
     error: str | None = None
     agents: list[JobAgent] = []
+    # The router, supervised by prefill-0 (not an agent of its own; ``logs J router`` shows it).
+    router: JobAgent | None = None
 
 
 def agent_name(role: str, index: int) -> str:

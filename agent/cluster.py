@@ -1,0 +1,246 @@
+"""The cluster file: site facts in srtctl's ``srtslurm.yaml`` spelling, plus how agents launch.
+
+Found by ``--cluster FILE``, else ``$TILERT_CLUSTER_FILE``, else ``./srtslurm.yaml``, else none.
+An existing srtctl cluster file can be used as is: srtctl keys that tilert-agent does not use are
+reported as warnings (``read_cluster``), keys neither tool knows are errors with a "did you mean".
+Recipe values win over the cluster defaults (the loader merges them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from agent.problems import Problem, RecipeError, error, warning
+from agent.typedyaml import ShapeChecker, YamlSyntaxError, line_of, parse, suggest
+
+CLUSTER_ENV = "TILERT_CLUSTER_FILE"
+CLUSTER_FLAG = "--cluster"
+CLUSTER_FILE_NAME = "srtslurm.yaml"
+
+# srtctl's ClusterConfig keys that tilert-agent accepts and ignores (a warning says so).
+SRTCTL_IGNORED_KEYS = frozenset(
+    {
+        "cluster",
+        "default_gpu_type",
+        "default_gpu_exporter",
+        "use_gpus_per_node_directive",
+        "use_segment_sbatch_directive",
+        "use_exclusive_sbatch_directive",
+        "use_het_jobs",
+        "default_sbatch_directives",
+        "default_health_check",
+        "srtctl_root",
+        "output_dir",
+        "cloud",
+        "default_bash_preamble",
+        "default_host_setup",
+        "reporting",
+        "telemetry",
+        "nginx_raise_ulimit",
+        "git_http_version",
+        "preflight",
+    }
+)
+
+
+class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """What the site is like (srtslurm.yaml subset) and how tilert-agent runs there."""
+
+    # ---- srtctl's keys (same spelling and meaning) ----
+    default_account: str | None = None
+    default_partition: str | None = None
+    # sbatch --time format ("04:00:00", "1-00:00:00").
+    default_time_limit: str | None = None
+    gpus_per_node: int | None = None
+    # Interface whose address agents advertise; "lo" means 127.0.0.1 (local runs and tests).
+    network_interface: str | None = None
+    # Image aliases: recipe value -> image (.sqsh path or registry reference).
+    containers: dict[str, str] = {}
+    # Model aliases: model.path value -> path on the compute nodes.
+    model_paths: dict[str, str] = {}
+    # Mounts for every job: host path -> container path.
+    default_mounts: dict[str, str] = {}
+    visible_devices_env: str = "CUDA_VISIBLE_DEVICES"
+    # ---- ours ----
+    # pyxis: each engine in a nested `srun --container-image` step; process: plain child processes.
+    launcher: Literal["pyxis", "process"] = "pyxis"
+    # Where setup scripts are looked up on the compute nodes (inside the image under pyxis).
+    configs_dir: str = "/configs"
+    # Slurm's KillWait: stop graces are capped to fit inside it.
+    kill_wait_s: float = 30.0
+    # How compute nodes start tilert-agent (argv list or a shell-style string); None: the same
+    # interpreter and package as the submitter.
+    agent_command: list[str] | str | None = None
+    exclusive: bool = True
+    # sbatch --signal=TERM@<lead>: agents drain this many seconds before the time limit.
+    signal_lead_s: int = 120
+
+
+def find_cluster_file(flag: str | None, env: Mapping[str, str], cwd: Path) -> Path | None:
+    """``--cluster``, else ``$TILERT_CLUSTER_FILE``, else ``./srtslurm.yaml``, else None."""
+    for value, name in ((flag, CLUSTER_FLAG), (env.get(CLUSTER_ENV), CLUSTER_ENV)):
+        if value:
+            path = Path(value).expanduser()
+            path = path if path.is_absolute() else cwd / path
+            if not path.is_file():
+                raise RecipeError(
+                    [
+                        error(
+                            name,
+                            f"cluster file {value} does not exist",
+                            f"pass an existing srtslurm.yaml with {CLUSTER_FLAG} FILE, or unset "
+                            f"{CLUSTER_ENV}",
+                        )
+                    ],
+                    name,
+                )
+            return path
+    default = cwd / CLUSTER_FILE_NAME
+    return default if default.is_file() else None
+
+
+def _local_path(value: str, base_dir: Path) -> str:
+    if value.startswith(("./", "../")) or value in (".", ".."):
+        return str((base_dir / value).resolve())
+    return value
+
+
+def _semantic_problems(cluster: ClusterConfig) -> list[Problem]:
+    problems: list[Problem] = []
+    for name, image in cluster.containers.items():
+        if not image.strip():
+            problems.append(
+                error(f"containers.{name}", "the image is empty", "write a .sqsh path or image")
+            )
+    if cluster.gpus_per_node is not None and cluster.gpus_per_node < 1:
+        problems.append(error("gpus_per_node", "must be at least 1", "write e.g. gpus_per_node: 8"))
+    if cluster.kill_wait_s <= 0:
+        problems.append(error("kill_wait_s", "must be positive", "use Slurm's KillWait (30)"))
+    if cluster.signal_lead_s < 0:
+        problems.append(error("signal_lead_s", "must not be negative", "write e.g. 120"))
+    if not cluster.visible_devices_env.isidentifier():
+        problems.append(
+            error(
+                "visible_devices_env",
+                f"'{cluster.visible_devices_env}' is not an environment variable name",
+                "use CUDA_VISIBLE_DEVICES (NVIDIA) or ROCR_VISIBLE_DEVICES (AMD)",
+            )
+        )
+    if isinstance(cluster.agent_command, list) and not cluster.agent_command:
+        problems.append(
+            error("agent_command", "the command is empty", "remove it to use the default")
+        )
+    return problems
+
+
+def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:
+    """Load and check a cluster file: (config, warnings). Raises RecipeError with every error."""
+    source = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RecipeError(
+            [error("", f"cannot read the cluster file: {exc.strerror}", "check the path")], source
+        ) from None
+    try:
+        raw, lines, problems = parse(text)
+    except YamlSyntaxError as exc:
+        raise RecipeError(
+            [
+                error(
+                    "",
+                    f"YAML syntax error: {exc.detail} (line {exc.line}, column {exc.column})",
+                    "check indentation (spaces, not tabs) and quoting near that line",
+                    exc.line,
+                )
+            ],
+            source,
+        ) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(
+            [error("", "the top level must be a mapping of cluster keys", "see docs/recipe.md")],
+            source,
+        )
+    warnings = [
+        warning(
+            key, "srtctl cluster key not used by tilert-agent", "remove it or keep it for srtctl"
+        )
+        for key in raw
+        if key in SRTCTL_IGNORED_KEYS
+    ]
+    raw = {k: v for k, v in raw.items() if k not in SRTCTL_IGNORED_KEYS}
+    checker = ShapeChecker()
+    _, cleaned = checker.check(raw, msgspec.inspect.type_info(ClusterConfig))
+    problems = [*problems, *checker.problems]
+    cluster = ClusterConfig()
+    if not problems:
+        base = path.resolve().parent
+        cleaned["model_paths"] = {
+            k: _local_path(v, base) for k, v in cleaned.get("model_paths", {}).items()
+        }
+        cluster = msgspec.convert(cleaned, ClusterConfig)
+        problems = _semantic_problems(cluster)
+    problems = [
+        p if p.line is not None else msgspec.structs.replace(p, line=line_of(p.path, lines))
+        for p in [*problems, *warnings]
+    ]
+    if any(p.severity == "error" for p in problems):
+        raise RecipeError(problems, source)
+    return cluster, problems
+
+
+def load_cluster(path: Path) -> ClusterConfig:
+    """Load and check a cluster file (warnings dropped; use ``read_cluster`` to print them)."""
+    return read_cluster(path)[0]
+
+
+def is_image_reference(value: str) -> bool:
+    """Whether an image value is a reference as written (a path, a registry ref, a .sqsh file)."""
+    return "/" in value or ":" in value or value.endswith(".sqsh")
+
+
+def resolve_image(value: str, cluster: ClusterConfig | None, key: str) -> str:
+    """A cluster alias -> its image; a reference as is; any other bare word -> RecipeError."""
+    if cluster is not None and value in cluster.containers:
+        return cluster.containers[value]
+    if is_image_reference(value):
+        return value
+    aliases = sorted(cluster.containers) if cluster is not None else []
+    close = suggest(value, aliases)
+    if close is not None:
+        hint = f"did you mean '{close}'? (aliases in the cluster file: {', '.join(aliases)})"
+    elif aliases:
+        hint = (
+            f"use one of the cluster file's aliases ({', '.join(aliases)}), a .sqsh path, "
+            f"or a registry reference such as {value}:latest"
+        )
+    elif cluster is None:
+        hint = (
+            f"define it under 'containers:' in {CLUSTER_FILE_NAME} ({CLUSTER_FLAG} FILE), or "
+            f"write a .sqsh path or a registry reference such as {value}:latest"
+        )
+    else:
+        hint = (
+            "the cluster file defines no 'containers:' aliases; add one, or write a .sqsh path "
+            f"or a registry reference such as {value}:latest"
+        )
+    raise RecipeError(
+        [error(key, f"'{value}' is neither a cluster image alias nor an image reference", hint)]
+    )
+
+
+def merged_mounts(recipe_mounts: Any, cluster: ClusterConfig | None) -> Any:
+    """Recipe mounts with the cluster's default_mounts added (the recipe wins for a host path)."""
+    if cluster is None or not cluster.default_mounts:
+        return recipe_mounts
+    if isinstance(recipe_mounts, list):
+        listed = {str(m).split(":", 1)[0] for m in recipe_mounts}
+        extra = [f"{h}:{c}" for h, c in cluster.default_mounts.items() if h not in listed]
+        return [*extra, *recipe_mounts]
+    return {**cluster.default_mounts, **(recipe_mounts or {})}

@@ -1,0 +1,146 @@
+"""Command builders: the one place that knows each engine's argv and environment.
+
+The plan carries each role's program and the user's arguments; this module adds what the agent
+manages (hosts, ports, ``--engine tilert``, the router's ``--vllm-url`` and its ONE ``--decode``
+flag) and the environment (GPU visibility, ``TILERT_PD_PROBE_ADDR``, the agent's name). Under
+``--mock`` the program is swapped for the project's stand-in and the argument list is kept, so
+these builders run exactly as in production.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from agent.plan import Plan, RolePlan, RouterPlan
+
+# The stand-in that replaces each real program under --mock (DESIGN.md: "Stand-ins are product code").
+STANDIN_MODULES = {
+    "prefill": "agent.standins.prefill",
+    "decode": "agent.standins.decode",
+    "router": "agent.standins.router",
+}
+ROUTER_MODULE = "tilert.pd_vllm.pd_router"
+GPU_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+@dataclass(frozen=True)
+class DecodeEndpoint:
+    """One decode node as the router's ``--decode host:ctrl:http`` names it."""
+
+    host: str
+    ctrl: int
+    http: int
+
+    def spec(self) -> str:
+        """``host:ctrl:http``."""
+        return f"{self.host}:{self.ctrl}:{self.http}"
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: list[str]
+    env: dict[str, str]
+
+
+def _standin(role: str) -> list[str]:
+    return [sys.executable, "-m", STANDIN_MODULES[role]]
+
+
+def _base_env(
+    plan_env: Mapping[str, str],
+    secret_names: Sequence[str],
+    agent_env: Mapping[str, str],
+    name: str,
+) -> dict[str, str]:
+    # Secrets reach engines from the agent's (submitting) environment, never from a file.
+    env = dict(agent_env)
+    env.update(plan_env)
+    for secret in secret_names:
+        if secret in agent_env:
+            env[secret] = agent_env[secret]
+    env["TILERT_AGENT_NAME"] = name
+    return env
+
+
+def _gpu_env(env: dict[str, str], plan: Plan, role: RolePlan, agent_env: Mapping[str, str]) -> None:
+    var = plan.visible_devices_env
+    if var in agent_env and agent_env[var] != "":
+        return  # Slurm (gres) already chose this step's GPUs; keep its choice.
+    env[var] = ",".join(str(i) for i in range(role.gpus_per_worker))
+
+
+def prefill_command(
+    plan: Plan, *, name: str, host: str, http_port: int, agent_env: Mapping[str, str] = os.environ
+) -> Command:
+    """``vllm serve MODEL <role args> --host H --port P``."""
+    role = plan.prefill
+    program = [*_standin("prefill"), *role.program[1:]] if plan.mock else list(role.program)
+    argv = [*program, *role.args, "--host", host, "--port", str(http_port)]
+    env = _base_env(role.env, role.secret_env, agent_env, name)
+    _gpu_env(env, plan, role, agent_env)
+    return Command(argv, env)
+
+
+def decode_command(
+    plan: Plan,
+    *,
+    name: str,
+    address: str,
+    http_port: int,
+    ctrl_port: int,
+    agent_env: Mapping[str, str] = os.environ,
+) -> Command:
+    """``python -m tilert.pd_vllm.decode_server --engine tilert --http-port H --ctrl-port C <args>``."""
+    role = plan.decode
+    program = _standin("decode") if plan.mock else list(role.program)
+    # --engine defaults to a stub in TileRT 0.1.6: a real deployment must always say tilert.
+    argv = [
+        *program,
+        "--engine",
+        "tilert",
+        "--http-port",
+        str(http_port),
+        "--ctrl-port",
+        str(ctrl_port),
+        *role.args,
+    ]
+    env = _base_env(role.env, role.secret_env, agent_env, name)
+    # TileRT finds its own IP with a UDP "connect" to this address (default 8.8.8.8, which fails
+    # on nodes without a default route).
+    env["TILERT_PD_PROBE_ADDR"] = address
+    _gpu_env(env, plan, role, agent_env)
+    return Command(argv, env)
+
+
+def router_command(
+    plan: Plan,
+    *,
+    prefill_url: str,
+    decodes: Sequence[DecodeEndpoint],
+    host: str,
+    use_standin: bool,
+    agent_env: Mapping[str, str] = os.environ,
+) -> Command:
+    """``<router_python> -m tilert.pd_vllm.pd_router --vllm-url U --decode h:c:p ... --host --port``."""
+    router: RouterPlan = plan.router
+    program = _standin("router") if use_standin else list(router.program)
+    # ONE --decode flag with every node: the router's argparse keeps only the last repeated flag.
+    argv = [
+        *program,
+        "--vllm-url",
+        prefill_url,
+        "--decode",
+        *(d.spec() for d in decodes),
+        "--host",
+        host,
+        "--port",
+        str(router.port),
+        *router.args,
+    ]
+    env = _base_env(router.env, router.secret_env, agent_env, "router")
+    for var in GPU_ENV_NAMES:
+        env[var] = ""  # the router needs no GPU and must not grab one
+    return Command(argv, env)

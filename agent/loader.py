@@ -1,0 +1,437 @@
+"""Recipe YAML -> a resolved, validated ``Recipe``, with every problem reported at once.
+
+Order: YAML syntax (line and column) -> ``--set`` overrides -> shape (unknown keys with "did you
+mean", wrong types; bad entries pruned) -> ``msgspec.convert`` -> resolution (cluster defaults,
+image and model aliases, ``hf:`` ids, ``./`` paths, role layout defaults) -> ``agent.rules``.
+Errors from every stage are raised together in one ``RecipeError``; warnings ride along in
+``LoadedRecipe.warnings``.
+
+``resolved_yaml`` writes what was loaded (aliases resolved, defaults merged, secrets masked) for
+``J/recipe.yaml``; agents load it again with ``cluster=None`` and get the same recipe.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from agent import rules
+from agent.cluster import ClusterConfig, merged_mounts, resolve_image
+from agent.overrides import FLAG, apply_overrides, parse_override
+from agent.problems import Problem, RecipeError, error, errors_of, warning, warnings_of
+from agent.recipe import (
+    AgentSection,
+    Frontend,
+    Model,
+    Recipe,
+    Resources,
+    Role,
+    Roles,
+    Slurm,
+    find_arg,
+    gpus_per_node,
+    role_layout,
+)
+from agent.secrets import MASK, is_secret_name
+from agent.typedyaml import (
+    Path as KeyPath,
+)
+from agent.typedyaml import (
+    ShapeChecker,
+    YamlSyntaxError,
+    convert_problem,
+    dotted,
+    line_of,
+    parse,
+    suggest,
+)
+
+HF_PREFIX = "hf:"
+
+
+@dataclass
+class LoadedRecipe:
+    recipe: Recipe
+    warnings: list[Problem]
+    cluster: ClusterConfig | None
+    source: str
+    # Recipe paths changed by --set, in the order given (for messages and the dry-run printout).
+    overridden: list[str] = field(default_factory=list)
+
+
+# srtctl keys tilert-agent refuses with a reason: (struct, key) -> (message, hint).
+_SRTCTL_UNSUPPORTED: dict[tuple[type, str], tuple[str, str]] = {
+    (Recipe, "profiling"): (
+        "profiling is not supported (TileRT does not support torch profiling)",
+        "remove profiling",
+    ),
+    (Recipe, "dynamo"): ("tilert-agent runs no Dynamo", "remove dynamo"),
+    (Recipe, "sbatch_directives"): (
+        "tilert-agent renders its own sbatch header",
+        "use slurm.account / slurm.partition / slurm.time_limit, or the cluster file",
+    ),
+    (Recipe, "srun_options"): ("tilert-agent renders its own srun steps", "remove srun_options"),
+    (Recipe, "observability"): (
+        "every agent serves /metrics; J/prometheus/targets.json lists them",
+        "remove observability",
+    ),
+    (Recipe, "services"): ("tilert-agent starts no extra services", "remove services"),
+    (Recipe, "sweep"): ("sweeps are not supported", "run one recipe per configuration"),
+    (Recipe, "identity"): ("identity checks are not supported", "remove identity"),
+    (Recipe, "extra_mount"): ("use container_mounts", "move the mounts to container_mounts"),
+    (Recipe, "backend"): (
+        "this is srtctl's pre-2.0 layout",
+        "run `srtctl migrate -f RECIPE --in-place`, then use roles.<role>.engine/args/env",
+    ),
+    (Recipe, "infra"): ("this is srtctl's pre-2.0 layout", "run `srtctl migrate` first"),
+    (Role, "sidecar"): ("Dynamo sidecars are not supported", "remove sidecar"),
+    (Role, "extra_args"): ("extra_args is TRT-LLM only", "put engine flags under args"),
+    (Role, "kv_events"): ("KV events are not supported", "remove kv_events"),
+    (Role, "srun_options"): ("tilert-agent renders its own srun steps", "remove srun_options"),
+    (Role, "critical"): (
+        "agents restart a failed engine; a decode that keeps failing is dropped, a prefill fails "
+        "the job",
+        "remove critical",
+    ),
+    (Resources, "het_jobs"): ("heterogeneous jobs are not supported", "remove het_jobs"),
+    (Resources, "spread_workers"): (
+        "decode workers already get one node each",
+        "remove spread_workers",
+    ),
+    (Frontend, "num_additional_frontends"): (
+        "tilert-router runs one router (decode busy state lives in it)",
+        "remove num_additional_frontends",
+    ),
+    (Frontend, "nginx_container"): ("no nginx runs in front of the router", "remove it"),
+    (Frontend, "placement"): ("the router runs on the prefill node", "remove placement"),
+    (Model, "stage_dir"): ("model staging is not supported", "remove stage_dir"),
+}
+_LEGACY_RESOURCE_KEYS = {
+    f"{kind}_{role}" if kind != "gpus_per" else f"gpus_per_{role}"
+    for role in ("prefill", "decode", "agg")
+    for kind in ("nodes", "workers", "gpus_per")
+}
+
+
+def _advice(cls: type, key: str, path: KeyPath) -> tuple[str, str] | None:
+    known = _SRTCTL_UNSUPPORTED.get((cls, key))
+    if known is not None:
+        message, hint = known
+        return f"srtctl key '{key}' is not supported: {message}", hint
+    if cls is Resources and (key in _LEGACY_RESOURCE_KEYS or key.endswith(("_nodes", "_workers"))):
+        return (
+            f"'{key}' is srtctl's pre-2.0 layout",
+            "use roles.<role>.nodes / workers / gpus",
+        )
+    if cls is Role and ("-" in key or key in ("model", "transport")):
+        return (
+            f"unknown key '{key}' (engine flags are not role keys)",
+            f"move it under {dotted((*path, 'args'))}",
+        )
+    return None
+
+
+def _syntax_problem(exc: YamlSyntaxError) -> Problem:
+    where = f" (line {exc.line}, column {exc.column})" if exc.line else ""
+    return error(
+        "",
+        f"YAML syntax error: {exc.detail}{where}",
+        "check indentation (spaces, not tabs), colons after keys, and quote values that contain "
+        "': ' or start with a special character",
+        exc.line,
+    )
+
+
+def _local(value: str, base_dir: Path) -> str:
+    if value.startswith(("./", "../")) or value in (".", ".."):
+        return str((base_dir / value).resolve())
+    if value.startswith("~"):
+        return os.path.expanduser(value)
+    return value
+
+
+def _model_location(
+    value: str, path: str, cluster: ClusterConfig | None, base_dir: Path, out: list[Problem]
+) -> str:
+    """model.path / frontend model-path: alias, ``hf:`` id, ./ path, absolute path or hub id."""
+    if cluster is not None and value in cluster.model_paths:
+        return cluster.model_paths[value]
+    if value.startswith(HF_PREFIX):
+        hub_id = value[len(HF_PREFIX) :].strip()
+        if not hub_id:
+            out.append(error(path, "'hf:' names no model", "write hf:org/name"))
+        return hub_id or value
+    local = _local(value, base_dir)
+    if local != value or "/" in value:
+        return local
+    if cluster is not None:
+        aliases = sorted(cluster.model_paths)
+        close = suggest(value, aliases)
+        out.append(
+            error(
+                path,
+                f"'{value}' is not a model_paths alias in the cluster file, nor a path",
+                (f"did you mean '{close}'? " if close else "")
+                + "use an alias from model_paths"
+                + (f" ({', '.join(aliases)})" if aliases else "")
+                + f", an absolute or ./ path, or {HF_PREFIX}{value} for a hub model",
+            )
+        )
+    return value
+
+
+def _image(
+    value: str | None, path: str, cluster: ClusterConfig | None, out: list[Problem]
+) -> str | None:
+    if value is None:
+        return None
+    try:
+        return resolve_image(value, cluster, path)
+    except RecipeError as exc:
+        if cluster is not None and cluster.launcher == "process":
+            # Images are not used by the process launcher; keep the recipe loadable (e.g. --mock).
+            out.extend(
+                msgspec.structs.replace(
+                    p,
+                    severity="warning",
+                    message=p.message + "; ignored by the process launcher",
+                )
+                for p in exc.problems
+            )
+            return None
+        out.extend(exc.problems)
+        return value
+
+
+def _resolve(
+    recipe: Recipe, cluster: ClusterConfig | None, base_dir: Path, out: list[Problem]
+) -> Recipe:
+    """Merge cluster defaults and resolve aliases and local paths; fill role layout defaults."""
+    replace = msgspec.structs.replace
+    slurm, resources = recipe.slurm, recipe.resources
+    mounts = recipe.container_mounts
+    if cluster is not None:
+        slurm = Slurm(
+            account=slurm.account or cluster.default_account,
+            partition=slurm.partition or cluster.default_partition,
+            time_limit=slurm.time_limit or cluster.default_time_limit,
+        )
+        if resources.gpus_per_node is None:
+            resources = replace(resources, gpus_per_node=cluster.gpus_per_node)
+        elif cluster.gpus_per_node and cluster.gpus_per_node != resources.gpus_per_node:
+            out.append(
+                warning(
+                    "resources.gpus_per_node",
+                    f"the recipe says {resources.gpus_per_node} GPUs per node, the cluster file "
+                    f"{cluster.gpus_per_node}; the recipe wins",
+                    "remove resources.gpus_per_node to use the cluster's value",
+                )
+            )
+        mounts = merged_mounts(mounts, cluster)
+    if isinstance(mounts, list):
+        mounts = [_mount(m, base_dir) for m in mounts]
+    else:
+        mounts = {_local(h, base_dir): c for h, c in mounts.items()}
+
+    model = recipe.model
+    if model.path:
+        model = replace(
+            model, path=_model_location(model.path, "model.path", cluster, base_dir, out)
+        )
+    model = replace(model, container=_image(model.container, "model.container", cluster, out))
+
+    frontend = recipe.frontend
+    found = find_arg(frontend.args, "model-path")
+    if found is not None:
+        key, value = found
+        if isinstance(value, str) and value:
+            resolved = _model_location(value, f"frontend.args.{key}", cluster, base_dir, out)
+            frontend = replace(frontend, args={**frontend.args, key: resolved})
+    frontend = replace(
+        frontend,
+        container_image=_image(frontend.container_image, "frontend.container_image", cluster, out),
+    )
+
+    recipe = replace(recipe, slurm=slurm, resources=resources, container_mounts=mounts)
+    node_gpus = gpus_per_node(recipe)
+    roles = {}
+    for name in ("prefill", "decode", "agg", "aggregated"):
+        role: Role | None = getattr(recipe.roles, name)
+        if role is not None:
+            nodes, workers, gpus = role_layout(role, node_gpus)
+            role = replace(
+                role,
+                nodes=nodes,
+                workers=workers,
+                gpus=gpus,
+                container=_image(role.container, f"roles.{name}.container", cluster, out),
+            )
+        roles[name] = role
+    if resources.gpus_per_node is None:
+        resources = replace(resources, gpus_per_node=node_gpus)
+    return replace(
+        recipe, model=model, frontend=frontend, roles=Roles(**roles), resources=resources
+    )
+
+
+def _mount(spec: str, base_dir: Path) -> str:
+    host, sep, rest = spec.partition(":")
+    return _local(host, base_dir) + sep + rest
+
+
+def _drop_unused(recipe: Recipe) -> Recipe:
+    """Remove what the rules accepted but no engine takes (decode served-model-name)."""
+    decode = recipe.roles.decode
+    found = find_arg(decode.args, "served-model-name") if decode else None
+    if decode is None or found is None:
+        return recipe
+    args = {k: v for k, v in decode.args.items() if k != found[0]}
+    roles = msgspec.structs.replace(recipe.roles, decode=msgspec.structs.replace(decode, args=args))
+    return msgspec.structs.replace(recipe, roles=roles)
+
+
+def _under(path: str, prefixes: Sequence[str]) -> str | None:
+    for prefix in prefixes:
+        if path == prefix or path.startswith((prefix + ".", prefix + "[")):
+            return prefix
+    return None
+
+
+def load_recipe_text(
+    text: str,
+    *,
+    source: str,
+    base_dir: Path,
+    overrides: Sequence[str] = (),
+    cluster: ClusterConfig | None = None,
+) -> LoadedRecipe:
+    """Parse, override, check, resolve and validate a recipe; RecipeError lists every error."""
+    try:
+        raw, lines, problems = parse(text)
+    except YamlSyntaxError as exc:
+        raise RecipeError([_syntax_problem(exc)], source) from None
+    if raw is None:
+        raise RecipeError(
+            [error("", "the recipe is empty", "start from recipes/b200-nixl-glm5.yaml")], source
+        )
+    if not isinstance(raw, dict):
+        raise RecipeError(
+            [
+                error(
+                    "",
+                    "the top level must be a mapping of recipe keys (name:, model:, roles:, ...)",
+                    "start from recipes/b200-nixl-glm5.yaml",
+                    1,
+                )
+            ],
+            source,
+        )
+    try:
+        raw = apply_overrides(raw, overrides)
+    except RecipeError as exc:
+        raise RecipeError([*problems, *exc.problems], source) from None
+    overridden = [".".join(parse_override(item)[0]) for item in overrides]
+
+    checker = ShapeChecker(_advice)
+    _, cleaned = checker.check(raw, msgspec.inspect.type_info(Recipe))
+    problems.extend(checker.problems)
+    try:
+        recipe = msgspec.convert(cleaned, Recipe)
+    except msgspec.ValidationError as exc:  # the walker should have caught it; never a traceback
+        raise RecipeError([*problems, convert_problem(exc)], source) from None
+
+    recipe = _resolve(recipe, cluster, base_dir, problems)
+    launcher = cluster.launcher if cluster is not None else None
+    problems.extend(
+        p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, checker.pruned)
+    )
+    recipe = _drop_unused(recipe)
+
+    located = []
+    for p in problems:
+        if _under(p.path, overridden):
+            p = msgspec.structs.replace(p, line=None, message=f"{p.message} (from {FLAG})")
+        elif p.line is None:
+            p = msgspec.structs.replace(p, line=line_of(p.path, lines))
+        located.append(p)
+    if errors_of(located):
+        raise RecipeError(located, source)
+    return LoadedRecipe(
+        recipe=recipe,
+        warnings=warnings_of(located),
+        cluster=cluster,
+        source=source,
+        overridden=overridden,
+    )
+
+
+def load_recipe(
+    path: Path, *, overrides: Sequence[str] = (), cluster: ClusterConfig | None = None
+) -> LoadedRecipe:
+    """Load a recipe file (relative paths inside it are relative to its folder)."""
+    source = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RecipeError(
+            [error("", f"cannot read the recipe: {exc.strerror or exc}", "check the file name")],
+            source,
+        ) from None
+    except UnicodeDecodeError:
+        raise RecipeError(
+            [error("", "the recipe is not UTF-8 text", "save it as UTF-8")], source
+        ) from None
+    return load_recipe_text(
+        text,
+        source=source,
+        base_dir=path.resolve().parent,
+        overrides=overrides,
+        cluster=cluster,
+    )
+
+
+def _mask(env: dict[str, Any]) -> dict[str, Any]:
+    return {k: (MASK if is_secret_name(k) else v) for k, v in env.items()}
+
+
+def resolved_dict(loaded: LoadedRecipe) -> dict[str, Any]:
+    """The resolved recipe as plain data, secret environment values masked."""
+    data: dict[str, Any] = msgspec.to_builtins(loaded.recipe)
+    # omit_defaults cannot see default_factory values: drop agent sections left at their defaults
+    # (whole sections only, since some have required fields).
+    defaults = msgspec.to_builtins(AgentSection())
+    agent = {k: v for k, v in data.get("agent", {}).items() if defaults.get(k) != v}
+    data.pop("agent", None)
+    if agent:
+        data["agent"] = agent
+    if "environment" in data:
+        data["environment"] = _mask(data["environment"])
+    for role in data.get("roles", {}).values():
+        if "env" in role:
+            role["env"] = _mask(role["env"])
+    frontend = data.get("frontend", {})
+    if "env" in frontend:
+        frontend["env"] = _mask(frontend["env"])
+    return data
+
+
+def resolved_yaml(loaded: LoadedRecipe) -> str:
+    """YAML for J/recipe.yaml: aliases resolved, cluster defaults merged, secrets masked."""
+    header = (
+        f"# Resolved by tilert-agent from {loaded.source}: aliases resolved, cluster defaults "
+        "merged,\n# secret environment values masked (agents take them from their environment).\n"
+    )
+    body = yaml.safe_dump(
+        resolved_dict(loaded),
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=100,
+    )
+    return header + body

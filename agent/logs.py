@@ -1,0 +1,612 @@
+"""Engine log capture and log reading: rotated files, a ring of recent lines, and a file follower.
+
+The engine is never blocked by its log pipe. ``LogSink.pump`` reads the pipe on the trio loop and
+only ever appends to a bounded in-memory queue; a separate writer task hands queued batches to a
+worker thread (``trio.to_thread``), because the job directory lives on a shared file system where
+one ``write()`` can stall for seconds, and a stall on the loop would stop the reader (filling the
+pipe and blocking the engine), the probes and ``/status`` all at once. A thread hop costs tens of
+microseconds per batch of up to 1 MiB, so every batch goes through it, small ones included. When
+the queue is full the newest lines are dropped (counted, and noted in the file once it catches up);
+the ring of recent lines still gets every line, so a failure report shows what really happened.
+
+The same module owns the name -> file map of a job's logs (``log_files``), so the submitter's
+``tilert-submit logs`` and the agent's ``/logs`` endpoint agree on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import trio
+
+from agent.jobdir import PRIVATE_DIR_MODE, JobDir
+from agent.recipe import LogSettings
+from agent.records import ROUTER_NAME
+
+ENGINE_LOG = "engine.log"
+ROUTER_LOG = "router.log"
+AGENT_LOG = "agent.log"
+# The router is supervised by the head agent, so its log lives in the head's folder.
+ROUTER_LOG_OWNER = "prefill-0"
+ROLE_ORDER = ("prefill", "decode")
+
+# Memory the queue may hold while the file is behind (beyond it, lines are dropped).
+DEFAULT_QUEUE_BYTES = 8 * 1024 * 1024
+_READ_CHUNK = 64 * 1024
+_BATCH_BYTES = 1024 * 1024
+# How long a cancelled pump keeps trying to get its queue into the file (shutdown must stay short).
+_DRAIN_ON_CANCEL_S = 1.0
+DROP_NOTICE = "[tilert-agent] dropped {lines} lines ({bytes} bytes) the log file could not take"
+
+_log = logging.getLogger(__name__)
+
+
+def _cut(data: bytes, limit: int) -> int:
+    """Where to split ``data`` at most ``limit`` bytes in, backing off to a character start."""
+    pos = limit
+    # A continuation byte (0b10xxxxxx) never starts a character; a character is at most 4 bytes.
+    while pos > limit - 3 and pos > 1 and data[pos] & 0xC0 == 0x80:
+        pos -= 1
+    return pos if data[pos] & 0xC0 != 0x80 else limit
+
+
+def _pieces(line: bytes, limit: int) -> Iterator[bytes]:
+    """``line`` split into pieces of at most ``limit`` bytes."""
+    while len(line) > limit:
+        pos = _cut(line, limit)
+        yield line[:pos]
+        line = line[pos:]
+    yield line
+
+
+class LogSink:
+    """Captures one engine's output into a size-rotated file, a ring of recent lines and counters.
+
+    Lines longer than ``max_line_bytes`` are **split** into pieces of at most that many bytes (at a
+    UTF-8 character boundary when there is one nearby), so no byte is lost and each piece is a line
+    of its own. The file gets the raw bytes; ``recent()`` decodes with ``errors="replace"``.
+    Rotation is by size: a line that would take ``path`` past ``max_bytes`` goes, whole, into a
+    fresh file after ``path`` -> ``path.1`` -> ... -> ``path.<backups>`` (the oldest is deleted); a
+    single line larger than ``max_bytes`` gets a file of its own. Counters count the engine's bytes
+    and lines (newline included), never ``note()`` text: once every ``pump`` has returned,
+    ``lines_written + lines_dropped`` is every line the engine wrote. Use it from one trio thread.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_bytes: int,
+        backups: int,
+        ring_lines: int = 500,
+        max_line_bytes: int = 64 * 1024,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
+    ) -> None:
+        if max_bytes < 1 or backups < 0 or max_line_bytes < 4 or ring_lines < 1:
+            raise ValueError("max_bytes >= 1, backups >= 0, max_line_bytes >= 4, ring_lines >= 1")
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.max_line_bytes = max_line_bytes
+        self.queue_bytes = queue_bytes
+        self.lines_written = 0
+        self.bytes_written = 0
+        self.lines_dropped = 0
+        self.bytes_dropped = 0
+        self._ring: deque[bytes] = deque(maxlen=ring_lines)
+        # Items are (block of whole lines, engine lines in it, engine bytes in it).
+        self._queue: deque[tuple[bytes, int, int]] = deque()
+        self._queued_bytes = 0
+        self._unnoted_lines = 0
+        self._unnoted_bytes = 0
+        self._enqueued = 0
+        self._written = 0
+        self._pumps = 0
+        self._lot = trio.lowlevel.ParkingLot()
+        self._write_lock = trio.Lock()
+        self._file_lock = threading.Lock()
+        self._fd: int | None = None
+        self._size = 0
+        self._failing = False
+
+    # ---- reading side (trio loop) ----
+
+    async def pump(self, stream: trio.abc.ReceiveStream) -> None:
+        """Read ``stream`` to EOF into the ring and the file queue; never waits for the file."""
+        self._pumps += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                target: list[int] = []
+                nursery.start_soon(self._write_until, target)
+                await self._read(stream)
+                self._note_drops()
+                target.append(self._enqueued)
+                self._lot.unpark_all()
+        finally:
+            # Cancelled (engine gone, agent stopping): give the queue a short, shielded last chance.
+            with trio.move_on_after(_DRAIN_ON_CANCEL_S, shield=True):
+                self._note_drops()
+                while self._queue:
+                    await self._write_batch()
+            self._pumps -= 1
+
+    async def _read(self, stream: trio.abc.ReceiveStream) -> None:
+        """Split the stream into lines; the partial last line at EOF is kept as a line."""
+        partial = b""
+        while True:
+            try:
+                data = await stream.receive_some(_READ_CHUNK)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            if not data:
+                if partial:
+                    self._accept([partial])
+                return
+            lines, partial = self._split(partial, bytes(data))
+            if lines:
+                self._accept(lines)
+
+    def _split(self, partial: bytes, data: bytes) -> tuple[list[bytes], bytes]:
+        """Complete lines (each at most ``max_line_bytes``) and the unfinished rest."""
+        buf = partial + data if partial else data
+        limit = self.max_line_bytes
+        lines: list[bytes] = []
+        if b"\n" in data:
+            lines = buf.split(b"\n")
+            buf = lines.pop()
+            if max(map(len, lines)) > limit:
+                lines = [piece for line in lines for piece in _pieces(line, limit)]
+        while len(buf) > limit:
+            pos = _cut(buf, limit)
+            lines.append(buf[:pos])
+            buf = buf[pos:]
+        return lines, buf
+
+    def _accept(self, lines: list[bytes]) -> None:
+        """Ring and queue for complete engine lines; what does not fit the queue is dropped."""
+        self._ring.extend(lines)
+        block = b"\n".join(lines) + b"\n"
+        room = self.queue_bytes - self._queued_bytes
+        if len(block) <= room:
+            self._push(block, len(lines), len(block))
+            return
+        cut = block.rfind(b"\n", 0, room) + 1 if room > 0 else 0
+        kept = block[:cut].count(b"\n")
+        if cut:
+            self._push(block[:cut], kept, cut)
+        self.lines_dropped += len(lines) - kept
+        self.bytes_dropped += len(block) - cut
+        self._unnoted_lines += len(lines) - kept
+        self._unnoted_bytes += len(block) - cut
+
+    def _push(self, block: bytes, lines: int, nbytes: int) -> None:
+        """Queue a block for the file, after the notice of any drop before it."""
+        if self._unnoted_lines and lines:
+            self._note_drops()
+        self._queue.append((block, lines, nbytes))
+        self._queued_bytes += len(block)
+        self._enqueued += 1
+        self._lot.unpark_all()
+
+    def _note_drops(self) -> None:
+        """Queue the notice of lines dropped since the last one (the queue has room for it now)."""
+        if not self._unnoted_lines:
+            return
+        text = DROP_NOTICE.format(lines=self._unnoted_lines, bytes=self._unnoted_bytes)
+        self._unnoted_lines = self._unnoted_bytes = 0
+        self._ring.append(text.encode())
+        self._push(text.encode() + b"\n", 0, 0)
+
+    def note(self, text: str) -> None:
+        """Add a line of the agent's own (``=== engine started pid 123 ===``) to file and ring."""
+        lines = [line.encode() for line in text.splitlines()] or [b""]
+        self._ring.extend(lines)
+        self._push(b"\n".join(lines) + b"\n", 0, 0)
+        if not self._pumps:
+            # No writer task is running (between engine runs): a note is small, write it now.
+            self._note_drops()
+            items = list(self._queue)
+            self._take(len(items))
+            self._account(items, self._write_sync([item[0] for item in items]))
+
+    def recent(self, n: int = 50) -> list[str]:
+        """The last ``n`` lines (engine output and notes), decoded with ``errors="replace"``."""
+        if n <= 0:
+            return []
+        tail = list(self._ring)[-n:]
+        return [line.decode("utf-8", "replace").rstrip("\r") for line in tail]
+
+    # ---- writing side ----
+
+    async def _write_until(self, target: list[int]) -> None:
+        """Write batches until the pump's EOF target is in the file."""
+        while not (target and self._written >= target[0]):
+            if self._queue:
+                await self._write_batch()
+            else:
+                self._note_drops()
+                if not self._queue:
+                    await self._lot.park()
+
+    def _take(self, count: int) -> None:
+        """Remove ``count`` items from the front of the queue."""
+        for _ in range(count):
+            block, _, _ = self._queue.popleft()
+            self._queued_bytes -= len(block)
+
+    async def _write_batch(self) -> None:
+        """Write up to ``_BATCH_BYTES`` of the queue in a worker thread, one batch at a time."""
+        async with self._write_lock:
+            items: list[tuple[bytes, int, int]] = []
+            size = 0
+            for item in self._queue:
+                if items and size + len(item[0]) > _BATCH_BYTES:
+                    break
+                items.append(item)
+                size += len(item[0])
+            if not items:
+                return
+            # Taken off the queue before the write, so the reader has room while the thread works.
+            self._take(len(items))
+            try:
+                error = await trio.to_thread.run_sync(self._write_sync, [item[0] for item in items])
+            except BaseException:
+                # Cancelled before the thread started: nothing was written, keep it queued.
+                self._queue.extendleft(reversed(items))
+                self._queued_bytes += size
+                raise
+            self._account(items, error)
+
+    def _account(self, items: list[tuple[bytes, int, int]], error: OSError | None) -> None:
+        """Counters after a write: written, or dropped when the file system refused it."""
+        lines = sum(item[1] for item in items)
+        nbytes = sum(item[2] for item in items)
+        self._written += len(items)
+        if error is None:
+            self.lines_written += lines
+            self.bytes_written += nbytes
+            if self._failing:
+                self._failing = False
+                _log.info("writing %s works again", self.path)
+            return
+        self.lines_dropped += lines
+        self.bytes_dropped += nbytes
+        self._unnoted_lines += lines
+        self._unnoted_bytes += nbytes
+        if not self._failing:
+            self._failing = True
+            _log.warning("cannot write %s (%s); dropping engine output", self.path, error)
+
+    def _write_sync(self, blocks: list[bytes]) -> OSError | None:
+        """Append blocks to the file, rotating between lines (runs in a worker thread)."""
+        with self._file_lock:
+            try:
+                for block in blocks:
+                    self._write_block(block)
+            except OSError as exc:
+                self._close_fd()
+                return exc
+        return None
+
+    def _write_block(self, block: bytes) -> None:
+        """Append whole lines; rotate before a line that would not fit."""
+        if self._fd is None:
+            self._open()
+        while block:
+            room = self.max_bytes - self._size
+            if len(block) <= room:
+                self._write_all(block)
+                return
+            cut = block.rfind(b"\n", 0, room) + 1 if room > 0 else 0
+            if cut == 0 and self._size == 0:
+                cut = block.find(b"\n") + 1 or len(block)
+            if cut:
+                self._write_all(block[:cut])
+                block = block[cut:]
+            if block:
+                self._rotate()
+
+    def _write_all(self, data: bytes) -> None:
+        """``os.write`` until every byte is written."""
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:
+            done = os.write(self._fd, view)
+            view = view[done:]
+        self._size += len(data)
+
+    def _open(self) -> None:
+        """Open (append) the current file, creating the agent's private log folder."""
+        self.path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def _rotate(self) -> None:
+        """``path`` -> ``path.1`` -> ... -> ``path.<backups>``, then a fresh ``path``."""
+        self._close_fd()
+        if self.backups == 0:
+            self.path.unlink(missing_ok=True)
+        else:
+            for i in range(self.backups - 1, 0, -1):
+                older = self.path.with_name(f"{self.path.name}.{i}")
+                if older.exists():
+                    os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+            if self.path.exists():
+                os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._open()
+
+    def _close_fd(self) -> None:
+        """Close the file if open."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        """Close the file (a later write reopens it)."""
+        with self._file_lock:
+            self._close_fd()
+
+
+def rotated_files(path: Path) -> list[Path]:
+    """The rotated backups of ``path`` that exist, oldest first (``path.N`` ... ``path.1``)."""
+    found = []
+    for candidate in path.parent.glob(f"{path.name}.*"):
+        suffix = candidate.name[len(path.name) + 1 :]
+        if suffix.isdigit():
+            found.append((int(suffix), candidate))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+# ---- agent.log ----
+
+_HANDLER_MARK = "_tilert_agent_handler"
+
+
+class _LineFormatter(logging.Formatter):
+    """``2026-12-02T11:22:33.123Z decode-0 INFO message``, the prefix repeated on every line."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.agent_name = name
+
+    def format(self, record: logging.LogRecord) -> str:
+        """One or more prefixed lines (multi-line messages and tracebacks stay greppable)."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        prefix = f"{stamp}.{int(record.msecs):03d}Z {self.agent_name} {record.levelname} "
+        body = record.getMessage()
+        if record.exc_info:
+            body += "\n" + self.formatException(record.exc_info)
+        if record.stack_info:
+            body += "\n" + self.formatStack(record.stack_info)
+        return "\n".join(prefix + line for line in body.splitlines() or [""])
+
+
+def setup_agent_logging(
+    path: Path,
+    *,
+    name: str,
+    level: int = logging.INFO,
+    stderr: bool = True,
+    max_bytes: int = LogSettings().max_bytes,
+    backups: int = LogSettings().backups,
+) -> logging.Logger:
+    """Send all logging to ``path`` (size-rotated) and stderr; returns the ``agent`` logger."""
+    path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
+        root.removeHandler(old)
+        old.close()
+    formatter = _LineFormatter(name)
+    handlers: list[logging.Handler] = [
+        logging.handlers.RotatingFileHandler(
+            path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8"
+        )
+    ]
+    if stderr:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        setattr(handler, _HANDLER_MARK, True)
+        root.addHandler(handler)
+    root.setLevel(level)
+    # One line per HTTP request (every probe) would drown the log.
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(max(level, logging.WARNING))
+    return logging.getLogger("agent")
+
+
+# ---- reading logs ----
+
+_FOLLOW_READ = 1024 * 1024
+_FOLLOW_MAX_LINE = 1024 * 1024
+
+
+def _tail_offset(f: BinaryIO, n: int) -> int:
+    """The offset where the last ``n`` lines of ``f`` start (a partial last line counts as one)."""
+    end = f.seek(0, os.SEEK_END)
+    if n <= 0 or end == 0:
+        return end
+    f.seek(end - 1)
+    needed = n + 1 if f.read(1) == b"\n" else n
+    pos = end
+    while pos > 0:
+        step = min(64 * 1024, pos)
+        pos -= step
+        f.seek(pos)
+        block = f.read(step)
+        i = len(block)
+        while (i := block.rfind(b"\n", 0, i)) >= 0:
+            needed -= 1
+            if needed == 0:
+                return pos + i + 1
+    return 0
+
+
+class LogFollower:
+    """Reads one log file onward across rotation, truncation and a file that does not exist yet."""
+
+    def __init__(self, path: Path, *, tail_lines: int | None = None) -> None:
+        self.path = path
+        self._tail = tail_lines
+        self._f: BinaryIO | None = None
+        self._ino = -1
+        self._partial = b""
+        self._first_open = True
+
+    def poll(self) -> tuple[list[str], bool]:
+        """One blocking step: new complete lines, and whether more may be readable right away."""
+        if self._f is None and not self._open():
+            return [], False
+        assert self._f is not None
+        data = self._f.read(_FOLLOW_READ)
+        if data:
+            return self._lines(data), len(data) == _FOLLOW_READ
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return [], False  # renamed away, the new file is not there yet: keep the old one
+        if st.st_ino != self._ino:
+            # Rotated: whatever the writer put in the old file before the rename comes first.
+            rest = self._f.read()
+            lines = self._lines(rest) + self._flush()
+            self._f.close()
+            self._f = None
+            return lines, True
+        if st.st_size < self._f.tell():
+            self._f.seek(0)
+            return self._flush(), True
+        return [], False
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def finish(self) -> list[str]:
+        """Everything still readable, then the partial last line; closes the file."""
+        lines = list(self.drain())
+        lines.extend(self._flush())
+        self.close()
+        return lines
+
+    def drain(self) -> Iterator[str]:
+        """Blocking: every line readable now (for printing history without following)."""
+        while True:
+            lines, more = self.poll()
+            yield from lines
+            if not more:
+                return
+
+    async def batches(
+        self, *, poll_s: float = 0.2, stop: trio.Event | None = None
+    ) -> AsyncIterator[list[str]]:
+        """Batches of new lines as they are appended, until ``stop`` is set (then a last read)."""
+        try:
+            while True:
+                lines, more = await trio.to_thread.run_sync(self.poll)
+                if lines:
+                    yield lines
+                if more:
+                    continue
+                if stop is not None and stop.is_set():
+                    last = await trio.to_thread.run_sync(self.finish)
+                    if last:
+                        yield last
+                    return
+                with trio.move_on_after(poll_s):
+                    if stop is None:
+                        await trio.sleep_forever()
+                    await stop.wait()
+        finally:
+            self.close()
+
+    def _open(self) -> bool:
+        """Open the file if it exists, at the tail position the first time, else at its start."""
+        first, self._first_open = self._first_open, False
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115 - kept open across polls
+        except FileNotFoundError:
+            return False
+        self._ino = os.fstat(f.fileno()).st_ino
+        if first and self._tail is not None:
+            f.seek(_tail_offset(f, self._tail))
+        self._f = f
+        return True
+
+    def _lines(self, data: bytes) -> list[str]:
+        """Complete lines of ``self._partial + data``; the rest waits for its newline."""
+        buf = self._partial + data
+        parts = buf.split(b"\n")
+        self._partial = parts.pop()
+        if len(self._partial) > _FOLLOW_MAX_LINE:
+            parts.append(self._partial)
+            self._partial = b""
+        return [p.decode("utf-8", "replace").rstrip("\r") for p in parts]
+
+    def _flush(self) -> list[str]:
+        """The partial last line, as a line (the file ended or was replaced)."""
+        if not self._partial:
+            return []
+        line, self._partial = self._partial, b""
+        return [line.decode("utf-8", "replace").rstrip("\r")]
+
+
+async def follow_file(
+    path: Path,
+    *,
+    tail_lines: int | None = None,
+    poll_s: float = 0.2,
+    stop: trio.Event | None = None,
+) -> AsyncIterator[str]:
+    """Yield complete lines: the last ``tail_lines`` (all when None), then new ones, until ``stop``.
+
+    Survives rotation (``path`` renamed to ``path.1``, a new ``path`` created) and a file that does
+    not exist yet (waits for it; a file created later is read from its start). Close the generator
+    with ``contextlib.aclosing`` when you stop early.
+    """
+    async for batch in LogFollower(path, tail_lines=tail_lines).batches(poll_s=poll_s, stop=stop):
+        for line in batch:
+            yield line
+
+
+def log_path(job: JobDir, name: str, *, agent: bool = False) -> Path:
+    """The current log file of ``name`` (``prefill-0``, ``decode-1``, ``router``)."""
+    if name == ROUTER_NAME:
+        if agent:
+            raise ValueError("the router has no agent.log of its own: see prefill-0's")
+        return job.log_dir(ROUTER_LOG_OWNER) / ROUTER_LOG
+    return job.log_dir(name) / (AGENT_LOG if agent else ENGINE_LOG)
+
+
+def _agent_sort_key(name: str) -> tuple[int, int, str] | None:
+    """Sort key for an agent folder name (prefill first, then by index); None when not an agent."""
+    role, _, index = name.rpartition("-")
+    if role not in ROLE_ORDER or not index.isdigit():
+        return None
+    return ROLE_ORDER.index(role), int(index), name
+
+
+def log_files(job: JobDir, *, agent: bool = False) -> dict[str, Path]:
+    """``{name: current log file}`` for agents whose folders exist: prefill-0, decode-0.., router.
+
+    With ``agent`` the files are the agents' own ``agent.log`` (the router has none of its own).
+    """
+    try:
+        entries = [p.name for p in job.logs.iterdir() if p.is_dir()]
+    except FileNotFoundError:
+        return {}
+    keyed = sorted(k for k in map(_agent_sort_key, entries) if k is not None)
+    files = {name: log_path(job, name, agent=agent) for _, _, name in keyed}
+    if not agent and ROUTER_LOG_OWNER in files:
+        files[ROUTER_NAME] = log_path(job, ROUTER_NAME)
+    return files

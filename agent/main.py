@@ -1,0 +1,76 @@
+"""``tilert-agent --role {prefill,decode} --job-dir J [--index N]``: one agent per node."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import msgspec
+import trio
+
+from agent.identity import IdentityError, resolve_identity
+from agent.jobdir import JobDir
+from agent.loader import load_recipe
+from agent.logs import log_path, setup_agent_logging
+from agent.plan import load_plan
+from agent.problems import RecipeError
+
+EXIT_BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tilert-agent",
+        description="Supervise one node's engine (vLLM prefill or TileRT decode) of a tilert job.",
+    )
+    p.add_argument("--role", required=True, choices=["prefill", "decode"], help="this node's role")
+    p.add_argument("--job-dir", required=True, help="the job directory tilert-submit created")
+    p.add_argument(
+        "--index",
+        type=int,
+        default=None,
+        help="index within the role (default: $SLURM_PROCID, else 0)",
+    )
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"tilert-agent: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; exit 0 on a requested stop, 1 when the job failed, 2 on bad input."""
+    args = _parser().parse_args(argv)
+    job = JobDir(Path(args.job_dir).resolve())
+    if not job.plan.is_file():
+        return _fail(f"--job-dir {args.job_dir}: no plan.json there; create it with tilert-submit")
+    try:
+        plan = load_plan(job.plan.read_bytes())
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        return _fail(f"{job.plan}: unusable plan ({exc}); re-create the job with tilert-submit")
+    try:
+        # Defence in depth (and for systemd use): the same rules the submitter ran.
+        load_recipe(job.recipe)
+    except RecipeError as exc:
+        return _fail(f"{job.recipe} does not validate:\n{exc}")
+    try:
+        identity = resolve_identity(args.role, args.index, plan.network_interface)
+    except IdentityError as exc:
+        return _fail(str(exc))
+    workers = plan.role(identity.role).workers
+    if identity.index >= workers:
+        return _fail(
+            f"{identity.name}: index {identity.index} but the plan has {workers} {identity.role} "
+            "worker(s); check --index / SLURM_PROCID"
+        )
+    log = setup_agent_logging(log_path(job, identity.name, agent=True), name=identity.name)
+    from agent.nodeagent import NodeAgent
+
+    agent = NodeAgent(job=job, plan=plan, identity=identity, log=log)
+    return trio.run(agent.run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The agent's own Prometheus page (``tilert_agent_*``), read from live state at scrape time.
+
+TileRT decode and the router have no ``/metrics``: these series are the only view of them. Every
+series carries ``role``, ``node`` and ``slurm_job_id`` (the page owns them, so the file_sd targets
+add none); ``component`` tells the role's engine from the router in prefill-0. The page is served in
+the classic text format (prometheus_client bug #1177 mangles ``vllm:`` names under OpenMetrics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import psutil
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from agent.records import EngineState
+from agent.reexport import registry_names
+from agent.supervisor import EngineSupervisor
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ENGINE_STATES: Sequence[EngineState] = (
+    "starting",
+    "healthy",
+    "unhealthy",
+    "restarting",
+    "failed",
+    "stopping",
+    "stopped",
+)
+JOB_STATES = (
+    "pending",
+    "starting",
+    "waiting",
+    "ready",
+    "degraded",
+    "stopping",
+    "stopped",
+    "failed",
+)
+BASE_LABELS = ("role", "node", "slurm_job_id")
+
+
+@dataclass
+class HeadFigures:
+    """What the head agent measures, for its extra series."""
+
+    job_state: str = "starting"
+    gate_latency_s: float | None = None
+    canary_latency_s: list[float] = field(default_factory=list)
+
+
+def _tree(engine_pid: int | None, supervisor: EngineSupervisor) -> list[psutil.Process]:
+    if engine_pid is None or supervisor.engine is None:
+        return []
+    try:
+        return supervisor.engine.descendants()
+    except psutil.Error:
+        return []
+
+
+class _StateCollector(Collector):
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        # Names are checked by the registry through describe(); the live values come later.
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        m = self.m
+        base = list(m.base.values())
+        names = [*BASE_LABELS, "component"]
+        state = GaugeMetricFamily(
+            "tilert_agent_engine_state",
+            "1 for the engine's current state",
+            labels=[*names, "state"],
+        )
+        up = GaugeMetricFamily(
+            "tilert_agent_engine_up", "1 when the engine is healthy", labels=names
+        )
+        restarts = CounterMetricFamily(
+            "tilert_agent_engine_restarts", "Engine restarts by the agent", labels=names
+        )
+        healthy_after = GaugeMetricFamily(
+            "tilert_agent_time_to_healthy_seconds",
+            "Launch to first healthy answer, last generation",
+            labels=names,
+        )
+        cpu = CounterMetricFamily(
+            "tilert_agent_engine_cpu_seconds", "CPU time of the engine's process tree", labels=names
+        )
+        rss = GaugeMetricFamily(
+            "tilert_agent_engine_resident_memory_bytes",
+            "RSS of the engine's process tree",
+            labels=names,
+        )
+        threads = GaugeMetricFamily(
+            "tilert_agent_engine_threads", "Threads in the engine's process tree", labels=names
+        )
+        files = GaugeMetricFamily(
+            "tilert_agent_engine_open_files",
+            "Open files in the engine's process tree",
+            labels=names,
+        )
+        procs = GaugeMetricFamily(
+            "tilert_agent_engine_processes", "Processes in the engine's process tree", labels=names
+        )
+        log_lines = CounterMetricFamily(
+            "tilert_agent_log_lines", "Engine log lines by outcome", labels=[*names, "outcome"]
+        )
+        log_bytes = CounterMetricFamily(
+            "tilert_agent_log_bytes", "Engine log bytes by outcome", labels=[*names, "outcome"]
+        )
+        for component, sup in m.supervisors().items():
+            labels = [*base, component]
+            status = sup.status()
+            for s in ENGINE_STATES:
+                state.add_metric([*labels, s], 1.0 if status.state == s else 0.0)
+            up.add_metric(labels, 1.0 if status.state == "healthy" else 0.0)
+            restarts.add_metric(labels, float(sup.restarts))
+            if sup.stats.time_to_healthy_s is not None:
+                healthy_after.add_metric(labels, sup.stats.time_to_healthy_s)
+            c = r = t = f = n = 0.0
+            for proc in _tree(status.pid, sup):
+                try:
+                    with proc.oneshot():
+                        times = proc.cpu_times()
+                        c += times.user + times.system
+                        r += proc.memory_info().rss
+                        t += proc.num_threads()
+                        f += proc.num_fds()
+                        n += 1
+                except psutil.Error:
+                    continue
+            cpu.add_metric(labels, c)
+            rss.add_metric(labels, r)
+            threads.add_metric(labels, t)
+            files.add_metric(labels, f)
+            procs.add_metric(labels, n)
+            sink = sup.sink
+            log_lines.add_metric([*labels, "written"], float(sink.lines_written))
+            log_lines.add_metric([*labels, "dropped"], float(sink.lines_dropped))
+            log_bytes.add_metric([*labels, "written"], float(sink.bytes_written))
+            log_bytes.add_metric([*labels, "dropped"], float(sink.bytes_dropped))
+        yield from (state, up, restarts, healthy_after, cpu, rss, threads, files, procs)
+        yield from (log_lines, log_bytes)
+        if m.upstream_up is not None:
+            upstream = GaugeMetricFamily(
+                "tilert_agent_upstream_up",
+                "1 when the engine's own /metrics was fetched and parsed at this scrape",
+                labels=list(BASE_LABELS),
+            )
+            upstream.add_metric(base, 1.0 if m.upstream_up() else 0.0)
+            yield upstream
+        if m.head is not None:
+            job = GaugeMetricFamily(
+                "tilert_agent_job_state",
+                "1 for the job's current state",
+                labels=[*BASE_LABELS, "state"],
+            )
+            for s in JOB_STATES:
+                job.add_metric([*base, s], 1.0 if m.head.job_state == s else 0.0)
+            yield job
+            if m.head.gate_latency_s is not None:
+                gate = GaugeMetricFamily(
+                    "tilert_agent_gate_latency_seconds",
+                    "Last worker healthy to router started",
+                    labels=list(BASE_LABELS),
+                )
+                gate.add_metric(base, m.head.gate_latency_s)
+                yield gate
+            if m.head.canary_latency_s:
+                canary = GaugeMetricFamily(
+                    "tilert_agent_canary_latency_seconds",
+                    "Latency of the last canary round, slowest request",
+                    labels=list(BASE_LABELS),
+                )
+                canary.add_metric(base, max(m.head.canary_latency_s))
+                yield canary
+
+
+class AgentMetrics:
+    """The agent's registry: live state collectors plus the probe latency histogram."""
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        node: str,
+        slurm_job_id: str | None,
+        supervisors: Callable[[], dict[str, EngineSupervisor]],
+        upstream_up: Callable[[], bool] | None = None,
+        head: HeadFigures | None = None,
+    ) -> None:
+        # Outside Slurm the label still exists, so queries need no special case.
+        self.base = {"role": role, "node": node, "slurm_job_id": slurm_job_id or "local"}
+        self.supervisors = supervisors
+        self.upstream_up = upstream_up
+        self.head = head
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.probe_latency = Histogram(
+            "tilert_agent_probe_latency_seconds",
+            "Health probe round-trip time",
+            labelnames=[*BASE_LABELS, "component"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=self.registry,
+        )
+        self.registry.register(_StateCollector(self))
+
+    def observer(self, component: str) -> Callable[[float], None]:
+        """A callback that records one probe latency for ``component``."""
+        child = self.probe_latency.labels(**self.base, component=component)
+        return child.observe
+
+    def family_names(self) -> set[str]:
+        """Every family name this page serves (the re-export must never repeat one)."""
+        return registry_names(self.registry)
+
+    def render(self) -> str:
+        """The page in the classic text format."""
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,403 @@
+"""One agent on one node: identity -> ports -> record -> endpoint -> preflight -> engine.
+
+The head agent (prefill-0) also runs ``agent.head.Head``, which gates and runs the router. The
+agent works without Slurm (systemd, ``--local``): Slurm is one way to start it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+from agent import preflight
+from agent.commands import decode_command, prefill_command
+from agent.head import Head
+from agent.httpserver import bound_socket, serve
+from agent.identity import Identity
+from agent.jobdir import PRIVATE_DIR_MODE, JobDir
+from agent.launchers import Launcher, LaunchSpec, make_launcher
+from agent.logs import LogSink, log_path
+from agent.metrics import AgentMetrics, HeadFigures
+from agent.plan import Plan
+from agent.ports import choose_port, choose_ports, is_bindable
+from agent.records import AgentStatus, RendezvousRecord
+from agent.reexport import UpstreamMetrics
+from agent.rendezvous import read_records, write_record
+from agent.server import StatusFeed, build_app
+from agent.supervisor import EngineSupervisor, policy_for
+
+MAX_AGENT_PORT_TRIES = 50
+
+
+def arg_value(args: list[str], flag: str) -> str | None:
+    """The value following ``flag`` in a rendered argument list (``--flag value``)."""
+    for i, arg in enumerate(args[:-1]):
+        if arg == flag:
+            return args[i + 1]
+    return None
+
+
+class NodeAgent:
+    """The supervisor of one node's engine (and, in prefill-0, of the router)."""
+
+    def __init__(self, *, job: JobDir, plan: Plan, identity: Identity, log: logging.Logger) -> None:
+        self.job = job
+        self.plan = plan
+        self.id = identity
+        self.log = log
+        self.role = plan.role(identity.role)
+        self.launcher: Launcher = make_launcher(
+            plan.launcher, slurm_job_id=identity.slurm_job_id, node=identity.node
+        )
+        self.bind_host = plan.agent.bind or identity.address
+        self.ports: dict[str, int] = {}
+        self.versions: dict[str, str] = {}
+        self.feed = StatusFeed(self._snapshot)
+        self.engine: EngineSupervisor | None = None
+        self.head: Head | None = None  # prefill-0 only
+        self.head_figures = HeadFigures() if identity.is_head else None
+        self.metrics = AgentMetrics(
+            role=identity.role,
+            node=identity.node,
+            slurm_job_id=identity.slurm_job_id,
+            supervisors=self._supervisors,
+            upstream_up=(lambda: self.upstream.up) if identity.role == "prefill" else None,
+            head=self.head_figures,
+        )
+        log_dir = job.log_dir(identity.name)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(log_dir, PRIVATE_DIR_MODE)
+        self.sink = LogSink(
+            log_path(job, identity.name),
+            max_bytes=plan.agent.log_max_bytes,
+            backups=plan.agent.log_backups,
+        )
+        self.preflight_failure: str | None = None
+        self.upstream = UpstreamMetrics(
+            "",  # set once the http port is known
+            self.metrics.base,
+            timeout_s=min(2.0, plan.agent.probe_timeout_s),
+            reserved_names=(),
+        )
+        self.stop_requested = False
+        self.started = time.time()
+        self.setup_script: Path | None = None
+
+    # ---- state for /status and metrics ---------------------------------------------------
+
+    def _supervisors(self) -> dict[str, EngineSupervisor]:
+        sups: dict[str, EngineSupervisor] = {}
+        if self.engine is not None:
+            sups["engine"] = self.engine
+        if self.head is not None and self.head.router is not None:
+            sups["router"] = self.head.router
+        return sups
+
+    def _snapshot(self) -> AgentStatus:
+        if self.engine is not None:
+            s = self.engine.status()
+            state, pid, restarts, reason, since, uptime = (
+                s.state,
+                s.pid,
+                s.restarts,
+                s.reason,
+                s.since,
+                s.uptime_s,
+            )
+        else:
+            state = "failed" if self.preflight_failure else "starting"
+            reason = self.preflight_failure or "preflight"
+            pid, restarts, since, uptime = None, 0, self.started, None
+        router = None
+        if self.head is not None and self.head.router is not None:
+            router = self.head.router.status()
+        return AgentStatus(
+            name=self.id.name,
+            role=self.id.role,
+            index=self.id.index,
+            node=self.id.node,
+            state=state,
+            pid=pid,
+            ports={k: v for k, v in self.ports.items() if k != "router"},
+            restarts=restarts,
+            reason=reason,
+            since=since,
+            uptime_s=uptime,
+            router=router,
+        )
+
+    def changed(self) -> None:
+        """A supervised state changed: wake long-pollers and the head."""
+        self.feed.bump()
+        if self.head is not None:
+            self.head.poke()
+
+    # ---- ports and the record --------------------------------------------------------------
+
+    def _peer_ports(self) -> set[int]:
+        records = read_records(self.job).by_name
+        return {
+            port
+            for name, rec in records.items()
+            if name != self.id.name and rec.node == self.id.node
+            for port in rec.ports.values()
+        }
+
+    def _engine_port_names(self) -> dict[str, int]:
+        return {k: v for k, v in self.role.port_base.items() if k != "agent"}
+
+    def choose_engine_ports(self, avoid: set[int] | None = None) -> None:
+        """Pick the engine's ports (probed on IPv4 and ::) and publish them."""
+        taken = self._peer_ports() | {self.ports.get("agent", 0)} | (avoid or set())
+        self.ports.update(choose_ports(self._engine_port_names(), taken, offset=self.id.index))
+
+    def publish(self) -> None:
+        """Write this agent's rendezvous record (on port choice and every change of ports)."""
+        base = f"http://{self.bind_host}:{self.ports['agent']}"
+        write_record(
+            self.job,
+            RendezvousRecord(
+                name=self.id.name,
+                role=self.id.role,
+                index=self.id.index,
+                node=self.id.node,
+                address=self.id.address,
+                ports=dict(self.ports),
+                status_url=f"{base}/status",
+                metrics_url=f"{base}/metrics",
+                versions=dict(self.versions),
+            ),
+        )
+
+    def _bind_agent_socket(self) -> socket.socket:
+        avoid = self._peer_ports()
+        start = self.role.port_base["agent"] + self.id.index
+        for _ in range(MAX_AGENT_PORT_TRIES):
+            port = choose_port(start, avoid)
+            try:
+                return bound_socket(self.bind_host, port)
+            except OSError:
+                avoid.add(port)  # lost a race with another process: try the next one
+        raise OSError(f"no free agent port from {start} on {self.bind_host}")
+
+    def _on_address_in_use(self) -> None:
+        old = {v for k, v in self.ports.items() if k in self._engine_port_names()}
+        self.choose_engine_ports(avoid=old)
+        self.log.warning(
+            "%s: engine port taken before it bound (%s); moving to %s and republishing",
+            self.id.name,
+            sorted(old),
+            {k: self.ports[k] for k in self._engine_port_names()},
+        )
+        self.publish()
+
+    # ---- the engine ------------------------------------------------------------------------
+
+    def engine_url(self, path: str) -> str:
+        """A URL on this node's engine HTTP port."""
+        return f"http://{self.id.address}:{self.ports['http']}{path}"
+
+    def _build_engine(self) -> LaunchSpec:
+        if self.id.role == "prefill":
+            cmd = prefill_command(
+                self.plan, name=self.id.name, host=self.id.address, http_port=self.ports["http"]
+            )
+        else:
+            cmd = decode_command(
+                self.plan,
+                name=self.id.name,
+                address=self.id.address,
+                http_port=self.ports["http"],
+                ctrl_port=self.ports["ctrl"],
+            )
+        return self.launch_spec(self.id.name, cmd.argv, cmd.env, self.role.image)
+
+    def launch_spec(
+        self, name: str, argv: list[str], env: dict[str, str], image: str | None
+    ) -> LaunchSpec:
+        """A LaunchSpec with the job's mounts and the setup script the preflight found."""
+        return LaunchSpec(
+            name=name,
+            argv=argv,
+            env=env,
+            image=image,
+            mounts=tuple(self.plan.mounts),
+            setup_script=self.setup_script,
+        )
+
+    def preflight_checks(self) -> preflight.PreflightChecks:
+        """What this role's engine needs on this node (stand-ins under --mock)."""
+        role = self.id.role
+        if self.plan.mock:
+            modules = [f"agent.standins.{role}"]
+            python = sys.executable
+            paths: list[str] = []
+        else:
+            modules = (
+                ["vllm", "tilert.pd_vllm.prefill_connector"]
+                if role == "prefill"
+                else ["tilert.pd_vllm.decode_server"]
+            )
+            python = "python3" if self.role.image else sys.executable
+            paths = []
+            weights = arg_value(self.role.args, "--model-weights-dir")
+            if role == "decode" and weights:
+                paths.append(weights)
+            model = self.role.program[2] if role == "prefill" and len(self.role.program) > 2 else ""
+            if model.startswith("/"):
+                paths.append(model)
+        return preflight.PreflightChecks(
+            python=python,
+            modules=modules,
+            distributions=["tilert", "vllm"],
+            setup_script=self.plan.setup_script,
+            configs_dir=self.plan.configs_dir,
+            paths=paths,
+        )
+
+    async def run_preflight(self) -> bool:
+        """The seconds-long checks before the long load; a failure is final and explained."""
+        checks = self.preflight_checks()
+        base = self.launch_spec(f"{self.id.name}-preflight", [], dict(os.environ), self.role.image)
+        t0 = time.monotonic()
+        result = await preflight.run_preflight(self.launcher, base, checks)
+        if not result.ok:
+            self.preflight_failure = "preflight failed: " + "; ".join(result.problems)
+            self.log.error("%s: %s", self.id.name, self.preflight_failure)
+            self.changed()
+            return False
+        self.versions = dict(result.versions)
+        self.setup_script = Path(result.setup_script) if result.setup_script else None
+        self.log.info(
+            "%s: preflight ok in %.2fs (versions %s, setup script %s)",
+            self.id.name,
+            time.monotonic() - t0,
+            self.versions or "none",
+            self.setup_script,
+        )
+        return True
+
+    # ---- main ------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Run until stopped (exit 0) or until the job fails (exit 1)."""
+        if self.id.is_head and not is_bindable(self.plan.router.port):
+            self.log.error(
+                "router port %d is taken on %s; free it or set agent.router_port "
+                "(clients rely on this port, so the agent does not move it)",
+                self.plan.router.port,
+                self.id.node,
+            )
+            return 1
+        sock = self._bind_agent_socket()
+        self.ports["agent"] = sock.getsockname()[1]
+        self.choose_engine_ports()
+        if self.id.is_head:
+            self.ports["router"] = self.plan.router.port
+        self.publish()
+        self.upstream.url = self.engine_url("/metrics")
+        self.upstream.reserved_names = self.metrics.family_names()
+        self.log.info(
+            "%s on %s (%s): ports %s, record %s",
+            self.id.name,
+            self.id.node,
+            self.id.address,
+            self.ports,
+            self.job.record(self.id.name),
+        )
+        exit_code = 0
+        async with httpx.AsyncClient() as client, trio.open_nursery() as nursery:
+            self.client = client
+            app = build_app(
+                feed=self.feed,
+                metrics_page=self._metrics_page,
+                token=self.job.read_token,
+                log_files=self._log_files,
+            )
+            await nursery.start(serve, app, sock)
+            nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+            if self.id.is_head:
+                self.head = Head(self)
+            if await self.run_preflight():
+                self.publish()  # now with the versions the preflight found
+                self.engine = EngineSupervisor(
+                    name=self.id.name,
+                    launcher=self.launcher,
+                    build=self._build_engine,
+                    health_url=lambda: self.engine_url("/health"),
+                    ports=lambda: {k: self.ports[k] for k in self._engine_port_names()},
+                    policy=policy_for(
+                        self.plan,
+                        startup_budget_s=self.role.startup_budget_s,
+                        stop_grace_s=self.role.stop_grace_s,
+                    ),
+                    sink=self.sink,
+                    log=self.log,
+                    on_change=self.changed,
+                    on_address_in_use=self._on_address_in_use,
+                    observe_probe=self.metrics.observer("engine"),
+                )
+                nursery.start_soon(self.engine.run)
+                self.changed()
+            if self.head is not None:
+                exit_code = await self.head.run()
+                await self.stop_all()
+                nursery.cancel_scope.cancel()
+        if self.engine is not None and self.engine.state == "failed":
+            exit_code = exit_code or 1
+        if self.preflight_failure:
+            exit_code = 1
+        self.log.info("%s: exiting with code %d", self.id.name, exit_code)
+        return exit_code
+
+    async def stop_all(self) -> None:
+        """Stop the router (head) first, then the engine; each within its grace."""
+        if self.head is not None:
+            await self.head.stop()
+        if self.engine is not None:
+            await self.engine.stop()
+        self.changed()
+
+    async def _watch_signals(self, scope: trio.CancelScope) -> None:
+        # Keep the receiver open after the first signal: a second TERM must not fall back to the
+        # default action and kill the agent in the middle of its drain.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if self.stop_requested:
+                        self.log.info("%s: %s received again; already stopping", self.id.name, name)
+                        continue
+                    self.stop_requested = True
+                    self.log.info("%s: %s received; stopping", self.id.name, name)
+                    if self.head is not None:
+                        self.head.request_stop()  # the head drains and returns from run()
+                    else:
+                        nursery.start_soon(self._stop_and_cancel, scope)
+
+    async def _stop_and_cancel(self, scope: trio.CancelScope) -> None:
+        await self.stop_all()
+        scope.cancel()
+
+    async def _metrics_page(self) -> str:
+        upstream = ""
+        if self.id.role == "prefill" and "http" in self.ports:
+            upstream = await self.upstream.render(self.client)
+        return self.metrics.render() + upstream
+
+    def _log_files(self) -> dict[str, Path]:
+        files = {
+            "engine": log_path(self.job, self.id.name),
+            "agent": log_path(self.job, self.id.name, agent=True),
+        }
+        if self.id.is_head:
+            files["router"] = log_path(self.job, "router")
+        return files

@@ -1,0 +1,80 @@
+"""``--set KEY=VALUE``: change one recipe value from the command line before validation.
+
+KEY is a dotted recipe path (``roles.prefill.env.HF_HUB_OFFLINE``); VALUE is YAML-typed with the
+recipe's own YAML rules (``2`` is an integer, ``true`` a boolean, ``"2"`` a string, an empty value
+null, ``{a: 1}`` a mapping). Missing mappings along the path are created, so new ``env`` and
+``args`` keys can be added. The result is validated like the file itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from agent.problems import Problem, RecipeError, error
+from agent.typedyaml import YamlSyntaxError, load_scalar
+
+FLAG = "--set"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split one ``KEY=VALUE`` into path parts and the YAML-typed value (RecipeError when bad)."""
+    where = f"{FLAG} {item}"
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep:
+        raise RecipeError(
+            [error(where, "expected KEY=VALUE", "write e.g. --set roles.decode.nodes=2")]
+        )
+    parts = key.split(".")
+    if not key or any(not part.strip() for part in parts):
+        raise RecipeError(
+            [
+                error(
+                    where,
+                    f"'{key}' is not a dotted recipe path",
+                    "use non-empty keys separated by single dots, e.g. roles.prefill.env.X=1",
+                )
+            ]
+        )
+    try:
+        value = load_scalar(text)
+    except YamlSyntaxError as exc:
+        raise RecipeError(
+            [error(where, f"the value is not valid YAML: {exc.detail}", "quote the value")]
+        ) from None
+    return [part.strip() for part in parts], value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``raw`` with every ``--set`` applied in order (all bad flags reported together)."""
+    result = copy.deepcopy(raw)
+    problems: list[Problem] = []
+    for item in overrides:
+        try:
+            parts, value = parse_override(item)
+        except RecipeError as exc:
+            problems.extend(exc.problems)
+            continue
+        node: Any = result
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                walked = ".".join(parts[: depth + 1])
+                problems.append(
+                    error(
+                        f"{FLAG} {item}",
+                        f"'{walked}' is a {type(child).__name__} value, not a mapping",
+                        f"set {walked} itself, e.g. --set {walked}=VALUE",
+                    )
+                )
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise RecipeError(problems)
+    return result

@@ -1,0 +1,287 @@
+"""Recipe + cluster -> ``Plan`` (``J/plan.json``): deterministic, nothing secret, no timestamps.
+
+The plan holds each engine's program and the user's arguments rendered as argv, *without* what the
+agent manages (hosts, ports, ``--engine``, the router's ``--vllm-url`` / ``--decode``): those are
+added by ``agent.commands`` once ports are chosen on the node. The same input always gives the same
+plan, byte for byte, so a golden test can pin it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from agent.cluster import ClusterConfig
+from agent.loader import HF_PREFIX, LoadedRecipe
+from agent.plan import AgentPlan, LauncherName, Plan, RolePlan, RouterPlan, SlurmPlan
+from agent.problems import RecipeError, error
+from agent.recipe import (
+    DEFAULT_HEALTH_INTERVAL_S,
+    DEFAULT_HEALTH_MAX_ATTEMPTS,
+    AgentSection,
+    ArgValue,
+    EnvValue,
+    Recipe,
+    Role,
+    gpus_per_node,
+    norm_arg,
+    public_model_name,
+    role_layout,
+)
+from agent.secrets import is_secret_name
+
+PREFILL_PROGRAM = ["vllm", "serve"]
+DECODE_MODULE = "tilert.pd_vllm.decode_server"
+ROUTER_MODULE = "tilert.pd_vllm.pd_router"
+
+# The agent section's own defaults: a recipe that sets one role's budget or grace leaves the
+# others None, and they fall back to these (one source for every default).
+_AGENT_DEFAULTS = AgentSection()
+
+# Slurm SIGKILLs every task max(KillWait, 5) s after the SIGTERM of a scancel or time limit.
+SLURM_MIN_KILL_WAIT_S = 5.0
+# What the drain needs besides the engines' graces: sweeping leftover descendants, writing the
+# last status.json, exiting.
+DRAIN_MARGIN_S = 2.0
+
+
+def render_value(value: Any) -> str:
+    """One argv word for a YAML value: mappings and lists as compact JSON, booleans lowercase."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict | list):
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return str(value)
+
+
+def render_args(args: Mapping[str, ArgValue]) -> list[str]:
+    """``--key value`` per arg: true -> bare flag; false/null/[] dropped; a list -> flag + items."""
+    argv: list[str] = []
+    for key, value in args.items():
+        # Canonical dashes: vLLM accepts either spelling, TileRT's argparse only the dashed one.
+        flag = "--" + norm_arg(key)
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            if value:
+                argv += [flag, *(render_value(item) for item in value)]
+        else:
+            argv += [flag, render_value(value)]
+    return argv
+
+
+def env_value(value: EnvValue) -> str:
+    """An environment value as the engine sees it (YAML booleans as ``1`` / ``0``)."""
+    # Same spelling as agent.rules compares (TILERT_PD_NO_MTP: true means "1").
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def split_env(*layers: Mapping[str, EnvValue]) -> tuple[dict[str, str], list[str]]:
+    """(non-secret env, secret names) of env layers merged in order, later layers winning."""
+    merged: dict[str, EnvValue] = {}
+    for layer in layers:
+        merged.update(layer)
+    plain = {k: env_value(v) for k, v in merged.items() if not is_secret_name(k)}
+    secrets = [k for k in merged if is_secret_name(k)]
+    return plain, secrets
+
+
+def secret_values(recipe: Recipe) -> dict[str, str]:
+    """Secret env values written in the recipe (they travel in the sbatch process env, never a file)."""
+    layers: list[Mapping[str, EnvValue]] = [recipe.environment, recipe.frontend.env]
+    layers += [role.env for role in (recipe.roles.prefill, recipe.roles.decode) if role]
+    return {k: env_value(v) for layer in layers for k, v in layer.items() if is_secret_name(k)}
+
+
+def health_check_budget_s(recipe: Recipe) -> float:
+    """srtctl's startup budget: health_check max_attempts x interval_seconds (with its defaults)."""
+    hc = recipe.health_check
+    attempts = hc.max_attempts if hc.max_attempts is not None else DEFAULT_HEALTH_MAX_ATTEMPTS
+    interval = hc.interval_seconds if hc.interval_seconds is not None else DEFAULT_HEALTH_INTERVAL_S
+    return float(attempts * interval)
+
+
+def _startup_budget(recipe: Recipe, role: str) -> float:
+    value = getattr(recipe.agent.startup_budget_s, role)
+    if value is not None:
+        return float(value)
+    if role == "router":
+        return float(_AGENT_DEFAULTS.startup_budget_s.router or 0.0)
+    return health_check_budget_s(recipe)
+
+
+def _requested_grace(recipe: Recipe, role: str) -> float:
+    value = getattr(recipe.agent.stop_grace_s, role)
+    if value is None:
+        value = getattr(_AGENT_DEFAULTS.stop_grace_s, role)
+    return float(value or 0.0)
+
+
+def stop_graces(recipe: Recipe, kill_wait_s: float) -> dict[str, float]:
+    """Per-role SIGTERM->SIGKILL graces, capped so each agent's whole drain fits in KillWait.
+
+    On scancel every task gets SIGTERM at once and SIGKILL ``max(KillWait, 5)`` s later. A decode
+    agent drains one engine: its grace alone must fit. The prefill agent stops the router first
+    (in-flight requests still reference the prefill), then vLLM, so router + prefill must fit
+    together; when they do not, both shrink in proportion. ``DRAIN_MARGIN_S`` is left over for
+    the agent's own exit.
+    """
+    budget = max(max(kill_wait_s, SLURM_MIN_KILL_WAIT_S) - DRAIN_MARGIN_S, 0.0)
+    want = {role: _requested_grace(recipe, role) for role in ("prefill", "decode", "router")}
+    decode = min(want["decode"], budget)
+    head = want["prefill"] + want["router"]
+    scale = budget / head if head > budget else 1.0
+    return {
+        "prefill": round(want["prefill"] * scale, 3),
+        "decode": round(decode, 3),
+        "router": round(want["router"] * scale, 3),
+    }
+
+
+def _model_argument(recipe: Recipe) -> str:
+    path = recipe.model.path
+    if not path:
+        # The rules refuse this at load; a plan without a model cannot be written.
+        raise RecipeError([error("model.path", "no model to serve", "set model.path")])
+    # The loader already strips hf:; a plan built from an unresolved recipe must not pass it on.
+    return path[len(HF_PREFIX) :] if path.startswith(HF_PREFIX) else path
+
+
+def _role(recipe: Recipe, name: str) -> Role:
+    role: Role | None = getattr(recipe.roles, name)
+    if role is None:
+        raise RecipeError([error(f"roles.{name}", f"the {name} role is missing", "add it")])
+    return role
+
+
+def _role_plan(
+    recipe: Recipe,
+    name: str,
+    *,
+    program: list[str],
+    first_node: int,
+    grace: float,
+) -> RolePlan:
+    role = _role(recipe, name)
+    nodes, workers, gpus = role_layout(role, gpus_per_node(recipe))
+    env, secret = split_env(recipe.environment, role.env)
+    bases = getattr(recipe.agent.ports, name)
+    port_base = {"http": bases.http, "agent": bases.agent}
+    if bases.ctrl is not None:
+        port_base["ctrl"] = bases.ctrl
+    return RolePlan(
+        role=name,  # type: ignore[arg-type]  # "prefill" | "decode", checked by the callers
+        nodes=nodes,
+        workers=workers,
+        gpus_per_worker=gpus,
+        first_node=first_node,
+        image=role.container or recipe.model.container,
+        program=program,
+        args=render_args(role.args),
+        env=env,
+        secret_env=secret,
+        port_base=port_base,
+        startup_budget_s=_startup_budget(recipe, name),
+        stop_grace_s=grace,
+    )
+
+
+def _mounts(recipe: Recipe) -> list[str]:
+    mounts = recipe.container_mounts
+    if isinstance(mounts, dict):
+        return [f"{host}:{container}" for host, container in mounts.items()]
+    return list(mounts)
+
+
+def choose_launcher(
+    cluster: ClusterConfig | None, *, mock: bool, launcher: str | None
+) -> LauncherName:
+    """--mock forces ``process``; else the explicit launcher, the cluster's, or ``process``."""
+    if mock:
+        return "process"
+    chosen = launcher or (cluster.launcher if cluster is not None else "process")
+    if chosen not in ("process", "pyxis"):
+        raise ValueError(f"unknown launcher {chosen!r}")
+    return chosen  # type: ignore[return-value]
+
+
+def make_plan(loaded: LoadedRecipe, *, mock: bool, launcher: str | None = None) -> Plan:
+    """The launch plan of a loaded (validated, resolved) recipe."""
+    recipe = loaded.recipe
+    # No cluster file: the site defaults every field of ClusterConfig states (one source).
+    cluster = loaded.cluster or ClusterConfig()
+    graces = stop_graces(recipe, cluster.kill_wait_s)
+    agent = recipe.agent
+
+    prefill = _role_plan(
+        recipe,
+        "prefill",
+        program=[*PREFILL_PROGRAM, _model_argument(recipe)],
+        first_node=0,
+        grace=graces["prefill"],
+    )
+    decode = _role_plan(
+        recipe,
+        "decode",
+        program=["python", "-m", DECODE_MODULE],
+        first_node=prefill.nodes,
+        grace=graces["decode"],
+    )
+    router_env, router_secret = split_env(recipe.environment, recipe.frontend.env)
+    router = RouterPlan(
+        image=recipe.frontend.container_image or recipe.model.container,
+        program=[agent.router_python, "-m", ROUTER_MODULE],
+        args=render_args(recipe.frontend.args),
+        env=router_env,
+        secret_env=router_secret,
+        port=agent.router_port,
+        python=agent.router_python,
+        startup_budget_s=_startup_budget(recipe, "router"),
+        stop_grace_s=graces["router"],
+    )
+    return Plan(
+        name=recipe.name or "",
+        model=public_model_name(recipe) or _model_argument(recipe),
+        mock=mock,
+        launcher=choose_launcher(loaded.cluster, mock=mock, launcher=launcher),
+        network_interface=cluster.network_interface,
+        visible_devices_env=cluster.visible_devices_env,
+        mounts=_mounts(recipe),
+        setup_script=recipe.setup_script,
+        configs_dir=cluster.configs_dir,
+        prefill=prefill,
+        decode=decode,
+        router=router,
+        agent=AgentPlan(
+            probe_startup_interval_s=agent.probe.startup_interval_s,
+            probe_interval_s=agent.probe.interval_s,
+            probe_timeout_s=agent.probe.timeout_s,
+            probe_failure_threshold=agent.probe.failure_threshold,
+            restart_backoff_initial_s=agent.restart.backoff_initial_s,
+            restart_backoff_max_s=agent.restart.backoff_max_s,
+            restart_max=agent.restart.max_restarts,
+            restart_window_s=agent.restart.window_s,
+            bind=agent.bind,
+            log_max_bytes=agent.logs.max_bytes,
+            log_backups=agent.logs.backups,
+            canary_prompt=agent.canary.prompt,
+            canary_max_tokens=agent.canary.max_tokens,
+            canary_timeout_s=agent.canary.timeout_s,
+        ),
+        slurm=SlurmPlan(
+            account=recipe.slurm.account,
+            partition=recipe.slurm.partition,
+            time_limit=recipe.slurm.time_limit,
+            nodes=prefill.nodes + decode.nodes,
+            # Each node runs one worker: ask for what the largest worker holds (0: no GPU line).
+            gpus_per_node=max(prefill.gpus_per_worker, decode.gpus_per_worker),
+            signal_lead_s=cluster.signal_lead_s,
+            exclusive=cluster.exclusive,
+            kill_wait_s=cluster.kill_wait_s,
+        ),
+    )

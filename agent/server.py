@@ -1,0 +1,122 @@
+"""The agent's HTTP endpoint: ``/healthz``, ``/status``, ``/metrics`` (read-only) and ``/logs``.
+
+``/status`` is long-polled (``?after=<version>&timeout=<s>``): it answers at once when the state
+changed since ``version``, else when it changes or the timeout passes. That is how the head sees a
+worker turn healthy within milliseconds without polling a shared file system. ``/logs`` needs the
+job's bearer token (``J/token``); nothing served reveals environment values, tokens or prompts.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+from agent.httpserver import (
+    App,
+    HTTPError,
+    Request,
+    StreamingResponse,
+    json_response,
+    text_response,
+)
+from agent.logs import LogFollower, follow_file
+from agent.metrics import CONTENT_TYPE
+from agent.records import AgentStatus
+
+MAX_LONG_POLL_S = 60.0
+
+
+class StatusFeed:
+    """The agent's current ``AgentStatus`` with a version that bumps on every change."""
+
+    def __init__(self, snapshot: Callable[[], AgentStatus]) -> None:
+        self._snapshot = snapshot
+        self.version = 0
+        self._changed = trio.Event()
+
+    def bump(self) -> None:
+        """Something changed: wake every long-poller."""
+        self.version += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def current(self) -> AgentStatus:
+        """The status now, stamped with the version."""
+        status = self._snapshot()
+        status.version = self.version
+        return status
+
+    async def wait_after(self, version: int, timeout_s: float) -> AgentStatus:
+        """The status once its version exceeds ``version``, or after ``timeout_s``."""
+        with trio.move_on_after(timeout_s):
+            while self.version <= version:
+                await self._changed.wait()
+        return self.current()
+
+
+def _number(request: Request, key: str, default: float) -> float:
+    value = request.query.get(key)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise HTTPError(400, f"query parameter {key}={value!r} is not a number") from None
+
+
+def build_app(
+    *,
+    feed: StatusFeed,
+    metrics_page: Callable[[], Awaitable[str]],
+    token: Callable[[], str],
+    log_files: Callable[[], dict[str, Path]],
+) -> App:
+    """The agent's ASGI app."""
+    app = App()
+
+    @app.route("GET", "/healthz")
+    async def healthz(request: Request) -> object:
+        return text_response("ok\n")
+
+    @app.route("GET", "/status")
+    async def status(request: Request) -> object:
+        after = request.query.get("after")
+        if after is None:
+            return json_response(feed.current())
+        timeout = min(MAX_LONG_POLL_S, _number(request, "timeout", 30.0))
+        return json_response(await feed.wait_after(int(_number(request, "after", 0)), timeout))
+
+    @app.route("GET", "/metrics")
+    async def metrics(request: Request) -> object:
+        return text_response(await metrics_page(), content_type=CONTENT_TYPE)
+
+    @app.route("GET", "/logs")
+    async def logs(request: Request) -> object:
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {token()}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise HTTPError(
+                401, "missing or wrong bearer token; send 'Authorization: Bearer <J/token>'"
+            )
+        files = log_files()
+        name = request.query.get("name", "engine")
+        # Only names from this fixed map are served, so no request can reach outside J/logs.
+        if name not in files:
+            raise HTTPError(404, f"no log {name!r} here; known: {', '.join(sorted(files))}")
+        tail = int(_number(request, "tail", 200))
+        follow = request.query.get("follow") in ("1", "true", "yes")
+        path = files[name]
+        if not follow:
+            lines = LogFollower(path, tail_lines=tail).finish() if tail > 0 else []
+            return text_response("".join(line.rstrip("\n") + "\n" for line in lines))
+
+        async def chunks() -> AsyncIterator[bytes]:
+            async for line in follow_file(path, tail_lines=tail):
+                yield (line.rstrip("\n") + "\n").encode()
+
+        return StreamingResponse(chunks())
+
+    return app

@@ -1,0 +1,160 @@
+"""Fault switches for the stand-in engines, read from the environment at startup.
+
+Every switch is off when unset or empty:
+
+- ``TILERT_MOCK_STARTUP_DELAY_S``: seconds to "load" before binding any port; meanwhile the ports
+  are free and ``/health`` refuses connections (as vLLM and TileRT do while loading).
+- ``TILERT_MOCK_CRASH_AFTER_REQUESTS=N``: die right after the N-th request has been answered.
+- ``TILERT_MOCK_CRASH_AFTER_S=S``: die S seconds after the process started.
+- ``TILERT_MOCK_EXIT_CODE``: the exit code of those deaths (default 1, with an error on stderr).
+  ``0`` exits 0 after an ``EngineDeadError`` line, as vLLM's API process does when its engine dies.
+- ``TILERT_MOCK_HANG_HEALTH=1``: ``/health`` accepts the connection and never answers.
+- ``TILERT_MOCK_NO_KV=1``: the prefill never sends KV (no ctrl-port handshake); the decode never
+  waits for it (decodes at once).
+- ``TILERT_MOCK_TOKEN_DELAY_S``: the decode sleeps this long before each token.
+- ``TILERT_MOCK_METRICS_FILE``: the prefill's ``/metrics`` serves this file verbatim (re-read on
+  every scrape, 500 while it is missing) instead of its live registry.
+- ``TILERT_MOCK_FAULT_TARGET=NAME``: every switch above applies only to the engine whose
+  ``TILERT_AGENT_NAME`` (set by the agent: ``prefill-0``, ``decode-1``, ...) equals NAME, so one
+  decode of a job can be made to crash-loop while the others serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import trio
+
+log = logging.getLogger("standin.faults")
+
+PREFIX = "TILERT_MOCK_"
+TARGET_ENV = "TILERT_MOCK_FAULT_TARGET"
+AGENT_NAME_ENV = "TILERT_AGENT_NAME"
+# How long a dying stand-in lets the answer that triggered its death reach the client.
+_CRASH_FLUSH_S = 0.1
+
+
+class FaultConfigError(ValueError):
+    """A TILERT_MOCK_* value that cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    startup_delay_s: float = 0.0
+    crash_after_requests: int | None = None
+    crash_after_s: float | None = None
+    exit_code: int = 1
+    hang_health: bool = False
+    no_kv: bool = False
+    token_delay_s: float = 0.0
+    metrics_file: Path | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Faults:
+        """The switches in ``env`` (default: this process's), honouring the fault target."""
+        env = os.environ if env is None else env
+        target = env.get(TARGET_ENV, "").strip()
+        if target and target != env.get(AGENT_NAME_ENV, "").strip():
+            return cls()
+        metrics = _text(env, "METRICS_FILE")
+        return cls(
+            startup_delay_s=_number(env, "STARTUP_DELAY_S") or 0.0,
+            crash_after_requests=_integer(env, "CRASH_AFTER_REQUESTS"),
+            crash_after_s=_number(env, "CRASH_AFTER_S"),
+            exit_code=_integer(env, "EXIT_CODE") if _text(env, "EXIT_CODE") else 1,  # type: ignore[arg-type]
+            hang_health=_flag(env, "HANG_HEALTH"),
+            no_kv=_flag(env, "NO_KV"),
+            token_delay_s=_number(env, "TOKEN_DELAY_S") or 0.0,
+            metrics_file=Path(metrics) if metrics else None,
+        )
+
+    def describe(self) -> str:
+        """The active switches, for the startup log."""
+        default = Faults()
+        changed = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return ", ".join(changed) or "none"
+
+
+class Crasher:
+    """Carries out the crash switches: after N answered requests, or S seconds after start."""
+
+    def __init__(self, faults: Faults, name: str) -> None:
+        self.faults = faults
+        self.name = name
+        self.answered = 0
+        self._due = trio.Event()
+
+    def request_answered(self) -> None:
+        """Count one answered request; the N-th schedules the crash."""
+        self.answered += 1
+        limit = self.faults.crash_after_requests
+        if limit is not None and self.answered >= limit:
+            self._due.set()
+
+    async def run(self) -> None:
+        """Wait for a crash condition, then die (run it in the engine's nursery)."""
+        if self.faults.crash_after_s is not None:
+            with trio.move_on_after(self.faults.crash_after_s):
+                await self._due.wait()
+            reason = (
+                f"{self.answered} request(s) answered"
+                if self._due.is_set()
+                else (f"{self.faults.crash_after_s}s since start")
+            )
+        else:
+            await self._due.wait()
+            reason = f"{self.answered} request(s) answered"
+        await trio.sleep(_CRASH_FLUSH_S)
+        die(self.name, reason, self.faults.exit_code)
+
+
+def die(name: str, reason: str, code: int) -> None:
+    """Exit now with ``code``, saying why on stderr the way the real engine would."""
+    if code == 0:
+        log.error("EngineCore encountered a fatal error (%s stand-in fault: %s)", name, reason)
+        log.error("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
+    else:
+        log.critical("%s stand-in fault: crashing after %s (exit %d)", name, reason, code)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _text(env: Mapping[str, str], key: str) -> str:
+    return env.get(PREFIX + key, "").strip()
+
+
+def _number(env: Mapping[str, str], key: str) -> float | None:
+    raw = _text(env, key)
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise FaultConfigError(f"{PREFIX}{key}={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise FaultConfigError(f"{PREFIX}{key}={raw!r} must not be negative")
+    return value
+
+
+def _integer(env: Mapping[str, str], key: str) -> int | None:
+    raw = _text(env, key)
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise FaultConfigError(f"{PREFIX}{key}={raw!r} is not an integer") from None
+
+
+def _flag(env: Mapping[str, str], key: str) -> bool:
+    return _text(env, key).lower() not in ("", "0", "false", "no", "off")

@@ -1,0 +1,645 @@
+"""Stand-in for vLLM's OpenAI server with TileRT's prefill connector (``vllm serve MODEL ...``).
+
+``/health`` (connection refused while "loading", then 200 with an empty body), ``/v1/models``,
+``/version``, ``/metrics`` (vLLM's ``vllm:`` families, classic text), ``POST /v1/chat/completions``
+and ``POST /v1/completions`` (the router asks for ``max_tokens=1``; logprob tokens read
+``token_id:N`` with ``--return-tokens-as-token-ids``). No ``/tokenize``, which keeps TileRT's router
+on its chat path. With ``--kv-transfer-config`` naming ``TileRTConnector``, a request carrying
+``kv_transfer_params`` is followed by the connector's ctrl-port handshake with that decode node:
+one connection per sender rank (TILERT_PD_SENDERS, default 8, ranks below the tensor-parallel
+size), busy/cancelling retried with backoff 0.2 * 2^k, then "done". SIGTERM exits 0, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import prometheus_client
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from agent.httpserver import (
+    App,
+    HTTPError,
+    Request,
+    Response,
+    StreamingResponse,
+    bound_socket,
+    json_response,
+    serve,
+    text_response,
+)
+from agent.standins import lifecycle, tokens, wire
+from agent.standins.faults import Crasher, Faults
+
+log = logging.getLogger("vllm.entrypoints.openai.api_server")
+conn_log = logging.getLogger("pd_vllm.connector")
+
+VERSION = "0.0.0+standin"
+TERM_EXIT_CODE = 0
+METRICS_CONTENT_TYPE = prometheus_client.exposition.CONTENT_TYPE_PLAIN_0_0_4
+DEFAULT_MAX_MODEL_LEN = 4096
+# vLLM's default when a plain request names no max_tokens is "the rest of the context"; the
+# stand-in's reply is short anyway.
+DEFAULT_MAX_TOKENS = 64
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+
+
+def _model_len(raw: str) -> int:
+    """vLLM's --max-model-len: an integer, or a size such as 128k / 1m."""
+    text = raw.strip().lower()
+    scale = {"k": 1000, "m": 1000_000}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The vLLM flags the stand-in honours."""
+    ap = argparse.ArgumentParser(prog="vllm", allow_abbrev=False)
+    ap.add_argument("subcommand", nargs="?", help="'serve'")
+    ap.add_argument("model_tag", nargs="?")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--host", default=None)
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", nargs="+", default=None)
+    ap.add_argument("--return-tokens-as-token-ids", action="store_true")
+    ap.add_argument("--kv-transfer-config", type=json.loads, default=None)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--max-model-len", type=_model_len, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    return ap
+
+
+@dataclass(frozen=True)
+class Connector:
+    """TileRTConnector's settings (``kv_connector_extra_config``)."""
+
+    host: str | None
+    ctrl_port: int
+    profile: str
+    max_seq_len: int
+    transport: str
+    admission_attempts: int
+    layout_version: int
+    senders: int
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def from_config(
+        cls, config: dict[str, Any], args: argparse.Namespace, max_model_len: int
+    ) -> Connector:
+        """The connector as vLLM would build it from ``--kv-transfer-config``."""
+        extra = config.get("kv_connector_extra_config") or {}
+        profile = str(extra.get("tilert_model", "glm5"))
+        senders = wire.sender_count()
+        tp = max(1, args.tensor_parallel_size)
+        return cls(
+            host=extra.get("tilert_host"),
+            ctrl_port=int(extra.get("tilert_ctrl_port", wire.DEFAULT_CTRL_PORT)),
+            profile=profile,
+            max_seq_len=int(extra.get("tilert_max_seq_len", max_model_len)),
+            transport=str(extra.get("tilert_transport", wire.DEFAULT_TRANSPORT)),
+            admission_attempts=int(extra.get("tilert_admission_attempts", wire.ADMISSION_ATTEMPTS)),
+            layout_version=wire.layout_version(profile, args.kv_cache_dtype),
+            senders=senders,
+            # Only ranks that exist send: a TP smaller than TILERT_PD_SENDERS leaves the decode
+            # waiting for the missing ranks, exactly as with the real connector.
+            ranks=tuple(r for r in range(senders) if r < tp),
+        )
+
+    def admission_window_s(self) -> float:
+        """How long a refused rank keeps retrying (the decode extends its tombstone by it)."""
+        return wire.ADMISSION_BACKOFF_S * (2 ** max(0, self.admission_attempts - 1) - 1)
+
+
+class Metrics:
+    """The ``vllm:`` families a scraper reads, in a registry of their own."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        # vLLM serves its process's default collectors too (they clash with any exporter's own).
+        prometheus_client.ProcessCollector(registry=self.registry)
+        prometheus_client.PlatformCollector(registry=self.registry)
+        prometheus_client.GCCollector(registry=self.registry)
+        labels = {"model_name": model_name, "engine": "0"}
+        names = list(labels)
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"vllm:{name}", doc, names, registry=reg).labels(**labels)
+
+        self.running = gauge(
+            "num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", names, registry=reg
+        ).labels(**labels)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", names, registry=reg
+        ).labels(**labels)
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*names, "finished_reason"],
+            registry=reg,
+        )
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(**labels, finished_reason=reason)
+        self._labels = labels
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            names,
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        ).labels(**labels)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            names,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        ).labels(**labels)
+
+    def finished(
+        self, reason: str, prompt_tokens: int, generated: int, ttft: float, e2e: float
+    ) -> None:
+        """Record one finished request."""
+        self._success.labels(**self._labels, finished_reason=reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        self.ttft.observe(ttft)
+        self.e2e.observe(e2e)
+
+    def page(self) -> bytes:
+        """The classic text exposition."""
+        return prometheus_client.generate_latest(self.registry)
+
+
+def _prompt_text(body: dict[str, Any], is_chat: bool) -> str:
+    """The prompt as the model would see it (ChatML for chat), to count tokens."""
+    if not is_chat:
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list):
+            return "".join(str(p) for p in prompt)
+        return str(prompt)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list")
+    parts = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            content = "".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
+        role = m.get("role", "user") if isinstance(m, dict) else "user"
+        parts.append(f"<|im_start|>{role}\n{content or ''}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def _prompt_tokens(body: dict[str, Any], text: str) -> int:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return max(1, len(text.encode()))
+
+
+def _error(
+    message: str, status: int, kind: str = "BadRequestError", param: str | None = None
+) -> Response:
+    return json_response(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status
+    )
+
+
+class PrefillServer:
+    """The stand-in vLLM server's state."""
+
+    def __init__(
+        self, args: argparse.Namespace, model: str, faults: Faults, crasher: Crasher
+    ) -> None:
+        self.model = model
+        self.served = args.served_model_name or [model]
+        self.token_ids = args.return_tokens_as_token_ids
+        self.max_model_len = args.max_model_len or DEFAULT_MAX_MODEL_LEN
+        self.faults = faults
+        self.crasher = crasher
+        self.metrics = Metrics(self.served[0])
+        self.connector: Connector | None = None
+        cfg = args.kv_transfer_config
+        if cfg and cfg.get("kv_connector") == "TileRTConnector":
+            self.connector = Connector.from_config(cfg, args, self.max_model_len)
+        elif cfg:
+            log.warning(
+                "kv connector %r is not emulated; no KV will be sent", cfg.get("kv_connector")
+            )
+        self.nursery: trio.Nursery | None = None
+
+    def token_text(self, token_id: int) -> str:
+        """How a logprob entry names a token."""
+        return f"token_id:{token_id}" if self.token_ids else tokens.render([token_id])
+
+    def build_app(self) -> App:
+        """The OpenAI-compatible HTTP app."""
+        app = App()
+
+        @app.route("GET", "/health")
+        async def health(request: Request) -> Response:
+            if self.faults.hang_health:
+                await trio.sleep_forever()
+            return Response(b"", 200, "application/octet-stream")
+
+        @app.route("GET", "/version")
+        async def version(request: Request) -> Response:
+            return json_response({"version": VERSION})
+
+        @app.route("GET", "/v1/models")
+        async def models(request: Request) -> Response:
+            data = [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "vllm",
+                    "root": self.model,
+                    "parent": None,
+                    "max_model_len": self.max_model_len,
+                }
+                for name in self.served
+            ]
+            return json_response({"object": "list", "data": data})
+
+        @app.route("GET", "/metrics")
+        async def metrics(request: Request) -> Response:
+            path = self.faults.metrics_file
+            if path is None:
+                return Response(self.metrics.page(), 200, METRICS_CONTENT_TYPE)
+            try:
+                data = await trio.Path(path).read_bytes()
+            except OSError as exc:
+                return text_response(f"cannot read TILERT_MOCK_METRICS_FILE: {exc}\n", 500)
+            return Response(data, 200, METRICS_CONTENT_TYPE)
+
+        @app.route("POST", "/v1/chat/completions")
+        async def chat(request: Request) -> Response | StreamingResponse:
+            return await self.complete(await request.json(), is_chat=True)
+
+        @app.route("POST", "/v1/completions")
+        async def completions(request: Request) -> Response | StreamingResponse:
+            return await self.complete(await request.json(), is_chat=False)
+
+        return app
+
+    async def complete(self, body: Any, *, is_chat: bool) -> Response | StreamingResponse:
+        """Answer one completion request, then hand its KV to the decode node it names."""
+        t0 = time.monotonic()
+        if not isinstance(body, dict):
+            return _error("request body must be a JSON object", 400)
+        name = body.get("model") or self.served[0]
+        if name not in self.served:
+            return _error(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
+        text = _prompt_text(body, is_chat)
+        n_prompt = _prompt_tokens(body, text)
+        max_tokens = (
+            body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+        )
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return _error("max_tokens must be at least 1", 400, param="max_tokens")
+        if n_prompt + max_tokens > self.max_model_len:
+            return _error(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, "
+                f"{max_tokens} "
+                "in the completion). Please reduce the length of the messages or completion.",
+                400,
+            )
+        reply = [tokens.first_token_id(), *tokens.continuation_ids()][:max_tokens]
+        finish = "stop" if reply[-1] == tokens.EOS_ID else "length"
+        visible = [t for t in reply if t != tokens.EOS_ID]
+        response_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{secrets.token_hex(16)}"
+        # vLLM's engine-side id carries a suffix ("-0" per prompt for completions, then a random
+        # "-<8 hex>"); the connector derives the rid from it, the router from the response id.
+        internal_id = f"{response_id}{'' if is_chat else '-0'}-{secrets.token_hex(4)}"
+        self.metrics.running.inc()
+        try:
+            params = body.get("kv_transfer_params")
+            if (
+                self.connector is not None
+                and isinstance(params, dict)
+                and params.get("tilert_host")
+            ):
+                rid = wire.derive_rid(internal_id)
+                conn_log.info(
+                    "claimed %s (rid=%s, %d tokens) -> %s:%s",
+                    internal_id,
+                    rid,
+                    n_prompt,
+                    params.get("tilert_host"),
+                    params.get("tilert_ctrl_port", self.connector.ctrl_port),
+                )
+                if self.faults.no_kv:
+                    conn_log.warning("TILERT_MOCK_NO_KV: not sending the KV of %s", rid)
+                else:
+                    assert self.nursery is not None
+                    self.nursery.start_soon(self.send_kv, rid, params, n_prompt, body)
+            created = int(time.time())
+            usage = {
+                "prompt_tokens": n_prompt,
+                "total_tokens": n_prompt + len(reply),
+                "completion_tokens": len(reply),
+            }
+            ttft = time.monotonic() - t0
+            self.metrics.finished(finish, n_prompt, len(reply), ttft, time.monotonic() - t0)
+            if body.get("stream"):
+                return StreamingResponse(
+                    self.sse(response_id, name, created, visible, finish, is_chat, usage, body),
+                    content_type="text/event-stream",
+                )
+            content = tokens.render(visible)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": None}
+            if is_chat:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": []}
+                choice["logprobs"] = (
+                    self.chat_logprobs(reply, body) if body.get("logprobs") else None
+                )
+            else:
+                choice["text"] = content
+                want = body.get("logprobs")
+                choice["logprobs"] = (
+                    self.completion_logprobs(reply, int(want)) if want is not None else None
+                )
+            return json_response(
+                {
+                    "id": response_id,
+                    "object": "chat.completion" if is_chat else "text_completion",
+                    "created": created,
+                    "model": name,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+        finally:
+            self.metrics.running.dec()
+            self.crasher.request_answered()
+
+    def chat_logprobs(self, reply: list[int], body: dict[str, Any]) -> dict[str, Any]:
+        """Chat logprobs: one entry per token, named ``token_id:N`` when asked."""
+        top = int(body.get("top_logprobs") or 0)
+        entries = []
+        for t in reply:
+            name = self.token_text(t)
+            alts = [
+                {"token": self.token_text(t + k), "logprob": -0.1 - k, "bytes": None}
+                for k in range(top)
+            ]
+            entries.append(
+                {"token": name, "logprob": -0.1, "bytes": list(name.encode()), "top_logprobs": alts}
+            )
+        return {"content": entries}
+
+    def completion_logprobs(self, reply: list[int], top: int) -> dict[str, Any]:
+        """Completions logprobs (the legacy layout)."""
+        names = [self.token_text(t) for t in reply]
+        return {
+            "tokens": names,
+            "token_logprobs": [-0.1] * len(reply),
+            "top_logprobs": [{n: -0.1} for n in names] if top else None,
+            "text_offset": list(range(len(reply))),
+        }
+
+    async def sse(
+        self,
+        response_id: str,
+        model: str,
+        created: int,
+        visible: list[int],
+        finish: str,
+        is_chat: bool,
+        usage: dict[str, int],
+        body: dict[str, Any],
+    ) -> AsyncIterator[bytes]:
+        """A streamed reply, one token per chunk."""
+        kind = "chat.completion.chunk" if is_chat else "text_completion"
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            data = {
+                "id": response_id,
+                "object": kind,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+            return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+        if is_chat:
+            yield chunk(
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            )
+        for t in visible:
+            text = tokens.render([t])
+            delta: dict[str, Any] = {"delta": {"content": text}} if is_chat else {"text": text}
+            yield chunk({"index": 0, **delta, "finish_reason": None})
+        yield chunk(
+            {"index": 0, **({"delta": {}} if is_chat else {"text": ""}), "finish_reason": finish}
+        )
+        opts = body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            data = {
+                "id": response_id,
+                "object": kind,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
+            yield b"data: " + msgspec.json.encode(data) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def send_kv(
+        self, rid: str, params: dict[str, Any], seq_len: int, body: dict[str, Any]
+    ) -> None:
+        """The connector's send: every local sender rank, in parallel, like the TP workers."""
+        assert self.connector is not None
+        host = str(params.get("tilert_host") or self.connector.host)
+        port = int(params.get("tilert_ctrl_port", self.connector.ctrl_port))
+        sampling: dict[str, Any] = {
+            k: body[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in body
+        }
+        async with trio.open_nursery() as nursery:
+            for rank in self.connector.ranks:
+                nursery.start_soon(self.send_rank, rid, rank, host, port, seq_len, sampling)
+
+    async def send_rank(
+        self, rid: str, rank: int, host: str, port: int, seq_len: int, sampling: dict[str, Any]
+    ) -> None:
+        """One rank: handshake (retrying transient refusals), "write", done."""
+        assert self.connector is not None
+        delay = wire.ADMISSION_BACKOFF_S
+        attempts = self.connector.admission_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                outcome = await self.handshake(rid, rank, host, port, seq_len, sampling)
+            except (OSError, wire.WireError, AssertionError, trio.TooSlowError) as exc:
+                conn_log.error("send failed for %s rank=%d: %s", rid, rank, exc)
+                return
+            if outcome != "transient" or attempt == attempts:
+                if outcome == "transient":
+                    conn_log.error(
+                        "gave up admitting %s rank=%d after %d attempts: its shard was NOT "
+                        "transferred, "
+                        "so the decode node will wait out its kv_transfer_timeout for this request",
+                        rid,
+                        rank,
+                        attempts,
+                    )
+                return
+            conn_log.info(
+                "retrying admission for %s rank=%d in %.1fs (attempt %d/%d)",
+                rid,
+                rank,
+                delay,
+                attempt,
+                attempts,
+            )
+            await trio.sleep(delay)
+            delay *= 2
+
+    async def handshake(
+        self, rid: str, rank: int, host: str, port: int, seq_len: int, sampling: dict[str, Any]
+    ) -> str:
+        """One connection: "sent", "transient" (retry) or "permanent"; raises on a mismatch."""
+        assert self.connector is not None
+        c = self.connector
+        t0 = time.monotonic()
+        with trio.fail_after(60):
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                frames = wire.FrameStream(stream)
+                hello = await frames.receive()
+                assert hello.get("magic") == wire.MAGIC, f"bad hello: {hello}"
+                remote = hello.get("protocol_version", 1)
+                assert remote == wire.PROTOCOL_VERSION, (
+                    f"control-plane protocol mismatch: decode={remote} vs "
+                    f"prefill={wire.PROTOCOL_VERSION}; "
+                    "upgrade both ends together"
+                )
+                assert hello.get("layout_version") == c.layout_version, (
+                    f"layout version mismatch: {hello.get('layout_version')} vs {c.layout_version}"
+                )
+                senders = int(hello.get("senders", 1) or 1)
+                assert senders == c.senders, (
+                    f"sender-count mismatch: decode expects {senders} sender rank(s) but "
+                    "prefill has "
+                    f"{c.senders}; set TILERT_PD_SENDERS to the same value on both roles"
+                )
+                assert hello.get("transport") == c.transport, (
+                    f"transport mismatch: decode={hello.get('transport')} vs prefill={c.transport}"
+                )
+                assert seq_len <= int(hello["max_seq_len"]), (
+                    f"seq {seq_len} exceeds decode max_seq_len {hello['max_seq_len']}"
+                )
+                await frames.send(
+                    wire.Admission(
+                        rid=rid,
+                        rank=rank,
+                        seq_len=seq_len,
+                        last_prompt_token=tokens.EOS_ID,
+                        sampling=sampling or None,
+                        admission_window_s=c.admission_window_s(),
+                    )
+                )
+                ack = await frames.receive()
+                if not ack.get("accepted"):
+                    conn_log.warning("decode node refused %s rank=%d: %s", rid, rank, ack)
+                    return (
+                        "transient" if ack.get("error") in wire.TRANSIENT_REJECTS else "permanent"
+                    )
+                generation = ack.get("generation")
+                if (
+                    ack.get("rid") != rid
+                    or ack.get("rank") != rank
+                    or not isinstance(generation, int)
+                ):
+                    conn_log.error(
+                        "discarding %s rank=%d: admission does not match the request (%s)",
+                        rid,
+                        rank,
+                        ack,
+                    )
+                    return "permanent"
+                await frames.send(wire.Done(done=True, rid=rid, rank=rank, generation=generation))
+                conn_log.info(
+                    "sent %s: rank=%d seq=%d gen=%d 0.0 MB in %.1f ms",
+                    rid,
+                    rank,
+                    seq_len,
+                    generation,
+                    1000 * (time.monotonic() - t0),
+                )
+                return "sent"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: ``python -m agent.standins.prefill serve MODEL [vllm flags]``."""
+    lifecycle.setup_logging(
+        "%(levelname)s %(asctime)s [%(module)s.py:%(lineno)d] %(message)s", "%m-%d %H:%M:%S"
+    )
+    parser = build_parser()
+    args = lifecycle.parse_known(parser, argv)
+    if args.subcommand not in (None, "serve") and args.model_tag is None:
+        args.model_tag = args.subcommand  # `python -m vllm.entrypoints.openai.api_server`-style
+    model = args.model_tag or args.model
+    if not model:
+        parser.error("the model is required: `serve MODEL` or --model MODEL")
+    faults = lifecycle.load_faults()
+    log.info("vLLM API server version %s", VERSION)
+    log.info(
+        "non-default args: %s", {k: v for k, v in vars(args).items() if v not in (None, False)}
+    )
+
+    async def body(nursery: trio.Nursery, crasher: Crasher, shutdown: trio.Event) -> None:
+        server = PrefillServer(args, model, faults, crasher)
+        server.nursery = nursery
+        c = server.connector
+        if c is not None:
+            conn_log.info(
+                "TileRTConnector: role=kv_producer profile=%s target=%s:%s",
+                c.profile,
+                c.host,
+                c.ctrl_port,
+            )
+            if len(c.ranks) < c.senders:
+                conn_log.warning(
+                    "TILERT_PD_SENDERS=%d but --tensor-parallel-size=%d: ranks %d..%d do not "
+                    "exist, "
+                    "so every decode node will wait out its KV timeout",
+                    c.senders,
+                    args.tensor_parallel_size,
+                    len(c.ranks),
+                    c.senders - 1,
+                )
+        if not await lifecycle.loading(faults, shutdown):
+            return
+        host = args.host or "0.0.0.0"
+        sock = bound_socket(host, args.port)
+        log.info("Starting vLLM API server 0 on http://%s:%d", host, args.port)
+        log.info("Started server process [%d]", os.getpid())
+        log.info("Waiting for application startup.")
+        log.info("Application startup complete.")
+        await serve(server.build_app(), sock, shutdown=shutdown)
+
+    lifecycle.run("prefill", faults, body, term_exit_code=TERM_EXIT_CODE)
+
+
+if __name__ == "__main__":
+    main()

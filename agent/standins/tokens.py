@@ -1,0 +1,77 @@
+"""The token ids the stand-in engines emit, and their text without a tokenizer.
+
+The demo tokenizer (``recipes/local-demo-model``, built by ``tests/infra/tokenizer.py``) is a
+byte-level BPE whose vocabulary starts with ``SPECIAL_TOKENS`` and then the 256 byte symbols in
+sorted order (what ``tokenizers``' BPE trainer does with the ByteLevel alphabet). So the id of a
+single byte is known without loading the tokenizer, whatever merges training produced: the
+stand-ins emit ASCII text byte by byte, and any real tokenizer built that way decodes it.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = SPECIAL_TOKENS
+EOS_ID = SPECIAL_TOKENS.index(EOS_TOKEN)
+
+# The prefill's "first token" and the decode's continuation: together a short visible reply.
+FIRST_TOKEN_TEXT = "H"
+CONTINUATION_TEXT = "ello from the TileRT decode stand-in."
+
+
+@cache
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte -> printable unicode symbol table (what ByteLevel pre-tokenization uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@cache
+def _byte_ids() -> dict[int, int]:
+    ordered = sorted(_byte_symbols().values())
+    rank = {symbol: i for i, symbol in enumerate(ordered)}
+    return {b: len(SPECIAL_TOKENS) + rank[s] for b, s in _byte_symbols().items()}
+
+
+@cache
+def _id_bytes() -> dict[int, int]:
+    return {i: b for b, i in _byte_ids().items()}
+
+
+def byte_token_id(byte: int) -> int:
+    """The token id of one byte in the demo tokenizer."""
+    return _byte_ids()[byte]
+
+
+def encode_bytes(text: str) -> list[int]:
+    """``text`` as one token id per UTF-8 byte."""
+    return [byte_token_id(b) for b in text.encode()]
+
+
+def first_token_id() -> int:
+    """The token the prefill stand-in answers with (``max_tokens=1``)."""
+    return byte_token_id(ord(FIRST_TOKEN_TEXT))
+
+
+def continuation_ids() -> list[int]:
+    """What the decode stand-in emits after the first token, ending with EOS."""
+    return [*encode_bytes(CONTINUATION_TEXT), EOS_ID]
+
+
+def render(ids: list[int]) -> str:
+    """Text of ``ids`` without a tokenizer: byte tokens as their bytes, specials dropped."""
+    raw = bytearray()
+    for i in ids:
+        if i in _id_bytes():
+            raw.append(_id_bytes()[i])
+        elif i >= len(SPECIAL_TOKENS):
+            raw += f"<{i}>".encode()
+    return raw.decode(errors="replace")

@@ -1,0 +1,181 @@
+"""TileRT's decode control plane (ctrl port), as ``tilert.pd_vllm`` 0.1.6 speaks it.
+
+One TCP connection per (request, sender rank); a frame is a 4-byte big-endian length and UTF-8
+JSON (at most 16 MiB):
+
+1. decode -> ``Hello`` (magic, protocol 2, layout version, transport, max_seq_len, busy, senders...)
+2. prefill -> ``Admission`` (rid, rank, seq_len, last_prompt_token, sampling, admission_window_s)
+3. decode -> ``Verdict`` (accepted + generation, or an error: "seq_len exceeds max_seq_len",
+   "busy", "cancelling", "duplicate_rank"; the prefill retries busy/cancelling with 0.2 * 2^k s)
+4. prefill writes the KV (RDMA in TileRT; nothing here), then ``Done`` and closes.
+
+A request is complete when every sender rank said done.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any, TypeVar
+
+import msgspec
+import trio
+
+_T = TypeVar("_T")
+
+MAGIC = "tilert-pd"
+PROTOCOL_VERSION = 2
+NUM_RANKS = 8
+MAX_FRAME = 16 << 20
+DEFAULT_CTRL_PORT = 5556
+DEFAULT_TRANSPORT = "mooncake"
+TRANSIENT_REJECTS = frozenset({"busy", "cancelling"})
+ADMISSION_ATTEMPTS = 5
+ADMISSION_BACKOFF_S = 0.2
+
+# Model profile -> base layout version (tilert.pd_vllm.profiles); offsets as in mla_nsa.py.
+PROFILE_LAYOUT = {"glm5": 10, "dsv32": 11, "glm5_2": 12}
+BF16_OFFSET, KI_TILED_OFFSET, ROCM_FP8_OFFSET, NO_MTP_OFFSET = 40, 100, 200, 1000
+_FP8 = ("fp8_ds_mla", "fp8", "fp8_e4m3")
+_BF16 = ("bf16", "bfloat16", "auto")
+_ROCM_FP8 = ("fp8_rocm", "rocm_fp8")
+
+
+class Hello(msgspec.Struct, omit_defaults=True):
+    magic: str
+    protocol_version: int
+    layout_version: int
+    transport: str
+    max_seq_len: int
+    busy: bool
+    senders: int
+    kv_base: int = 0
+    pe_base: int = 0
+    ki_base: int = 0
+    session_id: str | None = None
+
+
+class Admission(msgspec.Struct, omit_defaults=True):
+    rid: str
+    rank: int
+    seq_len: int
+    last_prompt_token: int = 0
+    sampling: dict[str, Any] | None = None
+    admission_window_s: float = 0.0
+    prompt_token_ids: list[int] | None = None
+
+
+class Verdict(msgspec.Struct, omit_defaults=True):
+    accepted: bool
+    rid: str | None = None
+    rank: int | None = None
+    generation: int | None = None
+    error: str | None = None
+    max_seq_len: int | None = None
+    busy_rid: str | None = None
+
+
+class Done(msgspec.Struct):
+    done: bool
+    rid: str
+    rank: int
+    generation: int
+
+
+class WireError(Exception):
+    """The peer broke the protocol (closed mid-frame, oversized frame, wrong message)."""
+
+
+def derive_rid(request_id: str) -> str:
+    """The rid both sides derive from a vLLM request id (``tilert.pd_vllm.wire.derive_rid``)."""
+    rid = request_id
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if rid.startswith(prefix):
+            rid = rid[len(prefix) :]
+            break
+    head, sep, tail = rid.rpartition("-")
+    if sep and len(tail) <= 8 and all(c in "0123456789abcdef" for c in tail):
+        rid = head
+    head, sep, tail = rid.rpartition("-")
+    if sep and tail.isdigit() and len(tail) <= 3:
+        rid = head
+    return rid
+
+
+def layout_version(profile: str, kv_cache_dtype: str) -> int:
+    """The KV layout version of a profile and cache dtype; ValueError for unknown ones."""
+    if profile not in PROFILE_LAYOUT:
+        raise ValueError(f"unknown model profile {profile!r}; want one of {sorted(PROFILE_LAYOUT)}")
+    dtype = (kv_cache_dtype or "").lower()
+    if dtype not in _FP8 + _BF16 + _ROCM_FP8:
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; want fp8_ds_mla, fp8_rocm or bf16"
+        )
+    version = PROFILE_LAYOUT[profile]
+    if profile == "glm5" and _env_flag("TILERT_PD_NO_MTP"):
+        version += NO_MTP_OFFSET
+    if dtype in _BF16:
+        version += BF16_OFFSET
+    if dtype in _ROCM_FP8:
+        version += ROCM_FP8_OFFSET
+    if _env_flag("TILERT_PD_KI_TILED"):
+        version += KI_TILED_OFFSET
+    return version
+
+
+def sender_count() -> int:
+    """TILERT_PD_SENDERS (default 8), clamped to 1..8 as TileRT does."""
+    raw = (os.environ.get("TILERT_PD_SENDERS") or "8").strip() or "1"
+    return max(1, min(int(raw), NUM_RANKS))
+
+
+def _env_flag(name: str) -> bool:
+    return (os.environ.get(name) or "0").strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def encode_frame(message: msgspec.Struct | dict[str, Any]) -> bytes:
+    """One frame: big-endian length + JSON."""
+    data = msgspec.json.encode(message)
+    return struct.pack("!I", len(data)) + data
+
+
+class FrameStream:
+    """Frames over a trio stream."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self._buffer = bytearray()
+
+    async def send(self, message: msgspec.Struct | dict[str, Any]) -> None:
+        """Send one message."""
+        await self.stream.send_all(encode_frame(message))
+
+    async def receive(self) -> dict[str, Any]:
+        """The next message as a dict."""
+        (length,) = struct.unpack("!I", await self._exactly(4))
+        if length > MAX_FRAME:
+            raise WireError(f"control message too large: {length}")
+        try:
+            message = msgspec.json.decode(await self._exactly(length))
+        except msgspec.DecodeError as exc:
+            raise WireError(f"control message is not JSON: {exc}") from None
+        if not isinstance(message, dict):
+            raise WireError(f"control message is not an object: {message!r}")
+        return message
+
+    async def receive_as(self, kind: type[_T]) -> _T:
+        """The next message, validated as ``kind``."""
+        try:
+            return msgspec.convert(await self.receive(), kind)
+        except msgspec.ValidationError as exc:
+            raise WireError(f"bad {kind.__name__} message: {exc}") from None
+
+    async def _exactly(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            chunk = await self.stream.receive_some(65536)
+            if not chunk:
+                raise WireError("connection closed mid-message")
+            self._buffer += chunk
+        data = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return data

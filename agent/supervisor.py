@@ -1,0 +1,352 @@
+"""One engine's life: start, prove ready, watch, restart with backoff, give up, stop.
+
+States are DESIGN.md's ``/status`` vocabulary::
+
+    starting --(startup probe ok)--> healthy --(N probe failures)--> unhealthy --+
+       |  ^                            |                                        |
+       |  +------ restarting <---------+--(engine exited)-----------------------+
+       +--(budget exceeded / too many restarts in the window)--> failed
+    any --(stop requested)--> stopping --> stopped
+
+An engine exit is a failure unless we are stopping (vLLM's API process exits 0 when its engine
+dies). An engine that exits with "address in use" before it was ever healthy gets new ports from
+``on_address_in_use`` (no backoff, not a crash); once healthy, ports are sticky.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import trio
+
+from agent.launchers import Engine, Launcher, LaunchSpec
+from agent.logs import LogSink
+from agent.plan import Plan
+from agent.records import EngineState, EngineStatus
+
+ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
+FAILURE_LOG_LINES = 50
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Probe cadence, restart policy and budgets for one engine (from the plan)."""
+
+    startup_interval_s: float
+    interval_s: float
+    timeout_s: float
+    failure_threshold: int
+    backoff_initial_s: float
+    backoff_max_s: float
+    max_restarts: int
+    window_s: float
+    startup_budget_s: float
+    stop_grace_s: float
+
+
+def policy_for(plan: Plan, *, startup_budget_s: float, stop_grace_s: float) -> Policy:
+    """The supervisor policy of one engine, from the plan's agent settings."""
+    a = plan.agent
+    return Policy(
+        startup_interval_s=a.probe_startup_interval_s,
+        interval_s=a.probe_interval_s,
+        timeout_s=a.probe_timeout_s,
+        failure_threshold=a.probe_failure_threshold,
+        backoff_initial_s=a.restart_backoff_initial_s,
+        backoff_max_s=a.restart_backoff_max_s,
+        max_restarts=a.restart_max,
+        window_s=a.restart_window_s,
+        startup_budget_s=startup_budget_s,
+        stop_grace_s=stop_grace_s,
+    )
+
+
+@dataclass
+class Stats:
+    """What metrics read: counters and the last observations."""
+
+    probe_latencies: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    time_to_healthy_s: float | None = None
+    healthy_count: int = 0
+
+
+class EngineSupervisor:
+    """Supervises one engine; ``run`` until failed or stopped, ``stop`` from another task."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        launcher: Launcher,
+        build: Callable[[], LaunchSpec],
+        health_url: Callable[[], str],
+        ports: Callable[[], dict[str, int]],
+        policy: Policy,
+        sink: LogSink,
+        log: logging.Logger,
+        on_change: Callable[[], None],
+        on_address_in_use: Callable[[], None] | None = None,
+        observe_probe: Callable[[float], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.launcher = launcher
+        self.build = build
+        self.health_url = health_url
+        self.ports = ports
+        self.policy = policy
+        self.sink = sink
+        self.log = log
+        self.on_change = on_change
+        self.on_address_in_use = on_address_in_use
+        self.observe_probe = observe_probe
+        self.state: EngineState = "starting"
+        self.reason = "not started yet"
+        self.since = time.time()
+        self.restarts = 0
+        self.engine: Engine | None = None
+        self.generation = 0
+        self.started_at: float | None = None
+        self.ever_healthy = False
+        self.stats = Stats()
+        self.stopping = False
+        self._restart_times: deque[float] = deque()
+        self._relaunch_reason: str | None = None
+        self._cancel = trio.CancelScope()
+        self._probe_wakeup = trio.Event()
+        self.done = trio.Event()
+
+    # ---- what others read ------------------------------------------------------------------
+
+    def status(self) -> EngineStatus:
+        """The ``/status`` view of this engine."""
+        alive = self.engine is not None and self.engine.returncode is None
+        return EngineStatus(
+            state=self.state,
+            pid=self.engine.pid if alive and self.engine else None,
+            ports=self.ports(),
+            restarts=self.restarts,
+            reason=self.reason,
+            since=self.since,
+            uptime_s=(time.time() - self.started_at) if alive and self.started_at else None,
+        )
+
+    def _set(self, state: EngineState, reason: str) -> None:
+        if state == self.state and reason == self.reason:
+            return
+        previous = self.state
+        self.state, self.reason, self.since = state, reason, time.time()
+        level = logging.WARNING if state in ("unhealthy", "restarting", "failed") else logging.INFO
+        self.log.log(level, "%s: %s -> %s: %s", self.name, previous, state, reason)
+        self.on_change()
+
+    # ---- control ---------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Stop for good: the engine gets SIGTERM, the grace, then SIGKILL. Returns when done."""
+        self.stopping = True
+        self._cancel.cancel()
+        await self.done.wait()
+
+    def relaunch(self, reason: str) -> None:
+        """Stop the engine and start it again with a fresh ``build()`` (not counted as a crash)."""
+        self._relaunch_reason = reason
+        self._probe_wakeup.set()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Supervise until failed or stopped."""
+        try:
+            with self._cancel:
+                await self._loop()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._shutdown()
+            self.done.set()
+
+    async def _stop_engine(self, engine: Engine) -> None:
+        if engine.returncode is not None:
+            return
+        if self.stopping and self.state != "failed":
+            self._set("stopping", f"stop requested; grace {self.policy.stop_grace_s:g}s")
+        code = await engine.stop(self.policy.stop_grace_s)
+        self.log.info("%s: engine pid %d ended with status %d", self.name, engine.pid, code)
+
+    async def _shutdown(self) -> None:
+        if self.engine is not None:
+            await self._stop_engine(self.engine)
+        if self.stopping and self.state != "failed":
+            self._set("stopped", "stopped on request")
+
+    async def _loop(self) -> None:
+        async with httpx.AsyncClient(timeout=self.policy.timeout_s) as client:
+            while True:
+                outcome = await self._one_generation(client)
+                if outcome is None:
+                    return  # failed for good (state already set)
+                if self._relaunch_reason is not None:
+                    reason, self._relaunch_reason = self._relaunch_reason, None
+                    self._set("restarting", reason)
+                    continue
+                now = time.monotonic()
+                self._restart_times.append(now)
+                while self._restart_times and now - self._restart_times[0] > self.policy.window_s:
+                    self._restart_times.popleft()
+                if len(self._restart_times) > self.policy.max_restarts:
+                    self._fail(
+                        f"{outcome}; gave up after {self.policy.max_restarts} restarts within "
+                        f"{self.policy.window_s:g}s (agent.restart.max_restarts / window_s)"
+                    )
+                    return
+                delay = min(
+                    self.policy.backoff_max_s,
+                    self.policy.backoff_initial_s * 2 ** (len(self._restart_times) - 1),
+                )
+                self.restarts += 1
+                self._set("restarting", f"{outcome}; restart {self.restarts} in {delay:.1f}s")
+                await trio.sleep(delay)
+
+    def _fail(self, reason: str) -> None:
+        self._set("failed", reason)
+        lines = self.sink.recent(FAILURE_LOG_LINES)
+        self.log.error(
+            "%s failed: %s\n--- last %d lines of %s ---\n%s\n--- end ---",
+            self.name,
+            reason,
+            len(lines),
+            self.sink.path,
+            "\n".join(lines),
+        )
+
+    async def _one_generation(self, client: httpx.AsyncClient) -> str | None:
+        """Run the engine once; return why it ended (restartable), or None when failed for good."""
+        spec = self.build()
+        self.generation += 1
+        self._probe_wakeup = trio.Event()
+        if self.state != "restarting":
+            self._set("starting", f"launching (generation {self.generation})")
+        start = time.monotonic()
+        try:
+            engine = await self.launcher.start(spec)
+        except OSError as exc:
+            self._fail(f"could not start {spec.argv[0]}: {exc}")
+            return None
+        self.engine = engine
+        self.started_at = time.time()
+        self.sink.note(
+            f"=== {self.name} generation {self.generation} started, pid {engine.pid}: "
+            f"{' '.join(spec.argv)} ==="
+        )
+        self._set("starting", f"engine pid {engine.pid} started; waiting for {self.health_url()}")
+        async with trio.open_nursery() as nursery:
+            pumped = trio.Event()
+
+            async def pump() -> None:
+                await self.sink.pump(engine.output)
+                pumped.set()
+
+            nursery.start_soon(pump)
+            exited = trio.Event()
+
+            async def wait_exit() -> None:
+                await engine.wait()
+                exited.set()
+                self._probe_wakeup.set()
+
+            nursery.start_soon(wait_exit)
+            try:
+                result = await self._watch(client, engine, exited, start)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._stop_engine(engine)
+                    # The pipe reaches EOF once the engine's group is gone; a stray holder of
+                    # it must not keep this generation alive.
+                    with trio.move_on_after(2.0):
+                        await pumped.wait()
+                nursery.cancel_scope.cancel()
+        return result
+
+    async def _probe(self, client: httpx.AsyncClient) -> bool:
+        t0 = time.monotonic()
+        try:
+            response = await client.get(self.health_url())
+            ok = response.status_code == 200
+        except (httpx.HTTPError, OSError):
+            ok = False
+        latency = time.monotonic() - t0
+        self.stats.probe_latencies.append(latency)
+        if self.observe_probe is not None:
+            self.observe_probe(latency)
+        return ok
+
+    async def _sleep_or_wake(self, seconds: float) -> None:
+        with trio.move_on_after(seconds):
+            await self._probe_wakeup.wait()
+
+    def _exit_reason(self, engine: Engine) -> str:
+        code = engine.returncode
+        if code is not None and code < 0:
+            return f"engine pid {engine.pid} killed by signal {-code}"
+        if code == 0:
+            return f"engine pid {engine.pid} exited with code 0 (an engine must not exit while serving)"
+        return f"engine pid {engine.pid} exited with code {code}"
+
+    async def _watch(
+        self, client: httpx.AsyncClient, engine: Engine, exited: trio.Event, start: float
+    ) -> str | None:
+        policy = self.policy
+        deadline = start + policy.startup_budget_s
+        # Startup probe: fast, so readiness is seen within ~50 ms.
+        while True:
+            if self._relaunch_reason is not None:
+                return "relaunch"
+            if exited.is_set():
+                if not self.ever_healthy and self._address_in_use() and self.on_address_in_use:
+                    self.on_address_in_use()
+                    self._relaunch_reason = "address in use before first healthy: new ports"
+                    return "relaunch"
+                return self._exit_reason(engine) + " before becoming healthy"
+            if await self._probe(client):
+                break
+            if time.monotonic() > deadline:
+                self._fail(
+                    f"not healthy within the startup budget of {policy.startup_budget_s:g}s "
+                    f"({self.health_url()}); raise agent.startup_budget_s or health_check"
+                )
+                return None
+            await self._sleep_or_wake(policy.startup_interval_s)
+        elapsed = time.monotonic() - start
+        self.ever_healthy = True
+        self.stats.time_to_healthy_s = elapsed
+        self.stats.healthy_count += 1
+        self._set("healthy", f"{self.health_url()} answered 200 after {elapsed:.2f}s")
+        # Liveness: N consecutive failures -> unhealthy -> restart.
+        failures = 0
+        while True:
+            await self._sleep_or_wake(policy.interval_s)
+            if self._relaunch_reason is not None:
+                return "relaunch"
+            if exited.is_set():
+                return self._exit_reason(engine)
+            if await self._probe(client):
+                failures = 0
+                continue
+            if exited.is_set():
+                return self._exit_reason(engine)
+            failures += 1
+            self.log.info(
+                "%s: health probe failed (%d/%d)", self.name, failures, policy.failure_threshold
+            )
+            if failures >= policy.failure_threshold:
+                reason = f"{failures} consecutive health probe failures ({self.health_url()})"
+                self._set("unhealthy", reason)
+                return reason
+
+    def _address_in_use(self) -> bool:
+        return any(ADDRESS_IN_USE.search(line) for line in self.sink.recent(FAILURE_LOG_LINES))

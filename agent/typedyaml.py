@@ -1,0 +1,362 @@
+"""Typed YAML for recipes and cluster files: parse with line numbers, then check the whole tree.
+
+msgspec stops at the first problem; users fixing a recipe on a login node want all of them. So the
+raw tree is walked against the msgspec type (``msgspec.inspect``): every unknown key (with a
+"did you mean") and every wrong type is reported, and the offending entries are pruned so that
+``msgspec.convert`` succeeds and the load-time rules can still run on the rest.
+
+The YAML dialect is YAML 1.1 as PyYAML reads it, minus two traps: base-60 numbers
+(``time_limit: 4:00:00`` would become the integer 14400) and leading-zero octals (``0755`` would
+become 493) stay strings, as in YAML 1.2. Duplicate keys, which PyYAML silently collapses, are
+errors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+import yaml
+
+from agent.problems import Problem, error
+
+PathPart = str | int
+Path = tuple[PathPart, ...]
+
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader without sexagesimal numbers and leading-zero octals."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    _INT,
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+|[-+]?0o[0-7_]+)$"),
+    list("-+0123456789"),
+)
+_Loader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    if text.lstrip("+-").startswith("0o"):
+        sign = -1 if text.startswith("-") else 1
+        return sign * int(text.lstrip("+-")[2:], 8)
+    return int(text, 0)
+
+
+_Loader.add_constructor(_INT, _construct_int)
+
+
+class YamlSyntaxError(Exception):
+    """YAML that does not parse; ``line``/``column`` are 1-based when known."""
+
+    def __init__(self, detail: str, line: int | None, column: int | None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.line = line
+        self.column = column
+
+
+def dotted(path: Path) -> str:
+    """``("roles", "decode", "env", 0)`` -> ``roles.decode.env[0]``."""
+    text = ""
+    for part in path:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else part
+    return text
+
+
+def _syntax_error(exc: yaml.YAMLError) -> YamlSyntaxError:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    detail = " ".join(
+        str(part) for part in (getattr(exc, "context", None), getattr(exc, "problem", None)) if part
+    ) or str(exc)
+    if mark is None:
+        return YamlSyntaxError(detail, None, None)
+    return YamlSyntaxError(detail, mark.line + 1, mark.column + 1)
+
+
+def _walk_nodes(node: yaml.Node, path: Path, lines: dict[str, int], dups: list[Problem]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            child = (*path, key)
+            line = key_node.start_mark.line + 1
+            if key in seen and key != "<<":
+                dups.append(
+                    error(
+                        dotted(child),
+                        f"duplicate key '{key}' (YAML keeps only the last one)",
+                        "write each key once",
+                        line,
+                    )
+                )
+            seen.add(key)
+            lines.setdefault(dotted(child), line)
+            _walk_nodes(value_node, child, lines, dups)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            child = (*path, index)
+            lines.setdefault(dotted(child), item.start_mark.line + 1)
+            _walk_nodes(item, child, lines, dups)
+
+
+def parse(text: str) -> tuple[Any, dict[str, int], list[Problem]]:
+    """Parse YAML: (data, dotted key path -> line, duplicate-key problems); YamlSyntaxError."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        lines: dict[str, int] = {}
+        dups: list[Problem] = []
+        if node is None:
+            return None, lines, dups
+        _walk_nodes(node, (), lines, dups)
+        return loader.construct_document(node), lines, dups
+    except yaml.YAMLError as exc:
+        raise _syntax_error(exc) from None
+    finally:
+        loader.dispose()
+
+
+def load_scalar(text: str) -> Any:
+    """One YAML value typed exactly as in a recipe file (for ``--set``)."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise _syntax_error(exc) from None
+
+
+def line_of(path: str, lines: Mapping[str, int]) -> int | None:
+    """Line of ``path`` or of its nearest ancestor present in the file."""
+    while path:
+        if path in lines:
+            return lines[path]
+        cut = max(path.rfind("."), path.rfind("["))
+        if cut <= 0:
+            return None
+        path = path[:cut]
+    return None
+
+
+# ---- shape checking ---------------------------------------------------------------------------
+
+_NONE = mi.NoneType
+
+
+def describe(t: mi.Type) -> str:
+    """The expected type in words ("an integer", "a mapping", "true or false")."""
+    if isinstance(t, mi.UnionType):
+        names = list(dict.fromkeys(describe(m) for m in t.types if not isinstance(m, _NONE)))
+        if "a number" in names and "an integer" in names:
+            names.remove("an integer")
+        if len(names) > 2:
+            return ", ".join(names[:-1]) + " or " + names[-1]
+        return " or ".join(names) or "null"
+    if isinstance(t, mi.LiteralType):
+        return "one of " + ", ".join(repr(v) for v in t.values)
+    return {
+        mi.StrType: "a string",
+        mi.IntType: "an integer",
+        mi.FloatType: "a number",
+        mi.BoolType: "true or false",
+        mi.NoneType: "null",
+        mi.DictType: "a mapping",
+        mi.StructType: "a mapping",
+        mi.ListType: "a list",
+        mi.AnyType: "any value",
+    }.get(type(t), "a valid value")
+
+
+def _what(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, int | float):
+        return f"the number {value}"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return type(value).__name__
+
+
+def _kind_ok(value: Any, t: mi.Type) -> bool:
+    if isinstance(t, mi.AnyType):
+        return True
+    if isinstance(t, mi.UnionType):
+        return any(_kind_ok(value, m) for m in t.types)
+    if isinstance(t, mi.LiteralType):
+        return value in t.values and not isinstance(value, bool)
+    if isinstance(t, mi.StrType):
+        return isinstance(value, str)
+    if isinstance(t, mi.BoolType):
+        return isinstance(value, bool)
+    if isinstance(t, mi.IntType):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(t, mi.FloatType):
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if isinstance(t, mi.NoneType):
+        return value is None
+    if isinstance(t, mi.DictType | mi.StructType):
+        return isinstance(value, dict)
+    if isinstance(t, mi.ListType):
+        return isinstance(value, list)
+    return True
+
+
+def _type_hint(t: mi.Type, path: Path) -> str:
+    want = describe(t)
+    key = str(path[-1]) if path else "the file"
+    if want.startswith("an integer"):
+        return f"write a whole number without quotes, e.g. {key}: 2"
+    if want.startswith("a number"):
+        return f"write a number without quotes, e.g. {key}: 1.5"
+    if want == "true or false":
+        return f"write {key}: true or {key}: false"
+    if want.startswith("a string"):
+        return f'quote the value, e.g. {key}: "..."'
+    if want.startswith("a mapping"):
+        return f"write indented 'name: value' pairs under {key}"
+    if want.startswith("a list"):
+        return f"write a YAML list under {key}, one '- item' per line"
+    return f"use {want}"
+
+
+# Extra advice for an unknown key: (struct class, key, path) -> a message and a hint, or None.
+UnknownKeyAdvice = Callable[[type, str, Path], tuple[str, str] | None]
+
+
+def suggest(word: str, choices: list[str]) -> str | None:
+    """The closest choice to ``word`` (``_`` and ``-`` treated alike), or None."""
+    norm = {c.replace("-", "_").lower(): c for c in choices}
+    exact = norm.get(word.replace("-", "_").lower())
+    if exact is not None:
+        return exact
+    found = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+class ShapeChecker:
+    """Walks a raw YAML tree against a msgspec type; collects problems and prunes what is wrong."""
+
+    def __init__(self, advice: UnknownKeyAdvice | None = None) -> None:
+        self.problems: list[Problem] = []
+        # Dotted paths removed from the tree; rule problems under them are noise.
+        self.pruned: list[str] = []
+        self._advice = advice
+
+    def _bad(self, path: Path, message: str, hint: str) -> None:
+        self.problems.append(error(dotted(path), message, hint))
+        self.pruned.append(dotted(path))
+
+    def check(self, value: Any, t: mi.Type, path: Path = ()) -> tuple[bool, Any]:
+        """(keep, cleaned value): ``keep`` is False when the value itself is wrong."""
+        if isinstance(t, mi.UnionType):
+            members = [m for m in t.types if _kind_ok(value, m)]
+            if not members:
+                self._bad(path, f"expected {describe(t)}, got {_what(value)}", _type_hint(t, path))
+                return False, None
+            # A dict value goes to the Struct/Dict member; anything else to its scalar member.
+            return self.check(value, members[0], path)
+        if isinstance(t, mi.StructType):
+            if not isinstance(value, dict):
+                self._bad(path, f"expected a mapping, got {_what(value)}", _type_hint(t, path))
+                return False, None
+            return True, self._struct(value, t, path)
+        if isinstance(t, mi.DictType):
+            if not isinstance(value, dict):
+                self._bad(path, f"expected a mapping, got {_what(value)}", _type_hint(t, path))
+                return False, None
+            cleaned: dict[Any, Any] = {}
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    self._bad((*path, str(key)), "keys must be strings", f'quote it: "{key}"')
+                    continue
+                keep, item = self.check(item, t.value_type, (*path, key))
+                if keep:
+                    cleaned[key] = item
+            return True, cleaned
+        if isinstance(t, mi.ListType):
+            if not isinstance(value, list):
+                self._bad(path, f"expected a list, got {_what(value)}", _type_hint(t, path))
+                return False, None
+            items = []
+            for index, item in enumerate(value):
+                keep, item = self.check(item, t.item_type, (*path, index))
+                if keep:
+                    items.append(item)
+            return True, items
+        if not _kind_ok(value, t):
+            self._bad(path, f"expected {describe(t)}, got {_what(value)}", _type_hint(t, path))
+            return False, None
+        return True, value
+
+    def _struct(self, value: dict[Any, Any], t: mi.StructType, path: Path) -> dict[str, Any]:
+        fields = {f.encode_name: f for f in t.fields}
+        cleaned: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                self._bad((*path, str(key)), "keys must be strings", f'quote it: "{key}"')
+                continue
+            field = fields.get(key)
+            if field is None:
+                self._unknown(key, t, path, list(fields))
+                continue
+            keep, item = self.check(item, field.type, (*path, key))
+            if keep:
+                cleaned[key] = item
+        for name, field in fields.items():
+            if field.required and name not in value:
+                self._bad((*path, name), f"'{name}' is required here", f"add {name}: ...")
+        return cleaned
+
+    def _unknown(self, key: str, t: mi.StructType, path: Path, choices: list[str]) -> None:
+        advice = self._advice(t.cls, key, path) if self._advice else None
+        if advice is not None:
+            message, hint = advice
+        else:
+            message = f"unknown key '{key}'"
+            close = suggest(key, choices)
+            where = dotted(path) or "the top level"
+            if close is not None:
+                hint = f"did you mean '{close}'?"
+            else:
+                hint = f"keys allowed under {where}: {', '.join(choices)}"
+        self._bad((*path, key), message, hint)
+
+
+def convert_problem(exc: msgspec.ValidationError) -> Problem:
+    """A Problem from msgspec's own message (only reached if the walker missed something)."""
+    text = str(exc)
+    path = ""
+    if " - at `$" in text:
+        text, _, where = text.partition(" - at `$")
+        path = where.rstrip("`").lstrip(".")
+    return error(path, text, "fix the value's type")

@@ -1,0 +1,1 @@
+"""The thin submitter (``tilert-submit``): recipe -> plan -> job directory -> sbatch (or local)."""

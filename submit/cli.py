@@ -1,0 +1,254 @@
+"""``tilert-submit``: load + validate a recipe, plan, write the job directory, submit (or not).
+
+``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock]
+[--job-dir DIR]``, and the job commands ``status J [--json]``, ``logs J [NAME] [-f]``, ``stop J``.
+RECIPE is positional, so the job commands are recognised by the first word; a recipe file with
+such a name is given as ``./status``. Bad input exits 2 with a message naming the key or flag,
+a runtime failure 1; never a traceback for either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from agent.atomicfile import write_atomic
+from agent.cluster import ClusterConfig, find_cluster_file, read_cluster
+from agent.jobdir import JobDir
+from agent.loader import LoadedRecipe, load_recipe, resolved_yaml
+from agent.logs import log_path
+from agent.plan import Plan
+from agent.planner import make_plan, secret_values
+from agent.problems import Problem, RecipeError, error, render_problems
+from agent.records import JobAgent, JobStatus
+
+PROG = "tilert-submit"
+JOBS_DIR = "tilert-jobs"
+EXIT_BAD_INPUT = 2
+EXIT_RUNTIME = 1
+
+# Job commands: first word -> (module, one-line help). Imported only when used.
+JOB_COMMANDS = {
+    "status": ("submit.statusview", "show a job's state and its agents"),
+    "logs": ("submit.logview", "print (or follow) a job's logs"),
+    "stop": ("submit.stop", "stop a job: agents drain, then the job ends"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Serve a model with vLLM prefill + TileRT decode + TileRT's P/D router: "
+        "validate the recipe, plan, write the job directory and submit it to Slurm.",
+        epilog="Job commands: "
+        + "; ".join(f"{PROG} {name} J ... ({text})" for name, (_, text) in JOB_COMMANDS.items())
+        + ". See docs/cli.md.",
+    )
+    parser.add_argument("recipe", metavar="RECIPE", help="the recipe YAML file")
+    parser.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="cluster file (default: $TILERT_CLUSTER_FILE, else ./srtslurm.yaml, else none)",
+    )
+    parser.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        dest="overrides",
+        help="change one recipe value: a dotted path and a YAML value, e.g. "
+        "--set roles.decode.nodes=2 (repeatable)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, plan, write the job directory and sbatch script, print the plan; "
+        "submit nothing",
+    )
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="run the agents here as local processes instead of through Slurm (foreground)",
+    )
+    parser.add_argument(
+        "--mock",
+        action="store_true",
+        help="replace the GPU engines by the project's stand-ins (process launcher)",
+    )
+    parser.add_argument(
+        "--job-dir",
+        metavar="DIR",
+        help=f"job directory; must not exist or be empty (default: ./{JOBS_DIR}/<name>-<time>)",
+    )
+    return parser
+
+
+def _job_command(name: str, argv: Sequence[str]) -> int:
+    module_name, text = JOB_COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=text)
+    add_arguments = getattr(module, "add_arguments", None)
+    if add_arguments is not None:
+        add_arguments(parser)
+    else:
+        parser.add_argument("job_dir", metavar="J", help="the job directory tilert-submit printed")
+        if name == "status":
+            parser.add_argument("--json", action="store_true", help="print status.json as is")
+    args = parser.parse_args(list(argv))
+    result: int = module.main(args)
+    return result
+
+
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return code
+
+
+def _warn(problems: Sequence[Problem], source: str) -> None:
+    if problems:
+        print(render_problems(problems, source), file=sys.stderr)
+
+
+def _load_cluster(flag: str | None) -> tuple[ClusterConfig | None, list[Problem], str]:
+    path = find_cluster_file(flag, os.environ, Path.cwd())
+    if path is None:
+        return None, [], ""
+    cluster, warnings = read_cluster(path)
+    return cluster, warnings, str(path)
+
+
+def _job_root(flag: str | None, name: str) -> Path:
+    """The job directory to create: --job-dir as given, or a fresh one under ./tilert-jobs/."""
+    if flag is not None:
+        root = Path(flag).expanduser().absolute()
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise RecipeError(
+                [
+                    error(
+                        "--job-dir",
+                        f"{flag} exists and is not an empty directory",
+                        "pass a new or empty directory, or leave --job-dir out for a fresh one",
+                    )
+                ]
+            )
+        return root
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path.cwd().absolute() / JOBS_DIR / f"{name}-{stamp}"
+    root, n = base, 1
+    while root.exists():  # two submissions in the same second
+        root = base.with_name(f"{base.name}-{n}")
+        n += 1
+    return root
+
+
+def pending_status(plan: Plan, job: JobDir) -> JobStatus:
+    """``status.json`` at submit: ``pending``, every planned agent listed."""
+    agents = [
+        JobAgent(
+            name=f"{role.role}-{i}",
+            role=role.role,
+            index=i,
+            node=None,
+            state="pending",
+            restarts=0,
+            reason="not started",
+            log=str(log_path(job, f"{role.role}-{i}")),
+            metrics_url=None,
+            status_url=None,
+        )
+        for role in (plan.prefill, plan.decode)
+        for i in range(role.nodes)
+    ]
+    return JobStatus(state="pending", model=plan.model, agents=agents)
+
+
+def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> None:
+    """Lay out the job directory and write recipe.yaml, plan.json, sbatch.sh, status.json."""
+    job.create()
+    write_atomic(job.recipe, resolved_yaml(loaded).encode(), mode=0o644)
+    write_atomic(job.plan, msgspec.json.format(msgspec.json.encode(plan)) + b"\n", mode=0o644)
+    write_atomic(job.sbatch, script.encode(), mode=0o755)
+    job.write_status(pending_status(plan, job))
+
+
+def _submit(job: JobDir, loaded: LoadedRecipe) -> int:
+    from submit import slurm
+
+    # Secrets written in the recipe travel in sbatch's process environment (exported to the
+    # agents), never in a file or argv; the recipe's value wins over the submitting shell's.
+    env = {**os.environ, **secret_values(loaded.recipe)}
+    try:
+        job_id = slurm.sbatch(job.sbatch, env=env)
+    except slurm.SlurmError as exc:
+        status = job.read_status()
+        job.write_status(
+            msgspec.structs.replace(status, state="failed", error=f"not submitted: {exc}")
+        )
+        return _fail(str(exc), EXIT_RUNTIME)
+    status = job.read_status()
+    job.write_status(msgspec.structs.replace(status, slurm_job_id=job_id, updated_at=time.time()))
+    print(f"Submitted Slurm job {job_id}")
+    print("Follow it with:")
+    for command in ("status", "logs", "stop"):
+        extra = " -f" if command == "logs" else ""
+        print(f"  {PROG} {command} {shlex.quote(str(job.root))}{extra}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, plan, write the job directory, then dry-run, run locally or submit."""
+    from submit.sbatch import default_agent_command, render_sbatch
+
+    try:
+        cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
+        loaded = load_recipe(Path(args.recipe), overrides=args.overrides, cluster=cluster)
+        launcher = "process" if (args.local or args.mock) else None
+        plan = make_plan(loaded, mock=args.mock, launcher=launcher)
+        if args.local:
+            # Every agent runs on this machine: loopback is the address they all reach.
+            plan = msgspec.structs.replace(plan, network_interface="lo")
+        job = JobDir(_job_root(args.job_dir, plan.name))
+        agent_command = default_agent_command(cluster)
+        script = render_sbatch(plan, job, agent_command)
+    except RecipeError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        write_job(job, loaded, plan, script)
+    except OSError as exc:
+        return _fail(f"--job-dir {job.root}: cannot write the job directory: {exc.strerror or exc}")
+    # The first line names the job directory (scripts and people rely on it).
+    print(f"Job directory: {job.root}", flush=True)
+    _warn(cluster_warnings, cluster_source)
+    _warn(loaded.warnings, loaded.source)
+    if args.dry_run:
+        from submit.show import render_plan
+
+        print(render_plan(plan, job, agent_command, local=args.local))
+        print("Dry run: nothing submitted.")
+        return 0
+    if args.local:
+        from submit.local import run_local
+
+        return run_local(job, plan, secret_values(loaded.recipe))
+    return _submit(job, loaded)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point of ``tilert-submit``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in JOB_COMMANDS:
+        return _job_command(argv[0], argv[1:])
+    return run(_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

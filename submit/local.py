@@ -1,0 +1,178 @@
+"""``tilert-submit RECIPE --local``: the same agents as local processes, in the foreground.
+
+Agents start through the agent's own process launcher, so each has its own process group and dies
+with this process even when it is SIGKILLed (PR_SET_PDEATHSIG from the main thread); their engines
+die with them the same way. Ctrl-C or SIGTERM stops everything and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import trio
+from agent.launchers import Engine, LaunchSpec, make_launcher
+
+from agent.jobdir import JobDir
+from agent.logs import LogSink
+from agent.plan import Plan
+from agent.records import JobStatus, agent_name
+
+PROGRESS_EVERY_S = 10.0
+POLL_S = 0.25
+# Agents drain engines within their own graces; this bounds the wait for the agents themselves.
+AGENT_STOP_SLACK_S = 10.0
+
+
+def agent_argv(job: JobDir, role: str, index: int) -> list[str]:
+    """How a local agent is started: this interpreter, so the demo needs nothing on PATH."""
+    return [
+        sys.executable,
+        "-m",
+        "agent.main",
+        "--role",
+        role,
+        "--index",
+        str(index),
+        "--job-dir",
+        str(job.root),
+    ]
+
+
+def _read(job: JobDir) -> JobStatus | None:
+    try:
+        return job.read_status()
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _summary(status: JobStatus) -> str:
+    return ", ".join(f"{a.name} {a.state}" for a in status.agents) or "no agent yet"
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+class LocalRun:
+    """The foreground supervisor of one local job's agents."""
+
+    def __init__(self, job: JobDir, plan: Plan, extra_env: dict[str, str]) -> None:
+        self.job = job
+        self.plan = plan
+        self.env = {**os.environ, **extra_env}
+        self.launcher = make_launcher("process", slurm_job_id=None, node=None)
+        self.agents: dict[str, Engine] = {}
+        self.sinks: dict[str, LogSink] = {}
+        self.limit = max(plan.prefill.startup_budget_s, plan.decode.startup_budget_s)
+        self.started = time.monotonic()
+
+    async def _start(self, nursery: trio.Nursery, role: str, index: int) -> None:
+        name = agent_name(role, index)
+        log_dir = self.job.log_dir(name)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(log_dir, 0o700)
+        # The agent writes agent.log itself; its stderr is kept too, for crashes before logging.
+        sink = LogSink(log_dir / "agent.stderr.log", max_bytes=8 * 1024 * 1024, backups=1)
+        engine = await self.launcher.start(
+            LaunchSpec(name=name, argv=agent_argv(self.job, role, index), env=self.env)
+        )
+        self.agents[name] = engine
+        self.sinks[name] = sink
+        nursery.start_soon(sink.pump, engine.output)
+
+    async def _stop_agents(self) -> None:
+        async with trio.open_nursery() as nursery:
+            grace = (
+                self.plan.router.stop_grace_s
+                + max(self.plan.prefill.stop_grace_s, self.plan.decode.stop_grace_s)
+                + AGENT_STOP_SLACK_S
+            )
+            for engine in self.agents.values():
+                nursery.start_soon(engine.stop, grace)
+
+    async def run(self) -> int:
+        """Start the agents, show progress, wait for a signal or a failure."""
+        status = _read(self.job)
+        if status is not None:
+            status.local_pid = os.getpid()
+            self.job.write_status(status)
+        code = 0
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                await self._start(nursery, "prefill", 0)
+                for i in range(self.plan.decode.workers):
+                    await self._start(nursery, "decode", i)
+                _say(
+                    f"started {len(self.agents)} agents ({', '.join(self.agents)}); "
+                    f"waiting for the job to be ready (limit {self.limit:g}s); Ctrl-C stops it"
+                )
+                stop = trio.Event()
+
+                async def on_signal() -> None:
+                    async for signum in signals:
+                        _say(f"{signal.Signals(signum).name} received: stopping every agent")
+                        stop.set()
+                        return
+
+                nursery.start_soon(on_signal)
+                code = await self._watch(stop)
+                await self._stop_agents()
+                for sink in self.sinks.values():
+                    sink.close()
+                nursery.cancel_scope.cancel()
+        final = _read(self.job)
+        _say(f"job {final.state if final else 'unknown'}; logs: tilert-submit logs {self.job.root}")
+        return code
+
+    async def _watch(self, stop: trio.Event) -> int:
+        last_line = ""
+        last_print = 0.0
+        ready_said = False
+        head = self.agents[agent_name("prefill", 0)]
+        while not stop.is_set():
+            status = _read(self.job)
+            elapsed = time.monotonic() - self.started
+            if status is not None:
+                if status.state in ("ready", "degraded") and not ready_said:
+                    ready_said = True
+                    self._say_ready(status, elapsed)
+                elif status.state == "failed":
+                    _say(f"job failed: {status.error}")
+                    return 1
+                line = f"{status.state}: {_summary(status)}"
+                now = time.monotonic()
+                if line != last_line or (not ready_said and now - last_print > PROGRESS_EVERY_S):
+                    limit = "" if ready_said else f" / limit {self.limit:g}s"
+                    _say(f"[{elapsed:6.1f}s{limit}] {line}")
+                    last_line, last_print = line, now
+            if head.returncode is not None:
+                status = _read(self.job)
+                error = status.error if status and status.error else "see its agent.log"
+                _say(f"the head agent prefill-0 exited with code {head.returncode}: {error}")
+                tail = self.sinks[agent_name("prefill", 0)].recent(20)
+                if tail:
+                    _say("last lines of its stderr:\n  " + "\n  ".join(tail))
+                return 1 if head.returncode else 0
+            with trio.move_on_after(POLL_S):
+                await stop.wait()
+        return 0
+
+    def _say_ready(self, status: JobStatus, elapsed: float) -> None:
+        url = status.router_url
+        _say(
+            f"READY after {elapsed:.1f}s: {status.state}, model {status.model!r} at {url}\n"
+            f"  try: curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{status.model}", "stream": true, '
+            f'"messages": [{{"role": "user", "content": "Hello"}}]}}\'\n'
+            f"  status: tilert-submit status {self.job.root}    logs: tilert-submit logs "
+            f"{self.job.root} -f"
+        )
+
+
+def run_local(job: JobDir, plan: Plan, extra_env: dict[str, str] | None = None) -> int:
+    """Run a job's agents locally until ready, then until SIGINT/SIGTERM; the exit code."""
+    return trio.run(LocalRun(job, plan, extra_env or {}).run)

@@ -1,0 +1,188 @@
+"""The readable plan ``tilert-submit --dry-run`` prints: who runs where, with what, for how long.
+
+Command lines come from the agent's own builders (``agent.commands``) with the values the agent
+chooses on its node shown as placeholders, so what is printed is what will run.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from agent.commands import DecodeEndpoint, decode_command, prefill_command, router_command
+from agent.jobdir import JobDir
+from agent.plan import Plan, RolePlan
+from agent.records import ROUTER_NAME, agent_name
+from agent.secrets import MASK
+
+CHOSEN = "<agent>"
+
+
+class _Chosen(int):
+    """A port the agent chooses on its node: prints as the placeholder."""
+
+    def __str__(self) -> str:
+        return CHOSEN
+
+
+@dataclass(frozen=True)
+class _ChosenDecode(DecodeEndpoint):
+    """A decode node as the router's ``--decode`` will name it, once its agent has chosen."""
+
+    name: str = ""
+
+    def spec(self) -> str:
+        """``<decode-N host:ctrl:http>``."""
+        return f"<{self.name} host:ctrl:http>"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g} s"
+
+
+def _names(role: RolePlan) -> list[str]:
+    return [agent_name(role.role, i) for i in range(role.nodes)]
+
+
+def _env_lines(env: dict[str, str], secret: list[str]) -> list[str]:
+    lines = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    lines += [f"{k}={MASK} (from the submitting environment)" for k in secret]
+    return lines or ["(none)"]
+
+
+def _node_map(plan: Plan) -> list[str]:
+    rows = []
+    for role in (plan.prefill, plan.decode):
+        what = "vLLM prefill" if role.role == "prefill" else "TileRT decode"
+        for i, name in enumerate(_names(role)):
+            extra = (
+                f" + router (port {plan.router.port})" if name == agent_name("prefill", 0) else ""
+            )
+            gpus = f"{role.gpus_per_worker} GPU{'s' if role.gpus_per_worker != 1 else ''}"
+            rows.append(f"  node {role.first_node + i:<3} {name:<10} {what} ({gpus}){extra}")
+    return rows
+
+
+def _commands(plan: Plan) -> list[str]:
+    chosen = _Chosen()
+    prefill = prefill_command(plan, name="prefill-0", host=CHOSEN, http_port=chosen, agent_env={})
+    decode = decode_command(
+        plan, name="decode-N", address=CHOSEN, http_port=chosen, ctrl_port=chosen, agent_env={}
+    )
+    decodes = [_ChosenDecode(host="", ctrl=0, http=0, name=name) for name in _names(plan.decode)]
+    router = router_command(
+        plan,
+        prefill_url="<prefill-0 url>",
+        decodes=decodes,
+        host=CHOSEN,
+        use_standin=False,
+        agent_env={},
+    )
+    decode_names = _names(plan.decode)
+    decode_label = (
+        decode_names[0]
+        if len(decode_names) == 1
+        else (f"{decode_names[0]} .. {decode_names[-1]} (each)")
+    )
+    lines = [
+        f"  {agent_name('prefill', 0)}:",
+        f"    {shlex.join(prefill.argv)}",
+        f"  {decode_label}:",
+        f"    {shlex.join(decode.argv)}",
+        f"  {ROUTER_NAME} (in {agent_name('prefill', 0)}, after every worker is healthy):",
+        f"    {shlex.join(router.argv)}",
+    ]
+    if plan.mock:
+        lines.append(
+            f"  (--mock: the router is TileRT's real one when {plan.router.python} can import "
+            "tilert.pd_vllm.pd_router, else its stand-in)"
+        )
+    return lines
+
+
+def _ports(role: RolePlan) -> str:
+    return ", ".join(f"{kind} from {port}" for kind, port in role.port_base.items())
+
+
+def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: bool = False) -> str:
+    """The dry-run printout of ``plan`` (secrets masked; nothing here is submitted)."""
+    slurm = plan.slurm
+    header = [
+        f"{slurm.nodes} nodes",
+        "1 task per node",
+        f"{slurm.gpus_per_node} GPUs per node" if slurm.gpus_per_node else "no GPUs",
+    ]
+    if slurm.exclusive:
+        header.append("exclusive")
+    for label, value in (
+        ("account", slurm.account),
+        ("partition", slurm.partition),
+        ("time", slurm.time_limit),
+    ):
+        if value:
+            header.append(f"{label} {value}")
+    header.append(f"SIGTERM {slurm.signal_lead_s} s before the time limit")
+    images = [
+        ("prefill", plan.prefill.image),
+        ("decode", plan.decode.image),
+        (ROUTER_NAME, plan.router.image),
+    ]
+    launcher = plan.launcher + (
+        " (--mock: engines are the project's stand-ins)" if plan.mock else ""
+    )
+    lines = [
+        f"Plan for {plan.name}: model {plan.model!r}",
+        f"  launcher:    {launcher}",
+        f"  network:     {plan.network_interface or 'the address of each node name'}",
+        f"  GPU env:     {plan.visible_devices_env}",
+        f"  slurm:       {'not used (--local)' if local else ', '.join(header)}",
+        f"  agent:       {'local processes (--local)' if local else shlex.join(agent_command)}",
+        "",
+        "Nodes (Slurm node offsets in the allocation; one agent per node):"
+        if not local
+        else "Agents (all on this machine, as if on these node offsets):",
+        *_node_map(plan),
+        "",
+        f"Commands ({CHOSEN}: chosen by the agent on its node):",
+        *_commands(plan),
+        "",
+        "Images:" + ("  (not used by the process launcher)" if plan.launcher == "process" else ""),
+        *(f"  {name:<8} {image or '(none)'}" for name, image in images),
+        "Mounts:",
+        *([f"  {m}" for m in plan.mounts] or ["  (none)"]),
+    ]
+    if plan.setup_script:
+        lines.append(f"Setup script: {plan.configs_dir}/{plan.setup_script}")
+    lines.append("Environment (secrets masked):")
+    for label, env, secret in (
+        ("prefill", plan.prefill.env, plan.prefill.secret_env),
+        ("decode", plan.decode.env, plan.decode.secret_env),
+        (ROUTER_NAME, plan.router.env, plan.router.secret_env),
+    ):
+        lines.append(f"  {label}:")
+        lines += [f"    {line}" for line in _env_lines(env, secret)]
+    agent = plan.agent
+    lines += [
+        "Ports (probed on each node from these bases):",
+        f"  prefill  {_ports(plan.prefill)}",
+        f"  decode   {_ports(plan.decode)}",
+        f"  router   {plan.router.port} (fixed: agent.router_port)",
+        "Budgets:",
+        f"  startup  prefill {_seconds(plan.prefill.startup_budget_s)}, decode "
+        f"{_seconds(plan.decode.startup_budget_s)}, router {_seconds(plan.router.startup_budget_s)}",
+        f"  stop     prefill {_seconds(plan.prefill.stop_grace_s)}, decode "
+        f"{_seconds(plan.decode.stop_grace_s)}, router {_seconds(plan.router.stop_grace_s)} "
+        f"(fit in KillWait {_seconds(slurm.kill_wait_s)})",
+        f"  probes   every {_seconds(agent.probe_startup_interval_s)} while starting, then "
+        f"{_seconds(agent.probe_interval_s)}; timeout {_seconds(agent.probe_timeout_s)}, "
+        f"unhealthy after {agent.probe_failure_threshold} failures",
+        f"  restarts backoff {_seconds(agent.restart_backoff_initial_s)} .. "
+        f"{_seconds(agent.restart_backoff_max_s)}; failed after {agent.restart_max} within "
+        f"{_seconds(agent.restart_window_s)}",
+        "Files:",
+        f"  {job.recipe}",
+        f"  {job.plan}",
+        f"  {job.sbatch}",
+        f"  {job.status}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""``tilert-submit status J [--json]``: the job's state, each agent's, and whether it is stale.
+
+A ``ready`` is only as good as its writer: the head refreshes ``status.json`` at least every 5 s,
+so an older ``updated_at``, or a Slurm job that has ended, or a local supervisor that is gone, is
+reported as stale instead of being believed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from agent.jobdir import JobDir
+from agent.records import JobAgent, JobStatus
+from submit import slurm
+
+# Three missed heartbeats (the head writes every 5 s).
+STALE_AFTER_S = 15.0
+LIVE_STATES = ("starting", "waiting", "ready", "degraded", "stopping")
+
+
+class StatusView(msgspec.Struct):
+    """``status --json``: status.json plus the submitter's verdict on staleness."""
+
+    status: JobStatus
+    stale: bool
+    stale_reason: str | None
+
+
+def open_job(path: str) -> JobDir:
+    """A job directory named on the command line, or exit 2 saying why it is not one."""
+    job = JobDir(Path(path))
+    if not job.status.is_file():
+        print(
+            f"tilert-submit: {path} is not a job directory (no status.json); "
+            "give the folder tilert-submit printed first",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return job
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def staleness(status: JobStatus, now: float | None = None) -> str | None:
+    """Why a live-looking state cannot be believed, or None."""
+    if status.state not in LIVE_STATES:
+        return None
+    age = (now or time.time()) - status.updated_at
+    if status.slurm_job_id:
+        active = slurm.job_active(status.slurm_job_id)
+        if active is False:
+            return f"Slurm job {status.slurm_job_id} has ended but status.json still says {status.state}"
+    elif status.local_pid is not None and not _pid_alive(status.local_pid):
+        return f"the local supervisor (pid {status.local_pid}) is gone"
+    if age > STALE_AFTER_S:
+        return f"status.json not refreshed for {age:.0f}s (the head agent writes it every 5 s)"
+    return None
+
+
+def _row(a: JobAgent) -> list[str]:
+    endpoints = " ".join(u for u in (a.status_url, a.metrics_url) if u)
+    return [a.name, a.node or "-", a.state, str(a.restarts), a.reason, endpoints]
+
+
+def render_table(status: JobStatus, stale: str | None) -> str:
+    """The human view: a header and one row per agent and the router."""
+    lines = [f"job: {status.state}{' (STALE: ' + stale + ')' if stale else ''}"]
+    lines.append(f"model: {status.model}")
+    lines.append(f"router: {status.router_url or '-'}")
+    if status.slurm_job_id:
+        lines.append(f"slurm job: {status.slurm_job_id}")
+    if status.local_pid:
+        lines.append(f"local supervisor pid: {status.local_pid}")
+    age = time.time() - status.updated_at
+    lines.append(f"updated: {age:.1f}s ago")
+    if status.error:
+        lines.append(f"error: {status.error}")
+    rows = [["NAME", "NODE", "STATE", "RESTARTS", "REASON", "ENDPOINTS"]]
+    rows += [_row(a) for a in status.agents]
+    if status.router is not None:
+        rows.append(_row(status.router))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines.append("")
+    for r in rows:
+        reason = r[4] if len(r[4]) <= 70 else r[4][:67] + "..."
+        lines.append(
+            "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True))
+            + f"  {reason}  {r[5]}"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the job's status; exit 0 whenever status.json could be read."""
+    job = open_job(args.job_dir)
+    try:
+        status = job.read_status()
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        print(f"tilert-submit: cannot read {job.status}: {exc}", file=sys.stderr)
+        return 1
+    stale = staleness(status)
+    if getattr(args, "json", False):
+        view = StatusView(status=status, stale=stale is not None, stale_reason=stale)
+        print(msgspec.json.encode(view).decode())
+    else:
+        print(render_table(status, stale))
+    return 0

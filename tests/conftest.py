@@ -1,0 +1,93 @@
+"""Shared fixtures: the local multi-node Slurm and Prometheus servers (tests/infra/).
+
+The real TileRT router's interpreter is ``$TILERT_ROUTER_PYTHON`` (tests/run.sh exports it), else
+the venv at .cache/router-venv, built on first use.
+
+Outside CI a missing Debian package skips the tests that need it, with the reason; under
+``CI=true`` it fails them instead, because CI installs everything (tests/run.sh) and a skip there
+would hide a broken setup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.infra.prometheus import PrometheusServer, prometheus_binary
+from tests.infra.router_env import router_python as find_router_python
+from tests.infra.slurm import LocalSlurm, SlurmError, missing_binaries
+
+SLURM_NODES = 3
+ROUTER_VENV = Path(__file__).resolve().parent.parent / ".cache" / "router-venv"
+
+
+def under_ci() -> bool:
+    """Whether this run is CI (``CI=true``), where nothing required may be skipped."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(ok: bool, reason: str) -> None:
+    """Skip the test with ``reason`` when ``ok`` is false; under CI fail it instead."""
+    if ok:
+        return
+    if under_ci():
+        pytest.fail(f"{reason} (CI=true: required; tests/run.sh installs it)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def slurm_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    """A 3-node LocalSlurm shared by the whole session (use the ``slurm`` fixture in tests)."""
+    missing = missing_binaries()
+    require(not missing, f"Slurm not installed ({', '.join(missing)} missing)")
+    require(os.geteuid() == 0, "the local Slurm needs root (slurmd runs jobs as root)")
+    with LocalSlurm(SLURM_NODES, root=tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def slurm(slurm_session: LocalSlurm) -> Iterator[LocalSlurm]:
+    """The session's local Slurm; jobs a test leaves running are cancelled after it."""
+    yield slurm_session
+    with contextlib.suppress(SlurmError, TimeoutError):
+        leftover = [job["id"] for job in slurm_session.squeue()]
+        if leftover:
+            slurm_session.scancel(*leftover)
+            for job in leftover:
+                slurm_session.wait_job_end(job, timeout=slurm_session.kill_wait_s + 10)
+
+
+@pytest.fixture
+def slurm_cluster_file(slurm: LocalSlurm, tmp_path: Path) -> Path:
+    """A tilert cluster file (srtslurm.yaml) for the local Slurm."""
+    return slurm.write_cluster_file(tmp_path / "srtslurm.yaml")
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[Path], PrometheusServer]]:
+    """``factory(targets_file)`` starts a Prometheus scraping that file_sd file; stopped after."""
+    require(prometheus_binary() is not None, "prometheus server not installed")
+    servers: list[PrometheusServer] = []
+
+    def start(targets_file: Path) -> PrometheusServer:
+        server = PrometheusServer(targets_file, root=tmp_path / f"prometheus-{len(servers)}")
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def router_python() -> Path:
+    """A Python 3.12 that imports the real ``tilert.pd_vllm.pd_router``."""
+    try:
+        return find_router_python(ROUTER_VENV)
+    except RuntimeError as exc:
+        require(False, str(exc))
+        raise  # unreachable: require skipped or failed

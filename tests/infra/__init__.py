@@ -1,0 +1,1 @@
+"""Real test infrastructure: a local multi-node Slurm, a Prometheus server, the router venv."""

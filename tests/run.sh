@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# The test command: `bash tests/run.sh [PYTEST ARGS...]` (CI runs it through .ci/run).
+#
+# From a clean clone on Debian 12 it installs what the tests need (Debian packages, the project
+# venv, the Python 3.12 router venv), then lints, type-checks and runs pytest. The tests start
+# their own Slurm and Prometheus. A second run skips whatever is already in place.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+VENV=$ROOT/.venv
+ROUTER_VENV=$ROOT/.cache/router-venv
+# 75 minutes: a hung test ends with a message before CI's 90-minute limit ends the job.
+PYTEST_TIMEOUT_S=${TILERT_PYTEST_TIMEOUT_S:-4500}
+APT_PACKAGES=(
+  slurmctld slurmd slurm-client munge # the local multi-node Slurm (tests/infra/slurm.py)
+  prometheus                          # server and promtool (tests/infra/prometheus.py)
+  shellcheck                          # lints the rendered sbatch scripts and this one
+  python3-venv                        # `python3 -m venv` on Debian
+  systemd                             # systemd-analyze verify (tests/test_systemd.py)
+  util-linux mount hostname           # unshare, mount --bind, hostname: per-node hostnames
+)
+
+is_ci() { [[ ${CI:-} =~ ^(1|true|yes)$ ]]; }
+say() { printf '== %s\n' "$*"; }
+die() {
+  printf 'tests/run.sh: error: %s\n' "$*" >&2
+  exit 1
+}
+
+PHASES=()
+phase_start() {
+  PHASE=$1
+  PHASE_T0=$SECONDS
+  say "$PHASE"
+}
+phase_end() { PHASES+=("$(printf '%-14s %4ds' "$PHASE" $((SECONDS - PHASE_T0)))"); }
+summary() {
+  local rc=$?
+  if ((${#PHASES[@]})); then
+    printf '\n== timing\n'
+    printf '   %s\n' "${PHASES[@]}"
+    printf '   %-14s %4ds\n' total "$SECONDS"
+  fi
+  return "$rc"
+}
+trap summary EXIT
+
+# ---- Debian packages ---------------------------------------------------------------------
+install_packages() {
+  local missing=() pkg
+  for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' ||
+      missing+=("$pkg")
+  done
+  if ((${#missing[@]} == 0)); then
+    echo "   all installed"
+    return
+  fi
+  echo "   missing: ${missing[*]}"
+  ((EUID == 0)) || die "installing ${missing[*]} needs root (or install them yourself)"
+  command -v apt-get >/dev/null || die "apt-get not found: install ${missing[*]} by hand"
+  # The packages' post-install scripts would start system daemons (slurmctld, munged,
+  # prometheus): a policy-rc.d that exits 101 forbids that during the install.
+  local policy=/usr/sbin/policy-rc.d created=
+  if [[ ! -e $policy ]]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy"
+    chmod 755 "$policy"
+    created=1
+  fi
+  local rc=0
+  {
+    DEBIAN_FRONTEND=noninteractive apt-get update -q &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+  } || rc=$?
+  if [[ -n $created ]]; then rm -f "$policy"; fi
+  ((rc == 0)) || die "apt-get install ${missing[*]} failed (exit $rc)"
+}
+
+# ---- project venv ------------------------------------------------------------------------
+find_python311() {
+  local candidate
+  for candidate in python3.11 python3 /usr/bin/python3.11; do
+    if command -v "$candidate" >/dev/null &&
+      "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      command -v "$candidate"
+      return
+    fi
+  done
+  die "no Python >= 3.11 found (tried python3.11, python3); on Debian 12: apt-get install python3"
+}
+
+build_venv() {
+  # A venv whose interpreter is gone or too old (made by hand, or by another Python) is rebuilt.
+  if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    local py
+    py=$(find_python311)
+    echo "   creating .venv with $py ($("$py" --version))"
+    rm -rf "$VENV"
+    "$py" -m venv "$VENV" || die "$py -m venv failed (Debian: apt-get install python3-venv)"
+  fi
+  # Reinstall only when the dependency list changed (the install is editable: code changes
+  # need nothing).
+  local stamp=$VENV/.tilert-installed want
+  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  if [[ -f $stamp && $(cat "$stamp") == "$want" ]] &&
+    "$VENV/bin/python" -c 'import agent, pytest, ruff, mypy' 2>/dev/null; then
+    echo "   up to date"
+    return
+  fi
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-input -e '.[test]' ||
+    die "pip install -e '.[test]' failed"
+  echo "$want" >"$stamp"
+}
+
+# ---- router venv (Python 3.12, the real TileRT router) -----------------------------------
+build_router_venv() {
+  local out rc=0
+  if [[ -n ${TILERT_ROUTER_PYTHON:-} ]]; then
+    [[ -x $TILERT_ROUTER_PYTHON ]] || die "TILERT_ROUTER_PYTHON=$TILERT_ROUTER_PYTHON is not executable"
+    echo "   TILERT_ROUTER_PYTHON=$TILERT_ROUTER_PYTHON (from the environment)"
+    return
+  fi
+  out=$("$VENV/bin/python" -m tests.infra.router_env "$ROUTER_VENV") || rc=$?
+  if ((rc != 0)) || [[ -z $out ]]; then
+    if is_ci; then
+      die "the router venv could not be built (see above): the real TileRT router needs Python 3.12 (pyenv install 3.12, or put python3.12 on PATH)"
+    fi
+    echo "   WARNING: no router venv (see above); tests that need the real router will skip" >&2
+    return
+  fi
+  TILERT_ROUTER_PYTHON=$(tail -n1 <<<"$out")
+  export TILERT_ROUTER_PYTHON
+  echo "   TILERT_ROUTER_PYTHON=$TILERT_ROUTER_PYTHON"
+}
+
+# ---- lint, types, tests ------------------------------------------------------------------
+# Every check runs even when an earlier one failed, so one CI log shows every problem.
+FAILED=()
+check() {
+  local name=$1
+  shift
+  "$@" || FAILED+=("$name")
+}
+
+run_pytest() {
+  local rc=0
+  timeout -k 30 "$PYTEST_TIMEOUT_S" \
+    "$VENV/bin/python" -m pytest -q --durations=15 "$@" </dev/null || rc=$?
+  case $rc in
+    0) return 0 ;;
+    5) echo "tests/run.sh: pytest collected no tests (exit 5): check the test paths" >&2 ;;
+    124) echo "tests/run.sh: pytest did not finish within ${PYTEST_TIMEOUT_S} s" >&2 ;;
+    *) echo "tests/run.sh: pytest failed (exit $rc)" >&2 ;;
+  esac
+  return 1
+}
+
+phase_start packages
+install_packages
+phase_end
+
+phase_start venv
+build_venv
+phase_end
+
+phase_start router-venv
+build_router_venv
+phase_end
+
+phase_start lint
+check "ruff check" "$VENV/bin/ruff" check .
+check "ruff format" "$VENV/bin/ruff" format --check .
+check shellcheck shellcheck tests/run.sh .ci/run
+phase_end
+
+phase_start types
+check mypy "$VENV/bin/mypy"
+phase_end
+
+phase_start pytest
+check pytest run_pytest "$@"
+phase_end
+
+if ((${#FAILED[@]})); then
+  die "failed: $(printf '%s, ' "${FAILED[@]}" | sed 's/, $//')"
+fi
+say "all passed"

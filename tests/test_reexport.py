@@ -1,0 +1,626 @@
+"""agent.reexport: vLLM's /metrics relabelled (real captured page, hostile pages, a real HTTP server)."""
+
+from __future__ import annotations
+
+import http.server
+import math
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import prometheus_client
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.httpserver import App, Request, Response, StreamingResponse, bound_socket, serve
+from agent.reexport import PageError, UpstreamMetrics, registry_names, relabel_page
+from tests.conftest import require
+from tests.infra.ports import free_port
+from tests.infra.prometheus import (
+    PrometheusServer,
+    promtool_binary,
+    promtool_check_metrics,
+    write_targets,
+)
+
+DATA = Path(__file__).parent / "data" / "metrics"
+REAL = DATA / "vllm-0.32-cpu.txt"  # captured by tests/infra/capture_vllm_metrics.py
+OPENMETRICS = DATA / "vllm-0.32-cpu-openmetrics.txt"
+BAD = sorted(DATA.glob("bad-*"))
+OURS = {"role": "prefill", "node": "gpu-node-01", "slurm_job_id": "4242"}
+VLLM_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"  # what vLLM 0.32 answers
+DROPPED = ("process_", "python_", "http_")
+
+Key = tuple[str, frozenset[tuple[str, str]]]
+
+
+def samples(text: str) -> dict[Key, float]:
+    """Every sample client_python's parser sees: (name, labels) -> value."""
+    found: dict[Key, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in found, f"duplicate series {key}"
+            found[key] = s.value
+    return found
+
+
+def same(a: float, b: float) -> bool:
+    """Equal values, NaN included."""
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def promtool_errors(text: str) -> str:
+    """promtool's parse errors for ``text`` ("" when it parses; lint findings are fine)."""
+    require(promtool_binary() is not None, "promtool not installed (Debian package prometheus)")
+    code, output = promtool_check_metrics(text)
+    if code in (0, 3) and "error while linting" not in output:
+        return ""
+    return f"exit {code}: {output[-2000:]}"
+
+
+# --- the captured vLLM page ------------------------------------------------------------------
+
+
+def test_captured_page_is_genuine() -> None:
+    """The fixture is what vLLM 0.32 serves: ~600 lines, 39 vllm: families, promtool-clean."""
+    page = REAL.read_text()
+    families = {f.name: f.type for f in text_string_to_metric_families(page)}
+    vllm = {n for n in families if n.startswith("vllm:") and not n.endswith("_created")}
+    assert len(vllm) == 39
+    assert families["vllm:time_to_first_token_seconds"] == "histogram"
+    assert families["vllm:prompt_tokens"] == "counter"
+    assert any(n.startswith(DROPPED) for n in families)
+    assert promtool_errors(page) == ""
+
+
+def test_every_vllm_sample_kept_with_our_labels() -> None:
+    """Output samples are exactly upstream's vllm: samples plus role/node/slurm_job_id."""
+    page = REAL.read_text()
+    out = relabel_page(page, OURS)
+    expected = {
+        (name, labels | frozenset(OURS.items())): value
+        for (name, labels), value in samples(page).items()
+        if name.startswith("vllm:")
+    }
+    got = samples(out)
+    assert got.keys() == expected.keys()
+    assert all(same(got[k], v) for k, v in expected.items())
+    assert len(got) > 300
+
+
+def test_families_keep_names_types_and_help() -> None:
+    """Same vllm: family names (colons kept), types and HELP; TYPE lines match sample names."""
+    page = REAL.read_text()
+    out = relabel_page(page, OURS)
+    before = {f.name: (f.type, f.documentation) for f in text_string_to_metric_families(page)}
+    after = {f.name: (f.type, f.documentation) for f in text_string_to_metric_families(out)}
+    assert after == {n: v for n, v in before.items() if n.startswith("vllm:")}
+    assert "# TYPE vllm:prompt_tokens_total counter\n" in out
+    assert "# TYPE vllm:time_to_first_token_seconds histogram\n" in out
+    assert (
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="tiny",role='
+        in out
+    )
+    typed = {line.split()[2] for line in out.splitlines() if line.startswith("# TYPE")}
+    for line in out.splitlines():
+        if not line.startswith("#"):
+            name = line.split("{", 1)[0]
+            assert name in typed or name.rsplit("_", 1)[0] in typed, line
+
+
+def test_output_parses_in_promtool() -> None:
+    """promtool finds no parse error in the relabelled real page."""
+    assert promtool_errors(relabel_page(REAL.read_text(), OURS)) == ""
+
+
+def test_upstream_process_python_http_families_dropped() -> None:
+    """They describe vLLM's API process only and clash with the agent's own."""
+    out = relabel_page(REAL.read_text(), OURS)
+    names = {f.name for f in text_string_to_metric_families(out)}
+    assert not [n for n in names if n.startswith(DROPPED)]
+    for prefix in DROPPED:
+        assert f"\n{prefix}" not in out and f" {prefix}" not in out
+
+
+def test_our_label_values_are_escaped() -> None:
+    """Backslash, quote and newline in our values survive promtool and the parser."""
+    tricky = {"role": "prefill", "node": 'a\\b"c\nd', "slurm_job_id": ""}
+    out = relabel_page(REAL.read_text(), tricky)
+    assert promtool_errors(out) == ""
+    for _, labels in samples(out):
+        assert dict(labels)["node"] == 'a\\b"c\nd'
+
+
+def test_bad_label_names_refused() -> None:
+    """Adding job/instance/le or an invalid name is a programming error, caught at once."""
+    for labels in ({"job": "x"}, {"instance": "x"}, {"le": "1"}, {"no-dash": "x"}, {"__x": "y"}):
+        with pytest.raises(ValueError):
+            UpstreamMetrics("http://127.0.0.1:1/metrics", labels)
+        with pytest.raises(ValueError):
+            relabel_page("", labels)
+
+
+# --- odd but valid pages -----------------------------------------------------------------------
+
+
+def test_odd_but_valid_page() -> None:
+    """Escapes, spacing, timestamps, summaries, untyped samples: all kept and re-escaped."""
+    out = relabel_page((DATA / "odd-but-valid.txt").read_text(), OURS)
+    assert promtool_errors(out) == ""
+    got = samples(out)
+    values = {n: {k: v for k, v in labels if k not in OURS} for n, labels in got}
+    odd = [dict(labels) for n, labels in got if n == "vllm:odd_labels"]
+    assert {
+        "path": "C:\\dir\\file",
+        "quote": 'say "hi"',
+        "multi": "line1\nline2",
+        "utf8": "Grüße ✓",
+        **OURS,
+    } in odd
+    assert {"spaced": "yes", "trailing": "comma", **OURS} in odd
+    assert "vllm:counted_total" in values and "vllm:untyped_thing" in values
+    assert "vllm:counted_total{" in out and "} 5 1700000000000\n" in out
+    assert "# TYPE vllm:untyped_thing untyped\n" in out
+    assert "# TYPE vllm:never_observed counter\n" in out
+    assert "Label values with a backslash \\\\ and a newline \\n in HELP." in out
+    assert not [n for n in values if n.startswith(DROPPED)]
+
+
+def test_upstream_job_instance_and_our_labels_renamed() -> None:
+    """Upstream job/instance/role/node/slurm_job_id move to upstream_*; ours win; no clash."""
+    out = relabel_page((DATA / "odd-but-valid.txt").read_text(), OURS)
+    renamed = {
+        "upstream_upstream_job": "vllm",  # upstream_job was taken by upstream itself
+        "upstream_job": "x",
+        "upstream_instance": "10.0.0.1:8000",
+        "upstream_role": "decode",
+        "upstream_node": "other",
+        "upstream_slurm_job_id": "7",
+        **OURS,
+    }
+    got = samples(out)
+    assert ("vllm:odd_labels", frozenset(renamed.items())) in got
+    for _, labels in got:
+        names = {k for k, _ in labels}
+        assert not names & {"job", "instance"}
+        assert {k: v for k, v in labels if k in OURS} == OURS
+
+
+def test_samples_before_their_type_are_regrouped() -> None:
+    """promtool refuses a TYPE after samples; the output puts HELP/TYPE first."""
+    page = 'x_a 1\n# TYPE x_b gauge\nx_b 1\nx_a{k="v"} 2\n# HELP x_b B.\n'
+    out = relabel_page(page, OURS)
+    assert promtool_errors(out) == ""
+    assert out.index("# HELP x_b B.") < out.index("# TYPE x_b gauge") < out.index("x_b{")
+    assert out.count("# TYPE x_a untyped") == 1
+
+
+def test_empty_page_is_empty() -> None:
+    """An empty upstream page is valid and re-exports nothing."""
+    assert relabel_page("", OURS) == ""
+
+
+# --- hostile pages -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.name for p in BAD])
+def test_hostile_page_refused(path: Path) -> None:
+    """Every hostile page is refused whole: PageError (or undecodable as UTF-8)."""
+    data = path.read_bytes()
+    try:
+        page = data.decode("utf-8")
+    except UnicodeDecodeError:
+        assert path.suffix == ".bin"  # render() refuses these before parsing
+        return
+    with pytest.raises(PageError, match=r"line \d+|newline"):
+        relabel_page(page, OURS)
+
+
+def test_hostile_fixtures_cover_the_brief() -> None:
+    """The named hostile cases exist, so the parametrized test cannot silently shrink."""
+    names = {p.name for p in BAD}
+    for needed in (
+        "malformed-line",
+        "nul",
+        "binary",
+        "invalid-utf8",
+        "duplicate-help",
+        "duplicate-type",
+        "duplicate-series",
+        "truncated",
+        "histogram-no-inf",
+    ):
+        assert any(needed in n for n in names), needed
+
+
+def test_one_corrupt_line_in_the_real_page_refuses_all() -> None:
+    """A NUL or a junk line in the middle of a genuine page refuses the whole page."""
+    lines = REAL.read_text().splitlines(keepends=True)
+    for junk in ("\x00\n", "garbage here\n", 'vllm:x{a="b} 1\n', "vllm:x 1 2 3\n"):
+        with pytest.raises(PageError, match=f"line {len(lines) // 2 + 1}"):
+            relabel_page(
+                "".join([*lines[: len(lines) // 2], junk, *lines[len(lines) // 2 :]]), OURS
+            )
+
+
+def test_openmetrics_page_refused() -> None:
+    """vLLM's /metrics/ (OpenMetrics, bug #1177's vllm_ sample names) is not mistaken for classic."""
+    with pytest.raises(PageError, match="OpenMetrics"):
+        relabel_page(OPENMETRICS.read_text(), OURS)
+
+
+# --- next to the agent's own registry ------------------------------------------------------------
+
+
+def agent_registry() -> prometheus_client.CollectorRegistry:
+    """A registry shaped like the agent's: counters, gauges, a histogram, process/platform."""
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.ProcessCollector(registry=registry)
+    prometheus_client.PlatformCollector(registry=registry)
+    labels = list(OURS)
+    prometheus_client.Counter("tilert_agent_restarts", "R.", labels, registry=registry).labels(
+        **OURS
+    ).inc()
+    prometheus_client.Gauge("tilert_agent_upstream_up", "U.", labels, registry=registry).labels(
+        **OURS
+    ).set(1)
+    prometheus_client.Histogram(
+        "tilert_agent_probe_seconds", "P.", labels, registry=registry
+    ).labels(**OURS).observe(0.1)
+    return registry
+
+
+def test_combined_with_the_agents_own_page() -> None:
+    """generate_latest(own) + re-export parses in promtool and client_python, no family twice."""
+    registry = agent_registry()
+    own = prometheus_client.generate_latest(registry).decode()
+    # an upstream that also serves a family under one of our names: it must be dropped
+    hostile = (
+        REAL.read_text()
+        + "# TYPE tilert_agent_restarts_total counter\ntilert_agent_restarts_total 9\n"
+    )
+    out = relabel_page(hostile, OURS, reserved_names=registry_names(registry))
+    combined = own + out
+    assert promtool_errors(combined) == ""
+    names = [f.name for f in text_string_to_metric_families(combined)]
+    assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]
+    assert "tilert_agent_restarts_total 9" not in combined
+    assert "vllm:time_to_first_token_seconds" in names and "process_cpu_seconds" in names
+    samples(combined)  # no duplicate series either
+
+
+def test_reserved_names_are_widened() -> None:
+    """A reserved family name also reserves what parsers fold into it (_total, _created, ...)."""
+    page = (
+        "# TYPE mine_total counter\nmine_total 1\n# TYPE mine_created gauge\nmine_created 1\n"
+        "# TYPE theirs gauge\ntheirs 1\n"
+    )
+    out = relabel_page(page, OURS, reserved_names=["mine"])
+    assert "mine" not in out and "theirs{" in out
+
+
+@pytest.fixture
+def static_exporter() -> Iterator[Callable[[bytes], str]]:
+    """``start(page)`` serves ``page`` as classic text on a loopback port; returns host:port."""
+    servers: list[http.server.ThreadingHTTPServer] = []
+
+    def start(page: bytes) -> str:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", prometheus_client.CONTENT_TYPE_PLAIN_0_0_4)
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.prometheus
+def test_real_prometheus_scrapes_the_combined_page(
+    tmp_path: Path,
+    static_exporter: Callable[[bytes], str],
+    prometheus_factory: Callable[[Path], PrometheusServer],
+) -> None:
+    """Prometheus takes the page whole: vllm: names, our labels, no exported_* labels."""
+    registry = agent_registry()
+    odd = (DATA / "odd-but-valid.txt").read_text()
+    odd = odd[odd.index("# HELP vllm:odd_labels") : odd.index("# TYPE vllm:counted_total")]
+    page = prometheus_client.generate_latest(registry).decode() + relabel_page(
+        REAL.read_text() + odd,
+        OURS,
+        reserved_names=registry_names(registry),
+    )
+    target = static_exporter(page.encode())
+    targets = tmp_path / "targets.json"
+    write_targets(targets, [{"targets": [target], "labels": {}}])
+    prom = prometheus_factory(targets)
+    prom.wait_for(f'up{{instance="{target}"}} == 1', timeout=60)
+    [health] = [t for t in prom.targets() if t["labels"]["instance"] == target]
+    assert health["health"] == "up" and not health["lastError"], health
+    ttft = prom.query(
+        "count by (role, node, slurm_job_id, job) (vllm:time_to_first_token_seconds_bucket)"
+    )
+    assert [r["metric"] for r in ttft] == [{**OURS, "job": "tilert"}]
+    assert prom.query('{__name__=~"vllm:.+", exported_job!=""}') == []
+    assert prom.query('{__name__=~"vllm:.+", exported_instance!=""}') == []
+    renamed = prom.query('vllm:odd_labels{upstream_instance="10.0.0.1:8000"}')
+    assert len(renamed) == 1 and renamed[0]["metric"]["instance"] == target
+    quantile = prom.query("histogram_quantile(0.5, vllm:time_to_first_token_seconds_bucket)")
+    assert len(quantile) == 1
+    scraped = prom.query(f'scrape_samples_scraped{{instance="{target}"}}')
+    expected = len(samples(page))
+    assert int(float(scraped[0]["value"][1])) == expected
+
+
+# --- render() against a real local HTTP server ---------------------------------------------------
+
+
+class Upstream:
+    """A real HTTP server on 127.0.0.1 with a route per upstream behaviour."""
+
+    def __init__(self) -> None:
+        self.app = App()
+        self.port = 0
+        self.hits = 0
+        self.page = REAL.read_bytes()
+        self.sent = 0  # bytes the huge route produced
+        app = self.app
+
+        @app.route("GET", "/metrics")
+        async def metrics(request: Request) -> Response:
+            self.hits += 1
+            self.accept = request.headers.get("accept")
+            return Response(self.page, 200, VLLM_CONTENT_TYPE)
+
+        @app.route("GET", "/openmetrics")
+        async def openmetrics(request: Request) -> Response:
+            ctype = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+            return Response(OPENMETRICS.read_bytes(), 200, ctype)
+
+        @app.route("GET", "/broken")
+        async def broken(request: Request) -> Response:
+            return Response(b"engine dead\n", 503)
+
+        @app.route("GET", "/hang-headers")
+        async def hang_headers(request: Request) -> Response:
+            await trio.sleep_forever()
+            raise AssertionError
+
+        @app.route("GET", "/hang-body")
+        async def hang_body(request: Request) -> StreamingResponse:
+            async def chunks() -> AsyncIterator[bytes]:
+                yield self.page[:1000]
+                await trio.sleep_forever()
+                yield b""
+
+            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
+
+        @app.route("GET", "/trickle-forever")
+        async def trickle_forever(request: Request) -> StreamingResponse:
+            async def chunks() -> AsyncIterator[bytes]:
+                while True:  # each read is quick, so only an overall deadline stops this
+                    yield b"# still here\n"
+                    await trio.sleep(0.05)
+
+            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
+
+        @app.route("GET", "/trickle")
+        async def trickle(request: Request) -> StreamingResponse:
+            async def chunks() -> AsyncIterator[bytes]:
+                step = len(self.page) // 10 + 1
+                for i in range(0, len(self.page), step):
+                    yield self.page[i : i + step]
+                    await trio.sleep(0.03)
+
+            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
+
+        @app.route("GET", "/huge")
+        async def huge(request: Request) -> StreamingResponse:
+            line = b'vllm:big{engine="0",pad="' + b"x" * 200 + b'"} 1\n'
+
+            async def chunks() -> AsyncIterator[bytes]:
+                chunk = line * 256  # ~55 KB
+                while self.sent < 50 * 1024 * 1024:
+                    self.sent += len(chunk)
+                    yield chunk
+
+            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
+
+        @app.route("GET", "/huge-declared")
+        async def huge_declared(request: Request) -> Response:
+            body = b"# x\n" * (512 * 1024)
+            headers = {"content-length": str(len(body))}  # Response leaves it to hypercorn
+            return Response(body, 200, VLLM_CONTENT_TYPE, headers)
+
+        @app.route("GET", "/gzip")
+        async def gzipped(request: Request) -> Response:
+            import gzip
+
+            headers = {"content-encoding": "gzip"}
+            return Response(gzip.compress(self.page), 200, VLLM_CONTENT_TYPE, headers)
+
+        for path in BAD:
+
+            async def bad(request: Request, data: bytes = path.read_bytes()) -> Response:
+                return Response(data, 200, VLLM_CONTENT_TYPE)
+
+            app.route("GET", f"/{path.name}")(bad)
+
+    def url(self, path: str) -> str:
+        """A URL on this server."""
+        return f"http://127.0.0.1:{self.port}{path}"
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    """The Upstream server, running for one test."""
+    server = Upstream()
+    sock = bound_socket("127.0.0.1", 0)
+    server.port = sock.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, server.app, sock)
+        # hypercorn wraps the same fd in its own socket object and closes it at shutdown; detach
+        # ours so its garbage collection cannot close a later test's socket that reused the number
+        sock.detach()
+        yield server
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client like the agent's."""
+    async with httpx.AsyncClient() as c:
+        yield c
+
+
+async def render_timed(metrics: UpstreamMetrics, client: httpx.AsyncClient) -> tuple[str, float]:
+    """render() and how long it took (it must never raise)."""
+    start = trio.current_time()
+    with trio.fail_after(30):
+        text = await metrics.render(client)
+    return text, trio.current_time() - start
+
+
+async def test_render_real_page(upstream: Upstream, client: httpx.AsyncClient) -> None:
+    """The live page is fetched as classic text and relabelled; status fields filled in."""
+    metrics = UpstreamMetrics(upstream.url("/metrics"), OURS)
+    text = await metrics.render(client)
+    assert text == relabel_page(REAL.read_text(), OURS)
+    assert upstream.accept == "text/plain; version=0.0.4"
+    assert metrics.up and metrics.last_error is None
+    assert metrics.last_bytes == len(upstream.page)
+    assert metrics.last_duration_s is not None and metrics.last_duration_s >= 0
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.name for p in BAD])
+async def test_render_hostile_page(
+    upstream: Upstream, client: httpx.AsyncClient, path: Path
+) -> None:
+    """A hostile page gives "" and up=False with a reason; nothing raises."""
+    metrics = UpstreamMetrics(upstream.url(f"/{path.name}"), OURS)
+    text, _ = await render_timed(metrics, client)
+    assert text == "" and not metrics.up
+    assert metrics.last_error and upstream.url(f"/{path.name}") in metrics.last_error
+
+
+async def test_render_openmetrics_and_http_errors(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """OpenMetrics, a 503, a gzip body we did not ask for: each refused with its reason."""
+    for path, reason in (
+        ("/openmetrics", "content-type"),
+        ("/broken", "HTTP 503"),
+        ("/gzip", "content-encoding"),
+        ("/nowhere", "HTTP 404"),
+    ):
+        metrics = UpstreamMetrics(upstream.url(path), OURS)
+        assert await metrics.render(client) == ""
+        assert not metrics.up and metrics.last_error and reason in metrics.last_error
+
+
+@pytest.mark.parametrize("path", ["/hang-headers", "/hang-body", "/trickle-forever"])
+async def test_hanging_or_trickling_upstream_bounded_by_timeout(
+    upstream: Upstream, client: httpx.AsyncClient, path: str
+) -> None:
+    """No headers, a stalled body, or a body that never ends: all cut at timeout_s overall."""
+    metrics = UpstreamMetrics(upstream.url(path), OURS, timeout_s=0.5)
+    text, took = await render_timed(metrics, client)
+    assert text == "" and not metrics.up
+    assert metrics.last_error and "within 0.5 s" in metrics.last_error
+    assert 0.4 < took < 3.0  # a liveness bound, not a performance target
+
+
+async def test_slow_but_finishing_upstream_is_fine(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A page that trickles in chunks but completes within timeout_s is accepted."""
+    metrics = UpstreamMetrics(upstream.url("/trickle"), OURS, timeout_s=10)
+    assert await metrics.render(client) == relabel_page(REAL.read_text(), OURS)
+    assert metrics.up
+
+
+async def test_huge_page_capped_while_streaming(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A 50 MB stream stops at max_bytes; the rest is never read."""
+    limit = 1024 * 1024
+    metrics = UpstreamMetrics(upstream.url("/huge"), OURS, max_bytes=limit, timeout_s=20)
+    text, _ = await render_timed(metrics, client)
+    assert text == "" and not metrics.up
+    assert metrics.last_error and "limit" in metrics.last_error
+    assert limit < metrics.last_bytes < limit + 256 * 1024
+    assert upstream.sent < 20 * 1024 * 1024
+
+
+async def test_declared_huge_page_refused_before_reading(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A Content-Length over max_bytes is refused without reading the body."""
+    metrics = UpstreamMetrics(upstream.url("/huge-declared"), OURS, max_bytes=1024 * 1024)
+    assert await metrics.render(client) == ""
+    assert metrics.last_error and "2097152 bytes" in metrics.last_error
+    assert metrics.last_bytes == 0
+
+
+async def test_connection_refused(client: httpx.AsyncClient) -> None:
+    """Nothing listening: up=False, "cannot connect", quickly."""
+    metrics = UpstreamMetrics(f"http://127.0.0.1:{free_port()}/metrics", OURS)
+    text, took = await render_timed(metrics, client)
+    assert text == "" and not metrics.up
+    assert metrics.last_error and "cannot connect" in metrics.last_error
+    assert took < 3.0
+
+
+async def test_cache_reused_within_cache_s(upstream: Upstream, client: httpx.AsyncClient) -> None:
+    """Scrapes within cache_s (also concurrent ones) share one fetch; cache_s=0 always fetches."""
+    metrics = UpstreamMetrics(upstream.url("/metrics"), OURS, cache_s=30)
+    first = await metrics.render(client)
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(metrics.render, client)
+    assert await metrics.render(client) == first
+    assert upstream.hits == 1
+    fresh = UpstreamMetrics(upstream.url("/metrics"), OURS, cache_s=0)
+    await fresh.render(client)
+    await fresh.render(client)
+    assert upstream.hits == 3
+
+
+async def test_cache_expires_and_upstream_recovers(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A broken page then a good one: up goes False then True again after cache_s."""
+    upstream.page = b"not a metrics page\n"
+    metrics = UpstreamMetrics(upstream.url("/metrics"), OURS, cache_s=0.2)
+    assert await metrics.render(client) == "" and not metrics.up
+    upstream.page = REAL.read_bytes()
+    assert await metrics.render(client) == ""  # still the cached failure
+    await trio.sleep(0.3)
+    assert await metrics.render(client) != "" and metrics.up and metrics.last_error is None
+    assert upstream.hits == 2
+
+
+async def test_cancellation_propagates(upstream: Upstream, client: httpx.AsyncClient) -> None:
+    """render() swallows upstream failures but not the caller's own cancellation."""
+    metrics = UpstreamMetrics(upstream.url("/hang-headers"), OURS, timeout_s=30)
+    with trio.move_on_after(0.3) as scope:
+        await metrics.render(client)
+    assert scope.cancelled_caught
+    upstream.page = REAL.read_bytes()
+    metrics.url = upstream.url("/metrics")
+    assert await metrics.render(client) != ""  # the lock was released

@@ -1,0 +1,264 @@
+"""J/sbatch.sh: golden scripts, bash -n + shellcheck, and inert against hostile input."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from agent.cluster import ClusterConfig, load_cluster
+from agent.jobdir import JobDir
+from agent.loader import load_recipe
+from agent.plan import Plan
+from agent.planner import make_plan
+from agent.problems import RecipeError
+from submit.sbatch import default_agent_command, job_name, render_sbatch
+from tests.golden import GOLDEN_DIR, RECIPES, match
+
+SHELLCHECK = shutil.which("shellcheck")
+GOLDEN_JOB = JobDir(Path("/shared/jobs/glm5-run"))
+GOLDEN_AGENT = ["/opt/tilert/bin/tilert-agent"]
+CASES = {
+    "b200-nixl-glm5": (RECIPES / "b200-nixl-glm5.yaml", RECIPES / "srtslurm.example.yaml"),
+    "mi355x-mooncake-glm5": (
+        RECIPES / "mi355x-mooncake-glm5.yaml",
+        GOLDEN_DIR / "mi355x.cluster.yaml",
+    ),
+    "local-demo": (RECIPES / "local-demo.yaml", None),
+}
+# Shell metacharacters a recipe or a path might carry: none may ever run.
+HOSTILE = "$(touch {p}) `touch {p}` ; touch {p} ' \" \\ & | > {p} $HOME"
+
+STUB_SRUN = """#!/bin/bash
+# Records its argv (NUL-separated) and exits STUB_FAIL_RC when its --role is STUB_FAIL_ROLE.
+out="$STUB_LOG/srun.$$"
+printf '%s\\0' "$@" > "$out"
+role=""
+prev=""
+for a in "$@"; do
+  if [ "$prev" = "--role" ]; then role="$a"; fi
+  prev="$a"
+done
+if [ -n "${STUB_FAIL_ROLE:-}" ] && [ "$role" = "$STUB_FAIL_ROLE" ]; then
+  exit "${STUB_FAIL_RC:-3}"
+fi
+sleep "${STUB_SLEEP:-0}"
+"""
+STUB_SCANCEL = """#!/bin/bash
+printf '%s\\0' "$@" > "$STUB_LOG/scancel.$$"
+"""
+
+
+def plan_for(name: str) -> Plan:
+    recipe, cluster = CASES[name]
+    loaded = load_recipe(recipe, cluster=load_cluster(cluster) if cluster else None)
+    return make_plan(loaded, mock=name == "local-demo")
+
+
+def check_shell(script: Path) -> None:
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    if SHELLCHECK is None:
+        pytest.skip("shellcheck is not installed")
+    done = subprocess.run([SHELLCHECK, str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name", ["b200-nixl-glm5", "mi355x-mooncake-glm5"])
+def test_sbatch_golden(name: str) -> None:
+    match(f"{name}.sbatch.sh", render_sbatch(plan_for(name), GOLDEN_JOB, GOLDEN_AGENT))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rendered_scripts_pass_bash_n_and_shellcheck(name: str, tmp_path: Path) -> None:
+    script = tmp_path / "sbatch.sh"
+    script.write_text(render_sbatch(plan_for(name), JobDir(tmp_path / "J"), GOLDEN_AGENT))
+    check_shell(script)
+
+
+def test_header() -> None:
+    text = render_sbatch(plan_for("b200-nixl-glm5"), GOLDEN_JOB, GOLDEN_AGENT)
+    header = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert header == [
+        "#SBATCH --job-name=glm5-tilert-disagg",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --exclusive",
+        "#SBATCH --account=my-account",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --signal=TERM@120",
+        '#SBATCH --output="/shared/jobs/glm5-run/logs/sbatch.out"',
+    ]
+
+
+def test_no_gpu_and_shared_nodes() -> None:
+    plan = plan_for("local-demo")
+    plan = msgspec.structs.replace(plan, slurm=msgspec.structs.replace(plan.slurm, exclusive=False))
+    text = render_sbatch(plan, GOLDEN_JOB, GOLDEN_AGENT)
+    assert "--gpus-per-node" not in text and "--gres" not in text
+    assert "#SBATCH --exclusive" not in text
+    assert "--relative=0" in text and "--relative=1" in text
+    assert "--nodes=2 --ntasks=2" in text  # the decode group: one agent per node
+
+
+def test_output_path_quoting() -> None:
+    job = JobDir(Path('/jobs/50% "done" run'))
+    text = render_sbatch(plan_for("local-demo"), job, GOLDEN_AGENT)
+    assert '#SBATCH --output="/jobs/50%% \\"done\\" run/logs/sbatch.out"' in text
+
+
+def test_job_name_is_sanitized() -> None:
+    assert job_name("glm5.3-tilert_x") == "glm5.3-tilert_x"
+    assert job_name("a b$(x)`y`;\n") == "a_b__x__y___"
+    assert job_name("") == "tilert"
+
+
+@pytest.mark.parametrize("bad", ["/tmp/a\nb", "/tmp/a\rb", "/tmp/a\x00b", "/tmp/a\tb"])
+def test_control_characters_in_the_job_dir_are_refused(bad: str) -> None:
+    with pytest.raises(RecipeError) as info:
+        render_sbatch(plan_for("local-demo"), JobDir(Path(bad)), GOLDEN_AGENT)
+    assert info.value.problems[0].path == "--job-dir"
+
+
+@pytest.mark.parametrize(
+    ("field", "key"),
+    [
+        ("account", "slurm.account"),
+        ("partition", "slurm.partition"),
+        ("time_limit", "slurm.time_limit"),
+    ],
+)
+def test_unsafe_header_values_are_refused(field: str, key: str) -> None:
+    plan = plan_for("b200-nixl-glm5")
+    slurm = msgspec.structs.replace(plan.slurm, **{field: "x\n#SBATCH --wrap=touch"})
+    with pytest.raises(RecipeError) as info:
+        render_sbatch(msgspec.structs.replace(plan, slurm=slurm), GOLDEN_JOB, GOLDEN_AGENT)
+    assert info.value.problems[0].path == key
+
+
+def test_default_agent_command() -> None:
+    assert default_agent_command(None) == [
+        os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "tilert-agent")
+    ]
+    site = ClusterConfig(agent_command="/opt/x/bin/tilert-agent --flag 'a b'")
+    assert default_agent_command(site) == ["/opt/x/bin/tilert-agent", "--flag", "a b"]
+    site = ClusterConfig(agent_command=["/opt/y/tilert-agent"])
+    assert default_agent_command(site) == ["/opt/y/tilert-agent"]
+
+
+# ---- running the script against stand-in srun / scancel ---------------------------------------
+
+
+def stubs(tmp_path: Path) -> tuple[Path, Path]:
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, text in (("srun", STUB_SRUN), ("scancel", STUB_SCANCEL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, log
+
+
+def run_script(
+    script: Path, bin_dir: Path, log: Path, cwd: Path, **extra: str
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "4242",
+        "STUB_LOG": str(log),
+        "HOME": str(cwd),
+        **extra,
+    }
+    return subprocess.run(
+        ["bash", str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=20
+    )
+
+
+def recorded(log: Path, prefix: str) -> list[list[str]]:
+    calls = []
+    for path in sorted(log.glob(f"{prefix}.*")):
+        calls.append(path.read_bytes().decode().split("\0")[:-1])
+    return calls
+
+
+def hostile_plan(marker: Path) -> Plan:
+    plan = plan_for("local-demo")
+    evil = HOSTILE.format(p=marker)
+    return msgspec.structs.replace(
+        plan,
+        name=f"demo{evil}\nrm -rf /",
+        prefill=msgspec.structs.replace(
+            plan.prefill, args=[*plan.prefill.args, evil], env={"EVIL": evil}
+        ),
+        decode=msgspec.structs.replace(plan.decode, env={"X": evil}),
+        router=msgspec.structs.replace(plan.router, args=[evil]),
+    )
+
+
+def test_hostile_strings_render_an_inert_script(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    # The job directory itself is hostile too (legal on a file system, safe once quoted).
+    job = JobDir(tmp_path / HOSTILE.format(p=marker).replace("/", "_"))
+    agent = [str(tmp_path / "agent dir" / "tilert-agent"), "--flag=$(touch x)"]
+    script = tmp_path / "sbatch.sh"
+    text = render_sbatch(hostile_plan(marker), job, agent)
+    script.write_text(text)
+    name = next(line for line in text.splitlines() if line.startswith("#SBATCH --job-name="))
+    assert re.fullmatch(r"#SBATCH --job-name=[A-Za-z0-9._-]+", name)
+    check_shell(script)
+    bin_dir, log = stubs(tmp_path)
+    done = run_script(script, bin_dir, log, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists()
+    assert not (tmp_path / "x").exists()
+    calls = recorded(log, "srun")
+    assert len(calls) == 2
+    by_role = {call[call.index("--role") + 1]: call for call in calls}
+    for role, nodes, relative in (("prefill", 1, 0), ("decode", 2, 1)):
+        call = by_role[role]
+        start = call.index(agent[0])
+        assert call[:start] == [
+            f"--nodes={nodes}",
+            f"--ntasks={nodes}",
+            "--ntasks-per-node=1",
+            f"--relative={relative}",
+            f"--job-name={role}",
+            "--export=ALL",
+            "--kill-on-bad-exit=0",
+        ]
+        assert call[start:] == [*agent, "--role", role, "--job-dir", str(job.root)]
+    assert recorded(log, "scancel") == []
+
+
+def test_a_failed_step_cancels_the_job(tmp_path: Path) -> None:
+    script = tmp_path / "sbatch.sh"
+    script.write_text(render_sbatch(plan_for("local-demo"), JobDir(tmp_path / "J"), GOLDEN_AGENT))
+    bin_dir, log = stubs(tmp_path)
+    # The decode step fails at once while the prefill step is still running.
+    done = run_script(script, bin_dir, log, tmp_path, STUB_FAIL_ROLE="decode", STUB_SLEEP="0.5")
+    assert done.returncode == 1
+    assert recorded(log, "scancel") == [["4242"]]
+
+
+def test_steps_that_end_before_the_wait_are_still_collected(tmp_path: Path) -> None:
+    # Both steps end at once (here: before the shell reaches `wait -n`); a clean exit must stay
+    # clean and a failure must still be seen.
+    script = tmp_path / "sbatch.sh"
+    script.write_text(render_sbatch(plan_for("local-demo"), JobDir(tmp_path / "J"), GOLDEN_AGENT))
+    bin_dir, log = stubs(tmp_path)
+    done = run_script(script, bin_dir, log, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert recorded(log, "scancel") == []
+    for path in log.iterdir():
+        path.unlink()
+    done = run_script(script, bin_dir, log, tmp_path, STUB_FAIL_ROLE="prefill")
+    assert done.returncode == 1
+    assert recorded(log, "scancel") == [["4242"]]

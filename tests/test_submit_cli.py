@@ -1,0 +1,316 @@
+"""tilert-submit: the job directory, --dry-run, --set, bad input, and submit via a stand-in sbatch."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.jobdir import JobDir
+from agent.loader import load_recipe
+from agent.plan import load_plan
+from agent.planner import make_plan
+from submit.cli import main
+from tests.golden import GOLDEN_DIR, RECIPES
+
+RECIPE_CASES = {
+    "b200": (RECIPES / "b200-nixl-glm5.yaml", RECIPES / "srtslurm.example.yaml"),
+    "mi355x": (RECIPES / "mi355x-mooncake-glm5.yaml", GOLDEN_DIR / "mi355x.cluster.yaml"),
+    "demo": (RECIPES / "local-demo.yaml", None),
+}
+DEMO = RECIPES / "local-demo.yaml"
+
+STUB_SBATCH = """#!/bin/bash
+# Stand-in sbatch: records argv and the secret it was given, prints a job id like --parsable.
+printf '%s\\n' "$@" > "$STUB_LOG/sbatch.argv"
+printf '%s' "${DEMO_API_KEY:-unset}" > "$STUB_LOG/sbatch.secret"
+echo "777;local"
+"""
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each test in its own working directory, with no cluster file found by accident."""
+    monkeypatch.delenv("TILERT_CLUSTER_FILE", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def args_for(case: str, job: Path, *extra: str) -> list[str]:
+    recipe, cluster = RECIPE_CASES[case]
+    argv = [str(recipe), "--job-dir", str(job), *extra]
+    if cluster is not None:
+        argv += ["--cluster", str(cluster)]
+    return argv
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.parametrize("case", sorted(RECIPE_CASES))
+def test_dry_run_lays_out_the_job_directory(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "J"
+    assert main(args_for(case, root, "--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"Job directory: {root}"
+    assert "Dry run: nothing submitted." in out
+    assert "<agent>" in out  # managed args shown as placeholders
+    assert sorted(p.name for p in root.iterdir()) == [
+        "logs",
+        "plan.json",
+        "prometheus",
+        "recipe.yaml",
+        "rendezvous",
+        "sbatch.sh",
+        "status.json",
+        "token",
+    ]
+    assert mode(root) == 0o711
+    assert mode(root / "token") == 0o600
+    assert mode(root / "rendezvous") == 0o700
+    assert mode(root / "logs") == 0o700
+    assert mode(root / "prometheus") == 0o755
+    assert mode(root / "prometheus" / "targets.json") == 0o644
+    assert mode(root / "status.json") == 0o644
+    assert list((root / "rendezvous").iterdir()) == []
+    job = JobDir(root)
+    status = job.read_status()
+    assert status.state == "pending"
+    assert status.slurm_job_id is None and status.router_url is None
+    plan = load_plan(job.plan.read_bytes())
+    assert status.model == plan.model
+    assert [a.name for a in status.agents] == [
+        f"prefill-{i}" for i in range(plan.prefill.nodes)
+    ] + [f"decode-{i}" for i in range(plan.decode.nodes)]
+    assert str(root) in job.sbatch.read_text()
+    # The agents re-load J/recipe.yaml without the cluster file and get the same launch plan.
+    again = make_plan(load_recipe(job.recipe), mock=plan.mock)
+    for role in ("prefill", "decode"):
+        assert again.role(role).program == plan.role(role).program
+        assert again.role(role).args == plan.role(role).args
+        assert again.role(role).env == plan.role(role).env
+        assert again.role(role).image == plan.role(role).image
+    assert again.router.args == plan.router.args
+
+
+def test_dry_run_local_mock_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--dry-run", "--local", "--mock", "--job-dir", str(root)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""  # the demo validates with no warning
+    plan = load_plan((root / "plan.json").read_bytes())
+    assert plan.mock and plan.launcher == "process"
+    assert plan.network_interface == "lo"  # --local: everything on loopback
+    assert "agent.standins.prefill" in captured.out
+
+
+def test_default_job_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(DEMO), "--dry-run"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    root = Path(first.removeprefix("Job directory: "))
+    assert root.parent == tmp_path / "tilert-jobs"
+    assert root.name.startswith("local-demo-")
+    stamp = root.name.removeprefix("local-demo-")
+    assert len(stamp) == len("20260101-120000") and stamp[8] == "-"
+    # A second run in the same second gets its own directory.
+    assert main([str(DEMO), "--dry-run"]) == 0
+    second = Path(capsys.readouterr().out.splitlines()[0].removeprefix("Job directory: "))
+    assert second != root and second.parent == root.parent
+
+
+def test_set_round_trip(tmp_path: Path) -> None:
+    root = tmp_path / "J"
+    argv = [
+        str(DEMO),
+        "--dry-run",
+        "--job-dir",
+        str(root),
+        "--set",
+        "roles.prefill.env.MY_FLAG=1",
+        "--set",
+        "agent.router_port=8123",
+        "--set",
+        "roles.decode.args.pd-buffer-device=cpu",
+        "--set",
+        "environment.DEMO_API_KEY=s3cr3t-value",
+    ]
+    assert main(argv) == 0
+    plan = load_plan((root / "plan.json").read_bytes())
+    assert plan.prefill.env["MY_FLAG"] == "1"
+    assert plan.router.port == 8123
+    assert plan.decode.args[-2:] == ["--pd-buffer-device", "cpu"]
+    assert "DEMO_API_KEY" in plan.prefill.secret_env
+    recipe_text = (root / "recipe.yaml").read_text()
+    assert "MY_FLAG" in recipe_text and "8123" in recipe_text
+    # Secrets are masked in everything written.
+    for path in root.rglob("*"):
+        if path.is_file():
+            assert "s3cr3t-value" not in path.read_text(), path
+    again = make_plan(load_recipe(root / "recipe.yaml"), mock=False)
+    assert again.prefill.env == plan.prefill.env
+    assert again.decode.args == plan.decode.args
+    assert again.router.port == 8123
+
+
+def test_bad_set_exits_2_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--dry-run", "--job-dir", str(root), "--set", "roles.decode"]) == 2
+    err = capsys.readouterr().err
+    assert "--set roles.decode" in err
+    assert not root.exists()
+
+
+def test_non_empty_job_dir_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "J"
+    root.mkdir()
+    (root / "keep.txt").write_text("mine")
+    assert main([str(DEMO), "--dry-run", "--job-dir", str(root)]) == 2
+    assert "--job-dir" in capsys.readouterr().err
+    assert sorted(p.name for p in root.iterdir()) == ["keep.txt"]
+
+
+def test_empty_job_dir_is_used(tmp_path: Path) -> None:
+    root = tmp_path / "J"
+    root.mkdir()
+    assert main([str(DEMO), "--dry-run", "--job-dir", str(root)]) == 0
+    assert (root / "plan.json").exists()
+
+
+def test_job_dir_with_a_newline_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "a\nb"
+    assert main([str(DEMO), "--dry-run", "--job-dir", str(root)]) == 2
+    assert "--job-dir" in capsys.readouterr().err
+    assert not root.exists()
+
+
+def test_bad_recipe_exits_2_with_every_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(DEMO.read_text().replace("name: local-demo", "name: 'x$(touch y)'"))
+    assert main([str(bad), "--dry-run", "--job-dir", str(tmp_path / "J")]) == 2
+    err = capsys.readouterr().err
+    assert "name" in err and "Traceback" not in err
+    assert not (tmp_path / "J").exists()
+
+
+def test_warnings_go_to_stderr_and_exit_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(args_for("b200", tmp_path / "J", "--dry-run")) == 0
+    captured = capsys.readouterr()
+    assert "warning" in captured.err and "model.path" in captured.err
+    assert captured.out.startswith("Job directory: ")
+    assert "warning:" not in captured.out
+
+
+def test_console_script_never_prints_a_traceback(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "submit.cli", str(tmp_path / "missing.yaml"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "missing.yaml" in done.stderr
+
+
+def test_unknown_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([str(DEMO), "--dry-runn"])
+    assert info.value.code == 2
+    assert "--dry-runn" in capsys.readouterr().err
+
+
+# ---- submitting -------------------------------------------------------------------------------
+
+
+def stand_in_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir, log = tmp_path / "bin", tmp_path / "stub-log"
+    bin_dir.mkdir()
+    log.mkdir()
+    (bin_dir / "sbatch").write_text(STUB_SBATCH)
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("STUB_LOG", str(log))
+    return log
+
+
+def test_submit_records_the_slurm_job_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = stand_in_sbatch(tmp_path, monkeypatch)
+    monkeypatch.delenv("DEMO_API_KEY", raising=False)
+    root = tmp_path / "J"
+    argv = [str(DEMO), "--job-dir", str(root), "--set", "environment.DEMO_API_KEY=s3cr3t-value"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"Job directory: {root}"
+    assert "Submitted Slurm job 777" in out
+    assert f"  tilert-submit status {root}" in out
+    assert f"  tilert-submit logs {root} -f" in out
+    assert f"  tilert-submit stop {root}" in out
+    status = JobDir(root).read_status()
+    assert status.slurm_job_id == "777" and status.state == "pending"
+    argv_seen = (log / "sbatch.argv").read_text().splitlines()
+    assert argv_seen == ["--parsable", "--export=ALL", str(root / "sbatch.sh")]
+    # The recipe's secret reached sbatch through its environment, and no file holds it.
+    assert (log / "sbatch.secret").read_text() == "s3cr3t-value"
+    for path in root.rglob("*"):
+        if path.is_file():
+            assert "s3cr3t-value" not in path.read_text()
+
+
+def test_submit_without_slurm_exits_1_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--job-dir", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "sbatch is not on PATH" in err and "--local" in err
+    status = JobDir(root).read_status()
+    assert status.state == "failed" and status.error and "sbatch" in status.error
+
+
+def test_sbatch_refusal_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stand_in_sbatch(tmp_path, monkeypatch)
+    (tmp_path / "bin" / "sbatch").write_text(
+        "#!/bin/sh\necho 'sbatch: error: Invalid account or account/partition combination' >&2\n"
+        "exit 1\n"
+    )
+    assert main([str(DEMO), "--job-dir", str(tmp_path / "J")]) == 1
+    assert "Invalid account" in capsys.readouterr().err
+
+
+# ---- job commands -----------------------------------------------------------------------------
+
+
+def test_status_dispatch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--dry-run", "--job-dir", str(root)]) == 0
+    capsys.readouterr()
+    assert main(["status", str(root), "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert json.dumps(view).count("pending") >= 1
+
+
+def test_a_recipe_named_like_a_command(tmp_path: Path) -> None:
+    (tmp_path / "status").write_text(
+        DEMO.read_text().replace("./local-demo-model", str(RECIPES / "local-demo-model"))
+    )
+    assert main(["./status", "--dry-run", "--job-dir", str(tmp_path / "J")]) == 0
