@@ -21,6 +21,7 @@ import trio
 from agent import preflight
 from agent.atomicfile import write_atomic
 from agent.commands import DecodeEndpoint, router_command
+from agent.launchers import LaunchSpec
 from agent.logs import LogSink, log_path
 from agent.records import ROUTER_NAME, AgentStatus, JobAgent, JobState, JobStatus, RendezvousRecord
 from agent.rendezvous import Records, watch_records
@@ -274,7 +275,7 @@ class Head:
             )
         return endpoints
 
-    def _build_router(self):  # type: ignore[no-untyped-def]
+    def _build_router(self) -> LaunchSpec:
         a = self.agent
         cmd = router_command(
             self.plan,

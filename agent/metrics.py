@@ -162,8 +162,8 @@ class _StateCollector(Collector):
                 "1 for the job's current state",
                 labels=[*BASE_LABELS, "state"],
             )
-            for s in JOB_STATES:
-                job.add_metric([*base, s], 1.0 if m.head.job_state == s else 0.0)
+            for js in JOB_STATES:
+                job.add_metric([*base, js], 1.0 if m.head.job_state == js else 0.0)
             yield job
             if m.head.gate_latency_s is not None:
                 gate = GaugeMetricFamily(

@@ -304,7 +304,7 @@ class NodeAgent:
             self.ports["router"] = self.plan.router.port
         self.publish()
         self.upstream.url = self.engine_url("/metrics")
-        self.upstream.reserved_names = self.metrics.family_names()
+        self.upstream.reserved_names = frozenset(self.metrics.family_names())
         self.log.info(
             "%s on %s (%s): ports %s, record %s",
             self.id.name,

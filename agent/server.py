@@ -18,6 +18,7 @@ from agent.httpserver import (
     App,
     HTTPError,
     Request,
+    Response,
     StreamingResponse,
     json_response,
     text_response,
@@ -78,11 +79,11 @@ def build_app(
     app = App()
 
     @app.route("GET", "/healthz")
-    async def healthz(request: Request) -> object:
+    async def healthz(request: Request) -> Response | StreamingResponse:
         return text_response("ok\n")
 
     @app.route("GET", "/status")
-    async def status(request: Request) -> object:
+    async def status(request: Request) -> Response | StreamingResponse:
         after = request.query.get("after")
         if after is None:
             return json_response(feed.current())
@@ -90,11 +91,11 @@ def build_app(
         return json_response(await feed.wait_after(int(_number(request, "after", 0)), timeout))
 
     @app.route("GET", "/metrics")
-    async def metrics(request: Request) -> object:
+    async def metrics(request: Request) -> Response | StreamingResponse:
         return text_response(await metrics_page(), content_type=CONTENT_TYPE)
 
     @app.route("GET", "/logs")
-    async def logs(request: Request) -> object:
+    async def logs(request: Request) -> Response | StreamingResponse:
         given = request.headers.get("authorization", "")
         expected = f"Bearer {token()}"
         if not hmac.compare_digest(given.encode(), expected.encode()):

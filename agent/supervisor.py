@@ -248,8 +248,10 @@ class EngineSupervisor:
             pumped = trio.Event()
 
             async def pump() -> None:
-                await self.sink.pump(engine.output)
-                pumped.set()
+                try:
+                    await self.sink.pump(engine.output)
+                finally:
+                    pumped.set()  # also when cancelled by a stop: nobody should wait for it then
 
             nursery.start_soon(pump)
             exited = trio.Event()

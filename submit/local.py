@@ -14,9 +14,9 @@ import time
 
 import msgspec
 import trio
-from agent.launchers import Engine, LaunchSpec, make_launcher
 
 from agent.jobdir import JobDir
+from agent.launchers import Engine, LaunchSpec, make_launcher
 from agent.logs import LogSink
 from agent.plan import Plan
 from agent.records import JobStatus, agent_name
@@ -83,6 +83,8 @@ class LocalRun:
         self.agents[name] = engine
         self.sinks[name] = sink
         nursery.start_soon(sink.pump, engine.output)
+        # Reap it when it exits: ``returncode`` stays None until someone waits.
+        nursery.start_soon(engine.wait)
 
     async def _stop_agents(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -156,6 +158,17 @@ class LocalRun:
                 tail = self.sinks[agent_name("prefill", 0)].recent(20)
                 if tail:
                     _say("last lines of its stderr:\n  " + "\n  ".join(tail))
+                if head.returncode and status is not None and status.state != "failed":
+                    # It died before it could say so (e.g. the router port was taken).
+                    last = tail[-1] if tail else "see its agent.log"
+                    status.state = "failed"
+                    status.error = (
+                        f"prefill-0 exited with code {head.returncode}: {last} "
+                        f"(log: {self.job.log_dir(agent_name('prefill', 0)) / 'agent.log'})"
+                    )
+                    status.router_url = None
+                    status.updated_at = time.time()
+                    self.job.write_status(status)
                 return 1 if head.returncode else 0
             with trio.move_on_after(POLL_S):
                 await stop.wait()

@@ -1,8 +1,10 @@
 """``tilert-submit stop J``: stop a Slurm or local job so that agents drain and nothing is left.
 
-Slurm: ``scancel --signal=TERM --full`` (every task and the batch shell get SIGTERM, agents stop
-their engines within the grace, steps end, the job ends normally), then a plain ``scancel`` if the
-job outlives the grace. Local: SIGTERM to the ``--local`` supervisor, which stops its agents.
+Slurm: ``scancel --signal=TERM`` (every step's tasks, the agents, get SIGTERM; they stop their
+engines within the grace, the steps end with 0 and the batch script ends normally), then a plain
+``scancel`` if the job outlives the grace. Not ``--full``, which DESIGN.md first named: checked on
+Slurm 22.05, it also signals the ``srun`` clients in the batch shell, and an ``srun`` client that
+gets SIGTERM aborts its step with SIGKILL, so the agents would never drain. Local: SIGTERM to the ``--local`` supervisor, which stops its agents.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
+from collections.abc import Callable
 
 from agent.plan import load_plan
 from agent.records import JobStatus
@@ -31,7 +35,7 @@ def grace_s(plan_bytes: bytes) -> float:
     )
 
 
-def _wait(predicate, limit: float) -> bool:  # type: ignore[no-untyped-def]
+def _wait(predicate: Callable[[], bool], limit: float) -> bool:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if predicate():
@@ -42,10 +46,8 @@ def _wait(predicate, limit: float) -> bool:  # type: ignore[no-untyped-def]
 
 def stop_slurm(job_id: str, limit: float) -> int:
     """TERM every task of the job, wait for it to end, scancel it for good after ``limit``."""
-    print(
-        f"stopping Slurm job {job_id}: scancel --signal=TERM --full (agents drain, up to {limit:g}s)"
-    )
-    slurm.scancel(job_id, signal_name="TERM", full=True)
+    print(f"stopping Slurm job {job_id}: scancel --signal=TERM (agents drain, up to {limit:g}s)")
+    slurm.scancel(job_id, signal_name="TERM")
     if _wait(lambda: slurm.job_active(job_id) is False, limit):
         print(f"Slurm job {job_id} ended")
         return 0
@@ -77,10 +79,19 @@ def main(args: argparse.Namespace) -> int:
     status: JobStatus = job.read_status()
     limit = grace_s(job.plan.read_bytes())
     if status.slurm_job_id:
-        if slurm.job_active(status.slurm_job_id) is False:
-            print(f"Slurm job {status.slurm_job_id} is not running (status.json: {status.state})")
-            return 0
-        return stop_slurm(status.slurm_job_id, limit)
+        try:
+            if slurm.job_active(status.slurm_job_id) is False:
+                print(
+                    f"Slurm job {status.slurm_job_id} is not running (status.json: {status.state})"
+                )
+                return 0
+            return stop_slurm(status.slurm_job_id, limit)
+        except slurm.SlurmError as exc:
+            print(
+                f"tilert-submit: could not stop Slurm job {status.slurm_job_id}: {exc}",
+                file=sys.stderr,
+            )
+            return 1
     if status.local_pid and _pid_alive(status.local_pid):
         return stop_local(status.local_pid, limit)
     print(f"nothing to stop: the job is {status.state} and no supervisor is running")

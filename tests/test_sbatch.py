@@ -262,3 +262,82 @@ def test_steps_that_end_before_the_wait_are_still_collected(tmp_path: Path) -> N
     done = run_script(script, bin_dir, log, tmp_path, STUB_FAIL_ROLE="prefill")
     assert done.returncode == 1
     assert recorded(log, "scancel") == [["4242"]]
+
+
+# ---- on the local multi-node Slurm --------------------------------------------------------------
+
+STUB_AGENT = """#!/bin/bash
+# Stand-in agent: says where it runs, drains on SIGTERM, fails at once when told to.
+role="$2"
+out="$(dirname "$4")/seen.$SLURMD_NODENAME"
+echo "$role $SLURM_NODEID $*" > "$out"
+if [ "$role" = "${STUB_FAIL_ROLE:-none}" ]; then exit 3; fi
+trap 'echo drained >> "$out"; exit 0' TERM
+while :; do sleep 0.1; done
+"""
+
+
+def submit_on_slurm(
+    slurm: object, cluster_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, str]:
+    import yaml
+
+    from submit.cli import main
+
+    agent = tmp_path / "stub-agent"
+    agent.write_text(STUB_AGENT)
+    agent.chmod(0o755)
+    data = yaml.safe_load(cluster_file.read_text())
+    data["agent_command"] = [str(agent)]
+    cluster_file.write_text(yaml.safe_dump(data))
+    for key, value in slurm.env.items():  # type: ignore[attr-defined]
+        monkeypatch.setenv(key, value)
+    root = tmp_path / "jobs" / "J"
+    argv = [
+        str(RECIPES / "local-demo.yaml"),
+        "--cluster",
+        str(cluster_file),
+        "--job-dir",
+        str(root),
+    ]
+    assert main(argv) == 0
+    job_id = JobDir(root).read_status().slurm_job_id
+    assert job_id
+    return root, job_id
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.slurm
+def test_on_slurm_steps_place_agents_and_drain_on_term(
+    slurm, slurm_cluster_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    root, job_id = submit_on_slurm(slurm, slurm_cluster_file, tmp_path, monkeypatch)
+    seen = root.parent
+    wait_for(lambda: len(list(seen.glob("seen.*"))) == 3)
+    placed = {p.suffix[1:]: p.read_text().split()[0] for p in seen.glob("seen.*")}
+    # --relative: the prefill on the allocation's first node, the decode group on the next two.
+    assert placed == {"node1": "prefill", "node2": "decode", "node3": "decode"}
+    # SIGTERM to the steps' tasks (not --full): the agents drain and the job ends normally.
+    slurm.scancel("--signal=TERM", job_id)
+    assert slurm.wait_job_end(job_id, timeout=30) == "COMPLETED"
+    for path in seen.glob("seen.*"):
+        assert path.read_text().splitlines()[-1] == "drained"
+
+
+@pytest.mark.slurm
+def test_on_slurm_a_failed_step_ends_the_job(
+    slurm, slurm_cluster_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("STUB_FAIL_ROLE", "decode")
+    _, job_id = submit_on_slurm(slurm, slurm_cluster_file, tmp_path, monkeypatch)
+    assert slurm.wait_job_end(job_id, timeout=30) in {"CANCELLED", "FAILED"}
