@@ -50,13 +50,21 @@ def _standin(role: str) -> list[str]:
 
 
 def _base_env(
+    plan: Plan,
     plan_env: Mapping[str, str],
     secret_names: Sequence[str],
     agent_env: Mapping[str, str],
     name: str,
 ) -> dict[str, str]:
-    # Secrets reach engines from the agent's (submitting) environment, never from a file.
-    env = dict(agent_env)
+    # Secrets reach engines from the agent's (submitting) environment, never from a file. Every
+    # agent inherits every recipe secret, so one that the recipe gives to another process only
+    # (say roles.prefill.env.HF_TOKEN) is taken out again here.
+    others = {
+        secret
+        for owner in (plan.prefill.secret_env, plan.decode.secret_env, plan.router.secret_env)
+        for secret in owner
+    } - set(secret_names)
+    env = {k: v for k, v in agent_env.items() if k not in others}
     env.update(plan_env)
     for secret in secret_names:
         if secret in agent_env:
@@ -79,7 +87,7 @@ def prefill_command(
     role = plan.prefill
     program = [*_standin("prefill"), *role.program[1:]] if plan.mock else list(role.program)
     argv = [*program, *role.args, "--host", host, "--port", str(http_port)]
-    env = _base_env(role.env, role.secret_env, agent_env, name)
+    env = _base_env(plan, role.env, role.secret_env, agent_env, name)
     _gpu_env(env, plan, role, agent_env)
     return Command(argv, env)
 
@@ -107,7 +115,7 @@ def decode_command(
         str(ctrl_port),
         *role.args,
     ]
-    env = _base_env(role.env, role.secret_env, agent_env, name)
+    env = _base_env(plan, role.env, role.secret_env, agent_env, name)
     # TileRT finds its own IP with a UDP "connect" to this address (default 8.8.8.8, which fails
     # on nodes without a default route).
     env["TILERT_PD_PROBE_ADDR"] = address
@@ -140,7 +148,7 @@ def router_command(
         str(router.port),
         *router.args,
     ]
-    env = _base_env(router.env, router.secret_env, agent_env, "router")
+    env = _base_env(plan, router.env, router.secret_env, agent_env, "router")
     for var in GPU_ENV_NAMES:
         env[var] = ""  # the router needs no GPU and must not grab one
     return Command(argv, env)

@@ -482,9 +482,16 @@ class Head:
             if last is not None:
                 break
             if time.monotonic() > deadline:
+                # Name each one with its reason and its log (users act on these, not on a folder).
+                late = [
+                    self._agent_entry(n) for n in self.expected if self._peer_state(n) != "healthy"
+                ]
                 raise JobFailed(
-                    f"still waiting after the startup budget of {budget:g}s: {self._waiting_for()}; "
-                    "see their logs under " + str(self.job.logs)
+                    f"still waiting after the startup budget of {budget:g}s: "
+                    + "; ".join(
+                        f"{a.name} on {a.node or '?'} {a.state}: {a.reason} (log: {a.log})"
+                        for a in late
+                    )
                 )
             await self._wait(0.5)
         for name in self.expected[1:]:

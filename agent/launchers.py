@@ -537,9 +537,13 @@ class PyxisEngine:
         now = time.monotonic()
         if now - self._looked_at >= self._LOOKUP_INTERVAL_S:
             self._looked_at = now
-            self._pid = find_marked_leader(
-                self._marker, exclude={self._client.pid}, since=self._since
-            )
+            # srun forks helpers that inherit the marker: the client's whole tree is not the engine.
+            exclude = {self._client.pid}
+            with contextlib.suppress(psutil.Error):
+                exclude |= {
+                    p.pid for p in psutil.Process(self._client.pid).children(recursive=True)
+                }
+            self._pid = find_marked_leader(self._marker, exclude=exclude, since=self._since)
         return self._pid
 
     @property
@@ -619,6 +623,7 @@ class PyxisLauncher:
         scancel: str = "scancel",
         step_lookup_timeout_s: float = 60.0,
         step_end_timeout_s: float = 30.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.job_id = job_id
         self.node = node
@@ -628,7 +633,7 @@ class PyxisLauncher:
         self.step_lookup_timeout_s = step_lookup_timeout_s
         self.step_end_timeout_s = step_end_timeout_s
         # Slurm client commands (squeue, scancel) run with the agent's environment (SLURM_CONF).
-        self.client_env = dict(os.environ)
+        self.client_env = dict(os.environ if env is None else env)
 
     async def start(self, spec: LaunchSpec) -> PyxisEngine:
         """Start the step, learn its JOB.STEP id; the leader pid is found later, on demand."""

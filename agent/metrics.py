@@ -42,6 +42,9 @@ JOB_STATES = (
     "failed",
 )
 BASE_LABELS = ("role", "node", "slurm_job_id")
+# The head serves these only once it has measured them: reserved from the start all the same.
+GATE_LATENCY = "tilert_agent_gate_latency_seconds"
+CANARY_LATENCY = "tilert_agent_canary_latency_seconds"
 
 
 @dataclass
@@ -167,7 +170,7 @@ class _StateCollector(Collector):
             yield job
             if m.head.gate_latency_s is not None:
                 gate = GaugeMetricFamily(
-                    "tilert_agent_gate_latency_seconds",
+                    GATE_LATENCY,
                     "Last worker healthy to router started",
                     labels=list(BASE_LABELS),
                 )
@@ -175,7 +178,7 @@ class _StateCollector(Collector):
                 yield gate
             if m.head.canary_latency_s:
                 canary = GaugeMetricFamily(
-                    "tilert_agent_canary_latency_seconds",
+                    CANARY_LATENCY,
                     "Latency of the last canary round, slowest request",
                     labels=list(BASE_LABELS),
                 )
@@ -217,8 +220,13 @@ class AgentMetrics:
         return child.observe
 
     def family_names(self) -> set[str]:
-        """Every family name this page serves (the re-export must never repeat one)."""
-        return registry_names(self.registry)
+        """Every family name this page serves or will serve (the re-export must never repeat one).
+
+        Read once, before the head has measured anything, so the families it serves only later
+        are added here: an upstream family of the same name would otherwise appear twice.
+        """
+        later = {GATE_LATENCY, CANARY_LATENCY} if self.head is not None else set()
+        return registry_names(self.registry) | later
 
     def render(self) -> str:
         """The page in the classic text format."""

@@ -387,10 +387,10 @@ class NodeAgent:
         await self.stop_all()
         scope.cancel()
 
-    async def _metrics_page(self) -> str:
+    async def _metrics_page(self, budget_s: float | None) -> str:
         upstream = ""
         if self.id.role == "prefill" and "http" in self.ports:
-            upstream = await self.upstream.render(self.client)
+            upstream = await self.upstream.render(self.client, budget_s=budget_s)
         return self.metrics.render() + upstream
 
     def _log_files(self) -> dict[str, Path]:

@@ -398,25 +398,29 @@ class UpstreamMetrics:
         self._fetched_at: float | None = None
         self._lock = trio.Lock()  # one fetch at a time; scrapes that queue behind it reuse it
 
-    async def render(self, client: httpx.AsyncClient) -> str:
-        """The relabelled page (cached for ``cache_s``); "" when the fetch or parse failed."""
+    async def render(self, client: httpx.AsyncClient, *, budget_s: float | None = None) -> str:
+        """The relabelled page (cached for ``cache_s``); "" when the fetch or parse failed.
+
+        ``budget_s`` shortens the fetch timeout for this call (the scraper's own deadline).
+        """
         async with self._lock:
             fresh = (
                 self._fetched_at is not None and time.monotonic() - self._fetched_at < self.cache_s
             )
             if not fresh:
-                self._text = await self._refresh(client)
+                self._text = await self._refresh(client, budget_s)
                 self._fetched_at = time.monotonic()
             return self._text
 
-    async def _refresh(self, client: httpx.AsyncClient) -> str:
+    async def _refresh(self, client: httpx.AsyncClient, budget_s: float | None = None) -> str:
         started = time.monotonic()
         self.last_bytes = 0
+        timeout_s = self.timeout_s if budget_s is None else min(self.timeout_s, budget_s)
         try:
-            with trio.move_on_after(self.timeout_s) as deadline:
+            with trio.move_on_after(timeout_s) as deadline:
                 body = await self._fetch(client)
             if deadline.cancelled_caught:
-                raise UpstreamError(f"no complete answer within {self.timeout_s:g} s")
+                raise UpstreamError(f"no complete answer within {timeout_s:g} s")
             try:
                 page = body.decode("utf-8")
             except UnicodeDecodeError as exc:

@@ -12,6 +12,7 @@ import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import msgspec
 import trio
 
 from agent.httpserver import (
@@ -28,6 +29,8 @@ from agent.metrics import CONTENT_TYPE
 from agent.records import AgentStatus
 
 MAX_LONG_POLL_S = 60.0
+# The share of Prometheus' scrape timeout the vLLM re-export may spend.
+SCRAPE_BUDGET_SHARE = 0.5
 
 
 class StatusFeed:
@@ -58,6 +61,14 @@ class StatusFeed:
         return self.current()
 
 
+def status_body(status: AgentStatus) -> dict[str, object]:
+    """The ``/status`` JSON: ``router`` only where there is one (prefill-0), as DESIGN.md says."""
+    body = msgspec.structs.asdict(status)  # nested Structs stay Structs: msgspec encodes them
+    if body["router"] is None:
+        del body["router"]
+    return body
+
+
 def _number(request: Request, key: str, default: float) -> float:
     value = request.query.get(key)
     if value is None:
@@ -68,10 +79,20 @@ def _number(request: Request, key: str, default: float) -> float:
         raise HTTPError(400, f"query parameter {key}={value!r} is not a number") from None
 
 
+def _count(request: Request, key: str, default: int) -> int:
+    """A non-negative integer query parameter (``tail=nan`` or ``tail=-1`` is the client's error)."""
+    value = request.query.get(key)
+    if value is None:
+        return default
+    if not (value.isascii() and value.isdigit()):
+        raise HTTPError(400, f"query parameter {key}={value!r} is not a whole number >= 0")
+    return int(value)
+
+
 def build_app(
     *,
     feed: StatusFeed,
-    metrics_page: Callable[[], Awaitable[str]],
+    metrics_page: Callable[[float | None], Awaitable[str]],
     token: Callable[[], str],
     log_files: Callable[[], dict[str, Path]],
 ) -> App:
@@ -86,13 +107,23 @@ def build_app(
     async def status(request: Request) -> Response | StreamingResponse:
         after = request.query.get("after")
         if after is None:
-            return json_response(feed.current())
+            return json_response(status_body(feed.current()))
         timeout = min(MAX_LONG_POLL_S, _number(request, "timeout", 30.0))
-        return json_response(await feed.wait_after(int(_number(request, "after", 0)), timeout))
+        version = int(_number(request, "after", 0))
+        return json_response(status_body(await feed.wait_after(version, timeout)))
 
     @app.route("GET", "/metrics")
     async def metrics(request: Request) -> Response | StreamingResponse:
-        return text_response(await metrics_page(), content_type=CONTENT_TYPE)
+        # Prometheus says how long it will wait; the upstream fetch must leave room for our page,
+        # or a hanging vLLM would cost the agent's own series that scrape.
+        budget = None
+        header = request.headers.get("x-prometheus-scrape-timeout-seconds")
+        if header:
+            try:
+                budget = max(0.05, float(header) * SCRAPE_BUDGET_SHARE)
+            except ValueError:
+                budget = None
+        return text_response(await metrics_page(budget), content_type=CONTENT_TYPE)
 
     @app.route("GET", "/logs")
     async def logs(request: Request) -> Response | StreamingResponse:
@@ -107,11 +138,14 @@ def build_app(
         # Only names from this fixed map are served, so no request can reach outside J/logs.
         if name not in files:
             raise HTTPError(404, f"no log {name!r} here; known: {', '.join(sorted(files))}")
-        tail = int(_number(request, "tail", 200))
+        tail = _count(request, "tail", 200)
         follow = request.query.get("follow") in ("1", "true", "yes")
         path = files[name]
         if not follow:
-            lines = LogFollower(path, tail_lines=tail).finish() if tail > 0 else []
+            # In a worker thread: J/logs is often NFS, where reading can stall for seconds, and
+            # the agent's probes and /status share this event loop.
+            reader = LogFollower(path, tail_lines=tail)
+            lines = await trio.to_thread.run_sync(reader.finish) if tail > 0 else []
             return text_response("".join(line.rstrip("\n") + "\n" for line in lines))
 
         async def chunks() -> AsyncIterator[bytes]:

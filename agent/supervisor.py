@@ -142,7 +142,10 @@ class EngineSupervisor:
         previous = self.state
         self.state, self.reason, self.since = state, reason, time.time()
         level = logging.WARNING if state in ("unhealthy", "restarting", "failed") else logging.INFO
-        self.log.log(level, "%s: %s -> %s: %s", self.name, previous, state, reason)
+        if previous == state:
+            self.log.log(level, "%s: %s: %s", self.name, state, reason)
+        else:
+            self.log.log(level, "%s: %s -> %s: %s", self.name, previous, state, reason)
         self.on_change()
 
     # ---- control ---------------------------------------------------------------------------
@@ -239,10 +242,7 @@ class EngineSupervisor:
             return None
         self.engine = engine
         self.started_at = time.time()
-        self.sink.note(
-            f"=== {self.name} generation {self.generation} started, pid {engine.pid}: "
-            f"{' '.join(spec.argv)} ==="
-        )
+        self.sink.note(f"{self._generation_note()}, pid {engine.pid}: {' '.join(spec.argv)} ===")
         self._set("starting", f"engine pid {engine.pid} started; waiting for {self.health_url()}")
         async with trio.open_nursery() as nursery:
             pumped = trio.Event()
@@ -350,5 +350,16 @@ class EngineSupervisor:
                 self._set("unhealthy", reason)
                 return reason
 
+    def _generation_note(self) -> str:
+        return f"=== {self.name} generation {self.generation} started"
+
     def _address_in_use(self) -> bool:
-        return any(ADDRESS_IN_USE.search(line) for line in self.sink.recent(FAILURE_LOG_LINES))
+        # Only this generation's lines: an earlier generation's "address in use" still in the ring
+        # must not turn every later early death into a free relaunch (no backoff, no count).
+        lines = self.sink.recent(FAILURE_LOG_LINES)
+        marker = self._generation_note()
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith(marker):
+                lines = lines[i + 1 :]
+                break
+        return any(ADDRESS_IN_USE.search(line) for line in lines)

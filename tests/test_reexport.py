@@ -545,6 +545,16 @@ async def test_hanging_or_trickling_upstream_bounded_by_timeout(
     assert 0.4 < took < 3.0  # a liveness bound, not a performance target
 
 
+async def test_scrape_budget_shortens_the_timeout(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """The scraper's deadline (budget_s) wins over a longer configured timeout."""
+    metrics = UpstreamMetrics(upstream.url("/hang-headers"), OURS, timeout_s=30)
+    with trio.fail_after(10):
+        assert await metrics.render(client, budget_s=0.3) == ""
+    assert metrics.last_error and "within 0.3 s" in metrics.last_error
+
+
 async def test_slow_but_finishing_upstream_is_fine(
     upstream: Upstream, client: httpx.AsyncClient
 ) -> None:

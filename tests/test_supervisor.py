@@ -1,0 +1,161 @@
+"""``EngineSupervisor`` on real tiny engines (python -c scripts) through the process launcher."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.launchers import LaunchSpec, ProcessLauncher
+from agent.logs import LogSink
+from agent.supervisor import EngineSupervisor, Policy
+from tests.infra.ports import free_port
+
+PY = sys.executable
+ENV = {"PATH": os.environ.get("PATH", os.defpath), "PYTHONUNBUFFERED": "1"}
+
+# An engine serving /health 200 on $PORT (ignores SIGTERM when $STUBBORN is set).
+SERVE = textwrap.dedent(
+    """
+    import http.server, os, signal
+    if os.environ.get("STUBBORN"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a):
+            pass
+    print("serving", flush=True)
+    http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever()
+    """
+)
+
+
+def policy(**changes: float) -> Policy:
+    """A fast policy; ``changes`` override fields."""
+    values = dict(
+        startup_interval_s=0.02,
+        interval_s=0.05,
+        timeout_s=0.5,
+        failure_threshold=2,
+        backoff_initial_s=0.1,
+        backoff_max_s=0.4,
+        max_restarts=3,
+        window_s=60.0,
+        startup_budget_s=10.0,
+        stop_grace_s=1.0,
+    )
+    values.update(changes)
+    return Policy(**values)  # type: ignore[arg-type]
+
+
+class Harness:
+    """A supervisor of ``python -c SCRIPT`` with a log sink in ``tmp``; records what it saw."""
+
+    def __init__(self, tmp: Path, script: str, pol: Policy, **env: str) -> None:
+        self.port = free_port()
+        self.generations = 0
+        self.moves = 0
+        self.states: list[str] = []
+        self.log = logging.getLogger(f"test-supervisor-{id(self)}")
+        self.sup = EngineSupervisor(
+            name="engine",
+            launcher=ProcessLauncher(),
+            build=self._build,
+            health_url=lambda: f"http://127.0.0.1:{self.port}/health",
+            ports=lambda: {"http": self.port},
+            policy=pol,
+            sink=LogSink(tmp / "engine.log", max_bytes=1 << 20, backups=0),
+            log=self.log,
+            on_change=lambda: self.states.append(self.sup.state),
+            on_address_in_use=self._moved,
+        )
+        self.script = script
+        self.env = {**ENV, **env}
+
+    def _build(self) -> LaunchSpec:
+        self.generations += 1
+        env = {**self.env, "PORT": str(self.port), "GEN": str(self.generations)}
+        return LaunchSpec(name="engine", argv=[PY, "-c", self.script], env=env)
+
+    def _moved(self) -> None:
+        self.moves += 1
+        self.port = free_port()
+
+
+async def test_address_in_use_moves_ports_once_then_counts_crashes(tmp_path: Path) -> None:
+    # Generation 1 loses its port; later ones die of something else. The old "address in use"
+    # line is still among the last lines: it must not make every later death a free relaunch.
+    script = textwrap.dedent(
+        """
+        import os, sys
+        if os.environ["GEN"] == "1":
+            # Spelled in two parts: the script's own text is in the generation's start note.
+            print("OSError: Address already " + "in use", flush=True)
+        else:
+            print("RuntimeError: weights are corrupt", flush=True)
+        sys.exit(1)
+        """
+    )
+    h = Harness(tmp_path, script, policy(max_restarts=2, backoff_initial_s=0.02))
+    with trio.fail_after(15):
+        await h.sup.run()
+    assert h.moves == 1
+    assert h.sup.state == "failed"
+    assert "max_restarts" in h.sup.reason
+    assert h.generations == 4  # 1 moved + 1 first crash + 2 restarts
+    assert h.sup.restarts == 2
+
+
+async def test_backoff_doubles_up_to_the_max(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    h = Harness(tmp_path, "import sys; sys.exit(3)", policy(max_restarts=4))
+    with caplog.at_level(logging.WARNING, logger=h.log.name), trio.fail_after(15):
+        await h.sup.run()
+    delays = [
+        r.getMessage().rsplit(" in ", 1)[1]
+        for r in caplog.records
+        if "; restart " in r.getMessage()
+    ]
+    assert delays == ["0.1s", "0.2s", "0.4s", "0.4s"], delays
+    assert "exited with code 3" in h.sup.reason
+
+
+async def test_stop_sigterms_then_sigkills_after_grace(tmp_path: Path) -> None:
+    h = Harness(tmp_path, SERVE, policy(stop_grace_s=0.5), STUBBORN="1")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(h.sup.run)
+        with trio.fail_after(10):
+            while h.sup.state != "healthy":
+                await trio.sleep(0.02)
+        pid = h.sup.status().pid
+        assert pid is not None
+        t0 = time.monotonic()
+        with trio.fail_after(10):
+            await h.sup.stop()
+        took = time.monotonic() - t0
+    assert 0.4 <= took < 5, took
+    assert h.sup.state == "stopped"
+    assert h.states[-2:] == ["stopping", "stopped"]
+    assert h.sup.status().pid is None
+    assert h.sup.engine is not None and h.sup.engine.returncode == -9
+
+
+async def test_stop_during_backoff_ends_stopped(tmp_path: Path) -> None:
+    h = Harness(tmp_path, "import sys; sys.exit(1)", policy(backoff_initial_s=30, backoff_max_s=30))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(h.sup.run)
+        with trio.fail_after(10):
+            while h.sup.state != "restarting":
+                await trio.sleep(0.02)
+        with trio.fail_after(5):
+            await h.sup.stop()
+    assert h.sup.state == "stopped"
+    assert h.generations == 1
