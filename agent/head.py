@@ -299,7 +299,8 @@ class Head:
             python=router.python,
             modules=["tilert.pd_vllm.pd_router"],
             distributions=["tilert"],
-            setup_script=self.plan.setup_script,
+            # The stand-ins need no setup; the script belongs to the real images.
+            setup_script=None if self.plan.mock else self.plan.setup_script,
             configs_dir=self.plan.configs_dir,
             paths=paths,
         )

@@ -274,10 +274,9 @@ class _Child:
             # It was in the group we just SIGKILLed (or acts on the EOF now): gone within a moment.
             with contextlib.suppress(ProcessLookupError):
                 watcher.kill()
-            try:
+            # (If it is in uninterruptible sleep, subprocess reaps it later.)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 watcher.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass  # in uninterruptible sleep; subprocess reaps it later
 
     # -- the tree ------------------------------------------------------------------------------
 
@@ -401,7 +400,7 @@ async def run_to_end(
             if not data:
                 return
             if size < RUN_OUTPUT_LIMIT:
-                chunks.append(data[: RUN_OUTPUT_LIMIT - size])
+                chunks.append(bytes(data[: RUN_OUTPUT_LIMIT - size]))
                 size += len(chunks[-1])
 
     read_done = trio.Event()

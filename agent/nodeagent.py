@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import trio
 
 from agent import preflight
-from agent.commands import decode_command, prefill_command
+from agent.commands import MANAGED_ENV, decode_command, prefill_command
 from agent.head import Head
 from agent.httpserver import bound_socket, serve
 from agent.identity import Identity
@@ -28,7 +29,7 @@ from agent.logs import LogSink, log_path
 from agent.metrics import AgentMetrics, HeadFigures
 from agent.plan import Plan
 from agent.ports import choose_port, choose_ports, is_bindable
-from agent.records import AgentStatus, RendezvousRecord
+from agent.records import AgentStatus, EngineStatus, RendezvousRecord
 from agent.reexport import UpstreamMetrics
 from agent.rendezvous import read_records, write_record
 from agent.server import StatusFeed, build_app
@@ -103,34 +104,30 @@ class NodeAgent:
 
     def _snapshot(self) -> AgentStatus:
         if self.engine is not None:
-            s = self.engine.status()
-            state, pid, restarts, reason, since, uptime = (
-                s.state,
-                s.pid,
-                s.restarts,
-                s.reason,
-                s.since,
-                s.uptime_s,
-            )
+            engine = msgspec.structs.asdict(self.engine.status())
         else:
-            state = "failed" if self.preflight_failure else "starting"
-            reason = self.preflight_failure or "preflight"
-            pid, restarts, since, uptime = None, 0, self.started, None
+            engine = msgspec.structs.asdict(
+                EngineStatus(
+                    state="failed" if self.preflight_failure else "starting",
+                    pid=None,
+                    ports={},
+                    restarts=0,
+                    reason=self.preflight_failure or "preflight",
+                    since=self.started,
+                    uptime_s=None,
+                )
+            )
+        # The agent's ports (agent, http, ctrl), not only the engine's; the router has its own.
+        engine["ports"] = {k: v for k, v in self.ports.items() if k != "router"}
         router = None
         if self.head is not None and self.head.router is not None:
             router = self.head.router.status()
         return AgentStatus(
+            **engine,
             name=self.id.name,
             role=self.id.role,
             index=self.id.index,
             node=self.id.node,
-            state=state,
-            pid=pid,
-            ports={k: v for k, v in self.ports.items() if k != "router"},
-            restarts=restarts,
-            reason=reason,
-            since=since,
-            uptime_s=uptime,
             router=router,
         )
 
@@ -224,6 +221,18 @@ class NodeAgent:
         self, name: str, argv: list[str], env: dict[str, str], image: str | None
     ) -> LaunchSpec:
         """A LaunchSpec with the job's mounts and the setup script the preflight found."""
+        # Under pyxis the image's own value of a variable wins unless it is named here: name
+        # every variable the recipe or the agent sets for the engine.
+        ours = {
+            *self.plan.prefill.env,
+            *self.plan.decode.env,
+            *self.plan.router.env,
+            *self.plan.prefill.secret_env,
+            *self.plan.decode.secret_env,
+            *self.plan.router.secret_env,
+            *MANAGED_ENV,
+            self.plan.visible_devices_env,
+        }
         return LaunchSpec(
             name=name,
             argv=argv,
@@ -231,6 +240,7 @@ class NodeAgent:
             image=image,
             mounts=tuple(self.plan.mounts),
             setup_script=self.setup_script,
+            container_env=tuple(sorted(k for k in ours if k in env)),
         )
 
     def preflight_checks(self) -> preflight.PreflightChecks:
@@ -258,7 +268,8 @@ class NodeAgent:
             python=python,
             modules=modules,
             distributions=["tilert", "vllm"],
-            setup_script=self.plan.setup_script,
+            # The stand-ins need no setup; the script belongs to the real images.
+            setup_script=None if self.plan.mock else self.plan.setup_script,
             configs_dir=self.plan.configs_dir,
             paths=paths,
         )

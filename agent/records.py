@@ -50,20 +50,13 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     uptime_s: float | None
 
 
-class AgentStatus(msgspec.Struct, kw_only=True):
+class AgentStatus(EngineStatus, kw_only=True):
     """An agent's ``/status``: identity plus its engine's state; prefill-0 adds ``router``."""
 
     name: str
     role: str
     index: int
     node: str
-    state: EngineState
-    pid: int | None
-    ports: dict[str, int]
-    restarts: int
-    reason: str
-    since: float
-    uptime_s: float | None
     # Increases on every change; long-poll with ``/status?after=<version>``.
     version: int = 0
     router: EngineStatus | None = None

@@ -179,7 +179,7 @@ class EngineSupervisor:
         if self.stopping and self.state != "failed":
             self._set("stopping", f"stop requested; grace {self.policy.stop_grace_s:g}s")
         code = await engine.stop(self.policy.stop_grace_s)
-        self.log.info("%s: engine pid %d ended with status %d", self.name, engine.pid, code)
+        self.log.info("%s: engine pid %s ended with status %d", self.name, engine.pid, code)
 
     async def _shutdown(self) -> None:
         if self.engine is not None:

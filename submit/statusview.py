@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import psutil
 
 from agent.jobdir import JobDir
 from agent.records import JobAgent, JobStatus
@@ -52,7 +53,13 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # An exited process its parent has not reaped yet (a zombie) still answers signal 0.
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
 
 
 def staleness(status: JobStatus, now: float | None = None) -> str | None:

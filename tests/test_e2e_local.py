@@ -133,6 +133,7 @@ def test_stop_leaves_nothing(demo: kit.LocalJob) -> None:
     assert len(procs) >= 7, kit.describe(procs)  # submit, 3 agents, 3 engines, the router
     done = kit.submit_cmd("stop", str(demo.job), timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "SIGKILL" not in done.stdout, done.stdout  # the supervisor exited by itself
     assert demo.wait_exit(30) == 0, demo.output()
     left = kit.wait_gone(procs, 5)
     assert not left, "left behind:\n" + kit.describe(left)
@@ -252,3 +253,21 @@ def test_submit_exits_on_sigint_before_ready(router_python: Path, tmp_path: Path
         job.proc.send_signal(signal.SIGINT)
         assert job.wait_exit(30) == 0, job.output()
         assert not kit.wait_gone(procs, 5)
+
+
+def test_supervisor_sigkill_takes_everything_along(router_python: Path, tmp_path: Path) -> None:
+    """SIGKILL to tilert-submit --local alone: its agents and their engines die with it."""
+    sets, _ = kit.e2e_sets(router_python, "roles.decode.env.TILERT_MOCK_STARTUP_DELAY_S=30")
+    with kit.LocalJob(tmp_path / "job", kit.DEMO_RECIPE, sets) as job:
+        kit.wait_status(
+            job.job,
+            lambda s: kit.agent_entry(s, "prefill-0")["state"] == "healthy",
+            "with prefill-0 healthy",
+            READY_S,
+        )
+        procs = kit.job_processes(job.job, kit.job_ports(job.job))
+        assert len(procs) >= 6, kit.describe(procs)  # submit, 3 agents, 3 engines
+        job.proc.send_signal(signal.SIGKILL)
+        job.wait_exit(5)
+        left = kit.wait_gone(procs, 5)
+        assert not left, "left behind:\n" + kit.describe(left)
