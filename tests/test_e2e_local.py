@@ -17,6 +17,8 @@ import pytest
 
 from tests import e2ekit as kit
 
+pytestmark = pytest.mark.router
+
 READY_S = 60.0  # generous: 2 shared cores, the real router imports transformers
 
 
@@ -202,6 +204,7 @@ def test_prefill_crash_loop_fails_the_job(router_python: Path, tmp_path: Path) -
         assert "logs/prefill-0/engine.log" in status["error"], status["error"]
         assert kit.agent_entry(status, "prefill-0")["state"] == "failed"
         assert "job failed" in job.output()
+        assert "exiting with code 1" in (job.job / "logs/prefill-0/agent.log").read_text()
         assert not kit.wait_gone(kit.job_processes(job.job, kit.job_ports(job.job)), 10)
 
 

@@ -23,7 +23,7 @@ from agent.launchers import LaunchSpec, PyxisLauncher
 from tests import e2ekit as kit
 from tests.infra.slurm import ENDED_STATES, LocalSlurm
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.router]
 
 READY_S = 90.0  # generous: 2 shared cores, sbatch + srun steps, the real router's imports
 
