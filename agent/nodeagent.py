@@ -301,12 +301,15 @@ class NodeAgent:
     async def run(self) -> int:
         """Run until stopped (exit 0) or until the job fails (exit 1)."""
         if self.id.is_head and not is_bindable(self.plan.router.port):
-            self.log.error(
-                "router port %d is taken on %s; free it or set agent.router_port "
-                "(clients rely on this port, so the agent does not move it)",
-                self.plan.router.port,
-                self.id.node,
+            error = (
+                f"router port {self.plan.router.port} is taken on {self.id.node}; free it or set "
+                "agent.router_port (clients rely on this port, so the agent does not move it)"
             )
+            self.log.error("%s", error)
+            # Nobody else writes status.json for this job now: say it here, or it stays pending.
+            status = self.job.read_status()
+            status.state, status.error, status.updated_at = "failed", error, time.time()
+            self.job.write_status(status)
             return 1
         sock = self._bind_agent_socket()
         self.ports["agent"] = sock.getsockname()[1]

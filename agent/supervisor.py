@@ -21,8 +21,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
+import psutil
 import trio
 
 from agent.launchers import Engine, Launcher, LaunchSpec
@@ -157,8 +159,14 @@ class EngineSupervisor:
         await self.done.wait()
 
     def relaunch(self, reason: str) -> None:
-        """Stop the engine and start it again with a fresh ``build()`` (not counted as a crash)."""
+        """Stop the engine and start it again with a fresh ``build()`` (not counted as a crash).
+
+        It counts in ``restarts`` (what operators see), not against the restart limit, and the
+        state says so at once, so nobody reads the old engine as healthy meanwhile.
+        """
         self._relaunch_reason = reason
+        self.restarts += 1
+        self._set("restarting", reason)
         self._probe_wakeup.set()
 
     # ---- the loop --------------------------------------------------------------------------
@@ -315,7 +323,20 @@ class EngineSupervisor:
                     return "relaunch"
                 return self._exit_reason(engine) + " before becoming healthy"
             if await self._probe(client):
-                break
+                if self._answered_by_engine(engine):
+                    break
+                # A probed-free port can be taken by another process before a slow engine binds
+                # it: that process's 200 is not our engine's, and our engine will never bind.
+                self.log.warning(
+                    "%s: %s answered, but not from the engine's own process tree: the port was "
+                    "taken by another process",
+                    self.name,
+                    self.health_url(),
+                )
+                if not self.ever_healthy and self.on_address_in_use:
+                    self.on_address_in_use()
+                    self._relaunch_reason = "port taken by another process: new ports"
+                    return "relaunch"
             if time.monotonic() > deadline:
                 self._fail(
                     f"not healthy within the startup budget of {policy.startup_budget_s:g}s "
@@ -352,6 +373,21 @@ class EngineSupervisor:
 
     def _generation_note(self) -> str:
         return f"=== {self.name} generation {self.generation} started"
+
+    def _answered_by_engine(self, engine: Engine) -> bool:
+        """Whether the health port's listening socket belongs to the engine's process tree."""
+        port = urlsplit(self.health_url()).port
+        tree = engine.descendants()
+        if port is None or not tree:
+            return True  # nothing to compare with (e.g. a pyxis step whose pid is not known yet)
+        for proc in tree:
+            try:
+                sockets = proc.net_connections(kind="tcp")
+            except psutil.Error:
+                continue
+            if any(s.status == psutil.CONN_LISTEN and s.laddr.port == port for s in sockets):
+                return True
+        return False
 
     def _address_in_use(self) -> bool:
         # Only this generation's lines: an earlier generation's "address in use" still in the ring

@@ -159,3 +159,38 @@ async def test_stop_during_backoff_ends_stopped(tmp_path: Path) -> None:
             await h.sup.stop()
     assert h.sup.state == "stopped"
     assert h.generations == 1
+
+
+async def test_a_foreign_answer_on_our_port_is_not_our_engine(tmp_path: Path) -> None:
+    """Another process serves /health on the probed port while our engine loads: new ports."""
+    # Our engine loads slowly and then serves on $PORT.
+    slow = "import time; time.sleep(1.0)\n" + SERVE
+    h = Harness(tmp_path, slow, policy())
+    foreign_port = h.port
+    # The foreign server: the same tiny /health 200, but not in our engine's process tree.
+    foreign = await trio.lowlevel.open_process(
+        [PY, "-c", SERVE], env={**ENV, "PORT": str(foreign_port)}
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not _listening(foreign_port) and time.monotonic() < deadline:
+            await trio.sleep(0.02)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(h.sup.run)
+            with trio.fail_after(15):
+                while h.sup.state != "healthy":
+                    await trio.sleep(0.02)
+            assert h.moves == 1, "the foreign answer must move the engine to new ports"
+            assert h.port != foreign_port
+            assert h.sup.restarts == 0  # a port move is not a crash
+            await h.sup.stop()
+    finally:
+        foreign.kill()
+        await foreign.wait()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
