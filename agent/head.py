@@ -10,6 +10,7 @@ the router, or every decode has failed.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -92,6 +93,7 @@ class Head:
         self._followers: set[str] = set()
         self._nursery: trio.Nursery | None = None
         self.started = time.monotonic()
+        self.local_pid = self._read_local_pid()
 
     # ---- signals from the agent ------------------------------------------------------------
 
@@ -223,7 +225,7 @@ class Head:
             model=self.plan.model,
             router_url=self.router_url,
             slurm_job_id=self.agent.id.slurm_job_id,
-            local_pid=self._local_pid(),
+            local_pid=self.local_pid,
             error=self.error,
             agents=[self._agent_entry(name) for name in self.expected],
             router=router,
@@ -235,7 +237,8 @@ class Head:
         if self.agent.head_figures is not None:
             self.agent.head_figures.job_state = self.state
 
-    def _local_pid(self) -> int | None:
+    def _read_local_pid(self) -> int | None:
+        # The --local supervisor records itself before it starts any agent; keep what it wrote.
         try:
             return self.job.read_status().local_pid
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
@@ -304,7 +307,7 @@ class Head:
             configs_dir=self.plan.configs_dir,
             paths=paths,
         )
-        base = self.agent.launch_spec("router-preflight", [], dict(self.agent_env()), router.image)
+        base = self.agent.launch_spec("router-preflight", [], dict(os.environ), router.image)
         result = await preflight.run_preflight(self.agent.launcher, base, checks)
         if result.ok:
             self.log.info("head: the real TileRT router is importable by %s", router.python)
@@ -318,12 +321,6 @@ class Head:
             )
             return
         raise JobFailed("router preflight failed: " + "; ".join(result.problems))
-
-    def agent_env(self) -> dict[str, str]:
-        """The agent's own environment (secrets included), for launched commands."""
-        import os
-
-        return dict(os.environ)
 
     async def _start_router(self, last_healthy_at: float) -> None:
         self.router_decodes = [n for n in self.expected[1:] if n not in self.dropped]

@@ -1,10 +1,11 @@
-"""Helpers for the end-to-end bring-up tests (tests/test_e2e_local.py, tests/test_e2e_slurm.py).
+"""Helpers for the end-to-end tests (tests/test_e2e_local.py, test_e2e_slurm.py, test_e2e_observability.py).
 
 A job is started exactly as a user starts it (``tilert-submit`` in a subprocess, in its own
 process group), observed only through what users see (``status.json``, the agents' ``/status``
 and ``/metrics``, the router's OpenAI API, the logs), and checked for leftovers by scanning the
 process table. Every wait is bounded and, when it times out, says what the job looked like and
-prints the tails of its agents' logs.
+prints the tails of its agents' logs. The scenarios the local and the Slurm tests share are
+functions here taking the job directory.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tests.agentkit import DEMO_RECIPE, REPO, still_alive
 from tests.infra.ports import free_port
 
-REPO = Path(__file__).resolve().parent.parent
-DEMO_RECIPE = REPO / "recipes" / "local-demo.yaml"
 SUBMIT = [sys.executable, "-m", "submit.cli"]
 # What a --mock job runs besides the agents (their command lines do not name the job directory).
 STANDIN_MARKERS = ("agent.standins.", "tilert.pd_vllm.pd_router")
@@ -43,13 +43,15 @@ AGENT_FIELDS = {
     "metrics_url",
     "status_url",
 }
-TERMINAL = ("stopped", "failed")
+AGENTS = ("prefill-0", "decode-0", "decode-1")
 # What the stand-ins generate (docs/standins.md): the prefill's "H", then the decode's text.
 ANSWER = "Hello from the TileRT decode stand-in."
+MODEL = "demo-model"
 
 
-def e2e_sets(router_python: Path, *extra: str) -> tuple[list[str], int]:
-    """``--set`` flags for a test job: the real router and a free router port (8000 is shared)."""
+def e2e_sets(router_python: Path | None, *extra: str) -> tuple[list[str], int]:
+    """``--set`` flags for a test job: a free router port (8000 is shared), port bases of its
+    own, the real router when ``router_python`` is given, then ``extra``; and the router port."""
     port = free_port()
     # Port bases of our own, away from the defaults every other job on this shared machine
     # uses: a probed-free port is only free until someone binds it (DESIGN.md, ports).
@@ -59,7 +61,7 @@ def e2e_sets(router_python: Path, *extra: str) -> tuple[list[str], int]:
         f"decode: {{http: {b + 20}, agent: {b + 40}, ctrl: {b + 60}}}}}"
     )
     sets = [
-        f"agent.router_python={router_python}",
+        *([f"agent.router_python={router_python}"] if router_python else []),
         f"agent.router_port={port}",
         f"agent.ports={bases}",
         *extra,
@@ -76,6 +78,13 @@ def read_status(job: Path) -> dict | None:
         return json.loads((job / "status.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+def current_status(job: Path) -> dict:
+    """``J/status.json`` now (fails when it cannot be read)."""
+    status = read_status(job)
+    assert status is not None, f"{job}: no readable status.json\n{log_tails(job)}"
+    return status
 
 
 def log_tails(job: Path, lines: int = 25) -> str:
@@ -100,8 +109,10 @@ def wait_status(
     *,
     seen: list[str] | None = None,
     poll_s: float = 0.02,
+    each: Callable[[], None] | None = None,
 ) -> dict:
-    """Poll status.json until ``accept(status)``; fail with the job's state and log tails."""
+    """Poll status.json until ``accept(status)``; fail with the job's state and log tails.
+    ``each`` runs after every poll that did not accept (it may fail the wait early)."""
     deadline = time.monotonic() + timeout
     last = None
     while True:
@@ -112,6 +123,8 @@ def wait_status(
                 seen.append(status["state"])
             if accept(status):
                 return status
+        if each is not None:
+            each()
         if time.monotonic() > deadline:
             break
         time.sleep(poll_s)
@@ -237,14 +250,7 @@ def job_processes(job: Path, ports: Iterable[int] = ()) -> list[psutil.Process]:
         with contextlib.suppress(psutil.Error):
             for child in proc.children(recursive=True):
                 found[child.pid] = child
-    return [p for p in found.values() if _alive(p)]
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    return still_alive(list(found.values()), 0)
 
 
 def job_ports(job: Path) -> set[int]:
@@ -261,14 +267,23 @@ def describe(procs: Iterable[psutil.Process]) -> str:
     return "\n".join(f"  {p.pid}: {_cmdline(p)[:200]}" for p in procs) or "  (none)"
 
 
-def wait_gone(procs: Sequence[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait until none of ``procs`` runs; those still alive after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in procs if _alive(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+def running_processes(job: Path, at_least: int) -> tuple[set[int], list[psutil.Process]]:
+    """The job's ports and live processes, at least ``at_least`` of them."""
+    ports = job_ports(job)
+    procs = job_processes(job, ports)
+    assert len(procs) >= at_least, describe(procs)
+    return ports, procs
+
+
+def assert_gone(procs: list[psutil.Process], timeout: float) -> None:
+    """Every one of ``procs`` ends within ``timeout``."""
+    left = still_alive(procs, timeout)
+    assert not left, "left behind:\n" + describe(left)
+
+
+def assert_nothing_left(job: Path, timeout: float) -> None:
+    """Every process of the job (by a fresh scan) ends within ``timeout``."""
+    assert_gone(job_processes(job, job_ports(job)), timeout)
 
 
 def kill_all(procs: Iterable[psutil.Process]) -> None:
@@ -284,7 +299,7 @@ def kill_all(procs: Iterable[psutil.Process]) -> None:
 def submit_cmd(
     *args: str, env: Mapping[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``tilert-submit ARGS`` to its end (status, stop, a Slurm submission)."""
+    """Run ``tilert-submit ARGS`` to its end (status, stop, logs, a Slurm submission)."""
     return subprocess.run(
         [*SUBMIT, *args],
         cwd=REPO,
@@ -297,23 +312,72 @@ def submit_cmd(
 
 class LocalJob:
     """``tilert-submit RECIPE --local --mock`` in its own process group; a context manager that
-    kills whatever is left (the group and every process of the job) on exit."""
+    kills whatever is left (the group, every process of the job, every one it saw) on exit."""
 
-    def __init__(self, job: Path, recipe: Path, args: Sequence[str]) -> None:
+    def __init__(
+        self,
+        job: Path,
+        args: Sequence[str],
+        *,
+        recipe: Path = DEMO_RECIPE,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.job = job
         self.out = job.parent / f"{job.name}.submit.out"
         self._out = open(self.out, "wb")  # noqa: SIM115 (closed in __exit__)
         self.proc = subprocess.Popen(
             [*SUBMIT, str(recipe), "--local", "--mock", "--job-dir", str(job), *args],
             cwd=REPO,
+            env=None if env is None else dict(env),
+            stdin=subprocess.DEVNULL,
             stdout=self._out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self.seen: dict[int, psutil.Process] = {}
 
     def output(self) -> str:
         """What tilert-submit printed so far."""
         return self.out.read_text(errors="replace")
+
+    def status(self) -> dict:
+        """status.json now (fails when it cannot be read)."""
+        return current_status(self.job)
+
+    def agent(self, name: str) -> dict:
+        """status.json's entry of agent ``name`` now."""
+        return agent_entry(self.status(), name)
+
+    def token(self) -> str:
+        """The job's bearer token."""
+        return (self.job / "token").read_text().strip()
+
+    def remember_tree(self) -> None:
+        """Note every process below tilert-submit, to prove later that none outlives it."""
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.proc.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                self.seen.setdefault(proc.pid, proc)
+
+    def _watch(self) -> None:
+        self.remember_tree()
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"tilert-submit exited {self.proc.returncode}:\n{self.output()}\n"
+                f"{log_tails(self.job)}"
+            )
+
+    def wait_state(self, *states: str, timeout: float) -> dict:
+        """status.json once its state is one of ``states``, noting the process tree on every
+        poll; fails as soon as tilert-submit has exited."""
+        return wait_status(
+            self.job,
+            lambda s: s["state"] in states,
+            f"in {states}",
+            timeout,
+            poll_s=0.1,
+            each=self._watch,
+        )
 
     def wait_output(self, text: str, timeout: float) -> str:
         """Wait until tilert-submit has printed ``text``; its output."""
@@ -334,14 +398,185 @@ class LocalJob:
                 f"{log_tails(self.job)}"
             ) from None
 
+    def stop(self, timeout: float) -> tuple[int | None, list[psutil.Process]]:
+        """SIGTERM tilert-submit; (its exit code or None after ``timeout``, the processes it was
+        ever seen with that are still alive the moment it ended)."""
+        self.remember_tree()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        return code, still_alive(list(self.seen.values()), 0)
+
     def __enter__(self) -> LocalJob:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        leftovers = job_processes(self.job, job_ports(self.job))
+        leftovers = [*job_processes(self.job, job_ports(self.job)), *self.seen.values()]
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         kill_all(leftovers)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         self._out.close()
+
+
+# ---- scenarios the local and the Slurm tests share -------------------------------------------
+
+
+def check_ready_contract(job: Path) -> dict:
+    """Ready per DESIGN.md: status.json's fields, every agent healthy, targets.json naming each
+    agent's metrics address with only the ``agent`` label, the real router; the status."""
+    status = current_status(job)
+    assert status["state"] == "ready" and status["error"] is None, status
+    assert status["router_url"].startswith("http://127.0.0.1:")
+    assert status["model"] == MODEL
+    names = [a["name"] for a in status["agents"]]
+    assert names == list(AGENTS), names
+    for entry in status["agents"]:
+        assert set(entry) >= AGENT_FIELDS, entry
+        assert entry["state"] == "healthy", entry
+        assert entry["node"] and entry["status_url"] and entry["metrics_url"]
+        assert Path(entry["log"]).is_file(), entry
+    targets = json.loads((job / "prometheus" / "targets.json").read_text())
+    assert sorted(t["labels"]["agent"] for t in targets) == sorted(names), targets
+    by_agent = {t["labels"]["agent"]: t for t in targets}
+    for entry in status["agents"]:
+        target = by_agent[entry["name"]]
+        assert set(target["labels"]) == {"agent"}, target  # no role/node/slurm_job_id
+        assert target["targets"] == [entry["metrics_url"].split("//")[1].split("/")[0]]
+    # The real router, not the stand-in.
+    router_log = (job / "logs" / "prefill-0" / "router.log").read_text()
+    assert "tilert.pd_vllm.pd_router" in router_log.splitlines()[0]
+    assert "agent.standins.router" not in router_log
+    assert "using the router stand-in" not in (job / "logs/prefill-0/agent.log").read_text()
+    return status
+
+
+def check_chat(job: Path) -> None:
+    """A streamed chat through router_url returns the stand-ins' text; two at once too."""
+    router_url = current_status(job)["router_url"]
+    text = chat(router_url, MODEL)
+    assert text == ANSWER, text
+    texts = chat_concurrently(router_url, MODEL, 2)
+    assert texts == [ANSWER] * 2, texts
+
+
+def check_gate_latency(job: Path, where: str) -> None:
+    """The head logs the gate latency and exports it; printed, bounded only by the budget."""
+    log = (job / "logs" / "prefill-0" / "agent.log").read_text()
+    line = next(x for x in log.splitlines() if "router started" in x)
+    prefill = agent_entry(current_status(job), "prefill-0")
+    gate = metric_value(prefill["metrics_url"], "tilert_agent_gate_latency_seconds")
+    print(f"\n{where} gate latency: metric {gate} s; log: {line.split('head: ', 1)[-1]}")
+    assert gate is not None and 0 <= gate < 60
+
+
+def check_engine_sigkill_recovers(job: Path) -> None:
+    """SIGKILL decode-0's engine: same ports, degraded then ready, the router not restarted."""
+    status = current_status(job)
+    d0 = agent_entry(status, "decode-0")
+    before = agent_status(d0["status_url"])
+    record_before = record(job, "decode-0")
+    head = agent_status(agent_entry(status, "prefill-0")["status_url"])
+    router_pid, router_restarts = head["router"]["pid"], head["router"]["restarts"]
+    assert before["state"] == "healthy" and before["pid"]
+    assert psutil.Process(before["pid"]).cmdline()[2] == "agent.standins.decode"
+
+    seen: list[str] = []
+    psutil.Process(before["pid"]).send_signal(signal.SIGKILL)
+    wait_state(job, "degraded", 15, seen=seen)
+    after_status = wait_state(job, "ready", 30, seen=seen)
+    print(f"\nstates after the SIGKILL: {seen}")
+
+    after = agent_status(d0["status_url"])
+    assert after["pid"] != before["pid"]
+    assert after["restarts"] == before["restarts"] + 1
+    assert after["ports"] == before["ports"]
+    assert record(job, "decode-0")["ports"] == record_before["ports"]
+    assert agent_entry(after_status, "decode-0")["restarts"] == after["restarts"]
+    head = agent_status(agent_entry(after_status, "prefill-0")["status_url"])
+    assert head["router"]["pid"] == router_pid
+    assert head["router"]["restarts"] == router_restarts == 0
+    texts = chat_concurrently(after_status["router_url"], MODEL, 2)
+    assert texts == [ANSWER] * 2, texts
+
+
+def check_stopped(job: Path, status: dict, cmd: Callable[..., subprocess.CompletedProcess]) -> dict:
+    """A stopped job: ``stopped`` without router_url; ``stop`` again is fine (``cmd`` runs
+    tilert-submit); a "ready" left behind reads as STALE. The ``status --json`` view."""
+    assert status["state"] == "stopped", status
+    assert status["router_url"] is None
+    assert cmd("stop", str(job)).returncode == 0
+    (job / "status.json").write_text(json.dumps(dict(status, state="ready")))
+    done = cmd("status", str(job), "--json")
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert view["stale"] is True, view
+    assert "STALE" in cmd("status", str(job)).stdout
+    return view
+
+
+# Faults: the recipe overrides and what the job must show.
+DECODE_CRASH_LOOP = (
+    "roles.decode.env.TILERT_MOCK_FAULT_TARGET=decode-1",
+    "roles.decode.env.TILERT_MOCK_CRASH_AFTER_S=0.3",
+    "agent.restart={backoff_initial_s: 0.1, backoff_max_s: 0.2, max_restarts: 2, window_s: 60}",
+)
+PREFILL_CRASH_LOOP = (
+    "roles.prefill.env.TILERT_MOCK_CRASH_AFTER_S=0.3",
+    "agent.restart={backoff_initial_s: 0.1, backoff_max_s: 0.2, max_restarts: 1, window_s: 60}",
+)
+DECODES_NEVER_HEALTHY = (
+    # Bound and hanging (not a startup delay, whose unbound ports another job could take).
+    "roles.decode.env.TILERT_MOCK_HANG_HEALTH=1",
+    "agent.startup_budget_s={prefill: 3, decode: 3, router: 60}",
+)
+
+
+def check_decode_dropped(job: Path, timeout: float) -> dict:
+    """decode-1 crash-looping: dropped (failed, its log named), the job degraded and the router
+    serving without it through decode-0; the status."""
+    status = wait_status(
+        job,
+        lambda s: (
+            s["state"] == "degraded"
+            and agent_entry(s, "decode-1")["state"] == "failed"
+            and "dropped" in agent_entry(s, "decode-1")["reason"]
+            and s["router_url"] is not None
+            and router_serves_without(job, s, "decode-1")
+        ),
+        "degraded with decode-1 dropped and the router healthy without it",
+        timeout,
+    )
+    d1 = agent_entry(status, "decode-1")
+    assert d1["log"].endswith("logs/decode-1/engine.log") and Path(d1["log"]).is_file(), d1
+    assert "gave up" in d1["reason"], d1
+    assert "restart" in d1["reason"] or "exited" in d1["reason"], d1
+    assert agent_entry(status, "decode-0")["state"] == "healthy"
+    assert chat(status["router_url"], MODEL) == ANSWER
+    return status
+
+
+def check_prefill_failed(job: Path, status: dict) -> None:
+    """The prefill crash-looping: failed naming prefill-0 and its log; its agent exited 1 and
+    nothing of the job is left."""
+    assert status["state"] == "failed", status
+    assert "prefill-0" in status["error"], status["error"]
+    assert "logs/prefill-0/engine.log" in status["error"], status["error"]
+    assert agent_entry(status, "prefill-0")["state"] == "failed"
+    assert "exiting with code 1" in (job / "logs/prefill-0/agent.log").read_text()
+    assert_nothing_left(job, 10)
+
+
+def check_decodes_never_healthy(job: Path, status: dict) -> None:
+    """Decodes that never answer within the startup budget: failed naming each and its log;
+    nothing of the job is left."""
+    assert status["state"] == "failed", status
+    for name in ("decode-0", "decode-1"):
+        assert name in status["error"], status["error"]
+        assert f"logs/{name}/engine.log" in status["error"], status["error"]
+    assert "startup" in status["error"], status["error"]
+    assert_nothing_left(job, 10)

@@ -25,20 +25,10 @@ import psutil
 import pytest
 
 from agent.atomicfile import write_atomic
+from tests import e2ekit as kit
+from tests.agentkit import REPO, clean_env
 from tests.infra.prometheus import PrometheusServer, promtool_binary, promtool_check_metrics
-from tests.obskit import (
-    DEMO_RECIPE,
-    REPO,
-    RunningJob,
-    clean_env,
-    families,
-    find,
-    get,
-    one,
-    sample_map,
-    samples,
-    submit_argv,
-)
+from tests.obskit import families, find, get, one, sample_map, samples
 
 DATA = REPO / "tests" / "data" / "metrics"
 VLLM_PAGE = DATA / "vllm-0.32-cpu.txt"
@@ -71,6 +61,8 @@ HOSTILE = (
     "bad-duplicate-series.txt",
     "bad-fold-clash.txt",
 )
+READY_S = 40.0
+STOP_S = 30.0
 # The re-export caches the upstream page for 1 s; a change shows within a few scrapes.
 CHANGE_TIMEOUT_S = 8.0
 
@@ -84,30 +76,26 @@ def upstream_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory, upstream_file: Path) -> Iterator[RunningJob]:
+def job(tmp_path_factory: pytest.TempPathFactory, upstream_file: Path) -> Iterator[kit.LocalJob]:
     """The running job, ready; stopped (SIGTERM) and swept after the module."""
     root = tmp_path_factory.mktemp("obsjob")
-    running = RunningJob(
-        root / "J",
-        [
-            f"roles.prefill.env.TILERT_MOCK_METRICS_FILE={upstream_file}",
-            f"roles.prefill.env.HF_TOKEN={SECRET}",
-        ],
-        root / "submit.out",
+    sets, _ = kit.e2e_sets(
+        None,
+        f"roles.prefill.env.TILERT_MOCK_METRICS_FILE={upstream_file}",
+        f"roles.prefill.env.HF_TOKEN={SECRET}",
     )
-    try:
-        running.wait_state("ready")
+    with kit.LocalJob(root / "J", sets, env=clean_env()) as running:
+        running.wait_state("ready", timeout=READY_S)
         yield running
-    finally:
-        running.stop()
+        running.stop(STOP_S)
 
 
-def metrics_urls(job: RunningJob) -> dict[str, str]:
+def metrics_urls(job: kit.LocalJob) -> dict[str, str]:
     """``{agent name: metrics_url}`` from status.json."""
     return {a["name"]: a["metrics_url"] for a in job.status()["agents"]}
 
 
-def page(job: RunningJob, name: str) -> str:
+def page(job: kit.LocalJob, name: str) -> str:
     """Agent ``name``'s /metrics page (must answer 200 in the classic text format)."""
     resp = get(metrics_urls(job)[name])
     assert resp.status_code == 200, resp.text
@@ -120,7 +108,7 @@ def upstream_up(text: str) -> float:
     return one(samples(text), "tilert_agent_upstream_up").value
 
 
-def wait_page(job: RunningJob, name: str, ok: Callable[[str], bool]) -> str:
+def wait_page(job: kit.LocalJob, name: str, ok: Callable[[str], bool]) -> str:
     """Agent ``name``'s page once ``ok(page)`` holds."""
     deadline = time.monotonic() + CHANGE_TIMEOUT_S
     text = page(job, name)
@@ -157,7 +145,7 @@ def promtool() -> None:
 # ---- 1. promtool ------------------------------------------------------------------------------
 
 
-def test_promtool_finds_no_parse_error_on_any_page(job: RunningJob, promtool: None) -> None:
+def test_promtool_finds_no_parse_error_on_any_page(job: kit.LocalJob, promtool: None) -> None:
     """Every metrics_url in status.json parses for promtool."""
     urls = metrics_urls(job)
     assert set(urls) == set(AGENTS)
@@ -168,7 +156,7 @@ def test_promtool_finds_no_parse_error_on_any_page(job: RunningJob, promtool: No
 # ---- 2. the genuine vLLM page -----------------------------------------------------------------
 
 
-def test_genuine_vllm_page_is_reexported_whole(job: RunningJob) -> None:
+def test_genuine_vllm_page_is_reexported_whole(job: kit.LocalJob) -> None:
     """Every vllm: sample of the captured page, with our labels added, and nothing that clashes."""
     node = job.agent("prefill-0")["node"]
     ours = {"role": "prefill", "node": node, "slurm_job_id": "local"}
@@ -208,7 +196,7 @@ def test_genuine_vllm_page_is_reexported_whole(job: RunningJob) -> None:
 
 
 def test_hostile_upstream_pages_keep_the_agents_own_page(
-    job: RunningJob, upstream_file: Path, promtool: None
+    job: kit.LocalJob, upstream_file: Path, promtool: None
 ) -> None:
     """Bad page or 500: /metrics still 200 with every tilert_agent_* series, upstream_up 0."""
     good = page(job, "prefill-0")
@@ -253,7 +241,7 @@ tilert_agent_upstream_up 0
 
 
 def test_upstream_families_named_like_ours_are_dropped(
-    job: RunningJob, upstream_file: Path, promtool: None
+    job: kit.LocalJob, upstream_file: Path, promtool: None
 ) -> None:
     """An upstream family with one of our names (even one the head serves only later) is dropped."""
     try:
@@ -277,7 +265,7 @@ def test_upstream_families_named_like_ours_are_dropped(
 # ---- 4. the agents' own series ----------------------------------------------------------------
 
 
-def test_agent_series_on_every_agent(job: RunningJob) -> None:
+def test_agent_series_on_every_agent(job: kit.LocalJob) -> None:
     """Engine, process and log series on every agent; head series only on prefill-0."""
     for name, role in AGENTS.items():
         entry = job.agent(name)
@@ -332,10 +320,10 @@ def test_agent_series_on_every_agent(job: RunningJob) -> None:
 
 
 def test_prometheus_scrapes_every_agent(
-    job: RunningJob, prometheus_factory: Callable[[Path], PrometheusServer]
+    job: kit.LocalJob, prometheus_factory: Callable[[Path], PrometheusServer]
 ) -> None:
     """Through file_sd: up 1 everywhere, vLLM and agent series with our labels, no exported_*."""
-    prom = prometheus_factory(job.dir / "prometheus" / "targets.json")
+    prom = prometheus_factory(job.job / "prometheus" / "targets.json")
     up = prom.wait_for("up", lambda r: len(r) == 3 and all(x["value"][1] == "1" for x in r), 40)
     assert {x["metric"]["agent"] for x in up} == set(AGENTS)
     nodes = {name: job.agent(name)["node"] for name in AGENTS}
@@ -364,7 +352,7 @@ def test_prometheus_scrapes_every_agent(
 # ---- 6. safety --------------------------------------------------------------------------------
 
 
-def test_logs_route_needs_the_token(job: RunningJob) -> None:
+def test_logs_route_needs_the_token(job: kit.LocalJob) -> None:
     """/logs: 401 without or with a wrong token, 200 with engine lines with J/token."""
     for name in AGENTS:
         base = job.agent(name)["status_url"].removesuffix("/status")
@@ -375,14 +363,14 @@ def test_logs_route_needs_the_token(job: RunningJob) -> None:
         auth = {"Authorization": f"Bearer {job.token()}"}
         resp = get(f"{base}/logs", headers=auth)
         assert resp.status_code == 200, resp.text
-        engine_log = (job.dir / "logs" / name / "engine.log").read_text(errors="replace")
+        engine_log = (job.job / "logs" / name / "engine.log").read_text(errors="replace")
         lines = resp.text.splitlines()
         assert lines and all(line in engine_log for line in lines), (name, lines[:3])
         tail = get(f"{base}/logs", params={"tail": "2"}, headers=auth).text.splitlines()
         assert len(tail) == 2 and all(line in engine_log for line in tail), tail
 
 
-def test_logs_route_serves_only_its_fixed_names(job: RunningJob) -> None:
+def test_logs_route_serves_only_its_fixed_names(job: kit.LocalJob) -> None:
     """Any name but engine/agent/router (for prefill-0) is 404 and never shows a file's content."""
     token = job.token()
     auth = {"Authorization": f"Bearer {token}"}
@@ -392,7 +380,7 @@ def test_logs_route_serves_only_its_fixed_names(job: RunningJob) -> None:
     for name in (
         "../../token",
         "../token",
-        str(job.dir / "token"),
+        str(job.job / "token"),
         "engine.log",
         "agent.stderr.log",
         "../decode-0/engine",
@@ -411,14 +399,14 @@ def test_logs_route_serves_only_its_fixed_names(job: RunningJob) -> None:
     ) as resp:
         assert resp.status_code == 200
         first = next(resp.iter_lines())
-    assert first in (job.dir / "logs" / "prefill-0" / "engine.log").read_text(errors="replace")
+    assert first in (job.job / "logs" / "prefill-0" / "engine.log").read_text(errors="replace")
     decode = job.agent("decode-0")["status_url"].removesuffix("/status")
     assert get(f"{decode}/logs", params={"name": "router"}, headers=auth).status_code == 404
     resp = get(f"{base}/logs/../token", headers=auth)
     assert resp.status_code == 404 and token not in resp.text
 
 
-def test_secret_reaches_the_engine_and_nothing_else(job: RunningJob) -> None:
+def test_secret_reaches_the_engine_and_nothing_else(job: kit.LocalJob) -> None:
     """HF_TOKEN is in the prefill engine's environment, not in pages, files or any argv."""
     token = job.token()
     for name in AGENTS:
@@ -426,14 +414,14 @@ def test_secret_reaches_the_engine_and_nothing_else(job: RunningJob) -> None:
         for route in ("/metrics", "/status", "/healthz"):
             text = get(base + route).text
             assert SECRET not in text and token not in text, (name, route)
-    for path in job.dir.rglob("*"):
+    for path in job.job.rglob("*"):
         if path.is_file() and path.name != "token":
             assert SECRET.encode() not in path.read_bytes(), path
-    assert SECRET not in job.log()
+    assert SECRET not in job.output()
     # The submitter's own argv holds it because this test put it there with --set; no process
     # the job started (agents, engines, router) may.
     for proc in psutil.process_iter(["cmdline"]):
-        if proc.pid == job.popen.pid:
+        if proc.pid == job.proc.pid:
             continue
         assert SECRET not in " ".join(proc.info["cmdline"] or []), proc
     pid = get(job.agent("prefill-0")["status_url"]).json()["pid"]
@@ -444,20 +432,14 @@ def test_secret_reaches_the_engine_and_nothing_else(job: RunningJob) -> None:
 def test_dry_run_masks_the_secret(tmp_path: Path) -> None:
     """The dry run's output and job directory hold no secret value."""
     job_dir = tmp_path / "J"
-    done = subprocess.run(
-        submit_argv(
-            str(DEMO_RECIPE),
-            "--dry-run",
-            "--job-dir",
-            str(job_dir),
-            "--set",
-            f"roles.prefill.env.HF_TOKEN={SECRET}",
-        ),
-        cwd=REPO,
+    done = kit.submit_cmd(
+        str(kit.DEMO_RECIPE),
+        "--dry-run",
+        "--job-dir",
+        str(job_dir),
+        "--set",
+        f"roles.prefill.env.HF_TOKEN={SECRET}",
         env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert SECRET not in done.stdout + done.stderr
@@ -467,7 +449,7 @@ def test_dry_run_masks_the_secret(tmp_path: Path) -> None:
             assert SECRET.encode() not in path.read_bytes(), path
 
 
-def test_endpoints_bind_the_nodes_address(job: RunningJob) -> None:
+def test_endpoints_bind_the_nodes_address(job: kit.LocalJob) -> None:
     """Every agent port listens on 127.0.0.1 only (the node's address in local runs)."""
     ports = {int(a["status_url"].rsplit(":", 1)[1].split("/")[0]) for a in job.status()["agents"]}
     listening: dict[int, set[str]] = {}
@@ -480,15 +462,8 @@ def test_endpoints_bind_the_nodes_address(job: RunningJob) -> None:
 # ---- 7. tilert-submit logs --------------------------------------------------------------------
 
 
-def _logs(job: RunningJob, *args: str) -> list[str]:
-    done = subprocess.run(
-        submit_argv("logs", str(job.dir), *args),
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+def _logs(job: kit.LocalJob, *args: str) -> list[str]:
+    done = kit.submit_cmd("logs", str(job.job), *args, env=clean_env(), timeout=30)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
@@ -502,22 +477,22 @@ def _prefixed(lines: list[str]) -> dict[str, list[str]]:
     return by
 
 
-def test_logs_command_prints_every_engine_with_prefixes(job: RunningJob) -> None:
+def test_logs_command_prints_every_engine_with_prefixes(job: kit.LocalJob) -> None:
     """``logs J`` prints every source prefixed, ``logs J decode-1`` only that one."""
     every = _prefixed(_logs(job))
     assert list(every) == [*AGENTS, "router"]
     for name in AGENTS:
-        on_disk = (job.dir / "logs" / name / "engine.log").read_text(errors="replace")
+        on_disk = (job.job / "logs" / name / "engine.log").read_text(errors="replace")
         assert every[name] and all(line in on_disk for line in every[name]), name
     only = _prefixed(_logs(job, "decode-1"))
     assert list(only) == ["decode-1"]
     assert only["decode-1"][:3] == every["decode-1"][:3]
 
 
-def test_logs_follow_shows_new_lines_then_sigint_exits_0(job: RunningJob) -> None:
+def test_logs_follow_shows_new_lines_then_sigint_exits_0(job: kit.LocalJob) -> None:
     """``logs J -f`` prints history, then a new request's lines; SIGINT ends it with 0."""
     proc = subprocess.Popen(
-        submit_argv("logs", str(job.dir), "-f"),
+        [*kit.SUBMIT, "logs", str(job.job), "-f"],
         cwd=REPO,
         env=clean_env(),
         stdout=subprocess.PIPE,
@@ -569,7 +544,7 @@ def test_logs_follow_shows_new_lines_then_sigint_exits_0(job: RunningJob) -> Non
 # ---- restarts (changes the job: runs late) ----------------------------------------------------
 
 
-def test_restart_counter_after_sigkill(job: RunningJob) -> None:
+def test_restart_counter_after_sigkill(job: kit.LocalJob) -> None:
     """SIGKILL decode-1's engine: it comes back healthy and restarts_total becomes 1."""
     status_url = job.agent("decode-1")["status_url"]
     before = get(status_url).json()
@@ -596,9 +571,9 @@ def test_restart_counter_after_sigkill(job: RunningJob) -> None:
 # ---- stop -------------------------------------------------------------------------------------
 
 
-def test_stop_exits_0_and_leaves_no_process(job: RunningJob) -> None:
+def test_stop_exits_0_and_leaves_no_process(job: kit.LocalJob) -> None:
     """SIGTERM to the submitter: exit 0, every agent and engine gone."""
-    code, alive = job.stop()
-    assert code == 0, job.log()
-    assert not alive, alive
+    code, alive = job.stop(STOP_S)
+    assert code == 0, job.output()
+    assert not alive, kit.describe(alive)
     assert job.status()["state"] == "stopped"

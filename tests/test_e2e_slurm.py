@@ -9,10 +9,9 @@ the pyxis launcher's nested ``srun --overlap`` step (no container flags) starts 
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -46,8 +45,8 @@ class SlurmJob:
         )
         assert done.returncode == 0, done.stdout + done.stderr
         assert done.stdout.splitlines()[0] == f"Job directory: {job}"
-        status = kit.read_status(job)
-        assert status is not None and status["slurm_job_id"], status
+        status = kit.current_status(job)
+        assert status["slurm_job_id"], status
         self.id: str = status["slurm_job_id"]
 
     def cmd(self, *args: str) -> subprocess.CompletedProcess[str]:
@@ -86,20 +85,10 @@ def demo(
 
 def test_ready_contract(demo: SlurmJob) -> None:
     """Ready with router_url; agents on node1..node3 with DESIGN.md's fields; targets.json."""
-    status = kit.read_status(demo.job)
-    assert status is not None and status["state"] == "ready", status
+    status = kit.check_ready_contract(demo.job)
     assert status["slurm_job_id"] == demo.id and status["local_pid"] is None
-    assert status["router_url"].startswith("http://127.0.0.1:")
-    for entry in status["agents"]:
-        assert set(entry) >= kit.AGENT_FIELDS, entry
-        assert entry["state"] == "healthy", entry
-    nodes = [kit.agent_entry(status, n)["node"] for n in ("prefill-0", "decode-0", "decode-1")]
+    nodes = [kit.agent_entry(status, n)["node"] for n in kit.AGENTS]
     assert sorted(nodes) == ["node1", "node2", "node3"], nodes
-    targets = kit.json.loads((demo.job / "prometheus" / "targets.json").read_text())
-    assert sorted(t["labels"]["agent"] for t in targets) == ["decode-0", "decode-1", "prefill-0"]
-    assert all(set(t["labels"]) == {"agent"} for t in targets), targets
-    router_log = (demo.job / "logs" / "prefill-0" / "router.log").read_text()
-    assert "tilert.pd_vllm.pd_router" in router_log.splitlines()[0]
     # Metrics carry the Slurm job id (the targets file adds none).
     page = kit.httpx.get(kit.agent_entry(status, "decode-1")["metrics_url"], timeout=5).text
     assert f'slurm_job_id="{demo.id}"' in page
@@ -107,43 +96,17 @@ def test_ready_contract(demo: SlurmJob) -> None:
 
 def test_chat_and_two_at_once(demo: SlurmJob) -> None:
     """A streamed chat through router_url; two concurrent ones (two decode nodes)."""
-    status = kit.read_status(demo.job)
-    assert status is not None
-    assert kit.chat(status["router_url"], "demo-model") == kit.ANSWER
-    assert kit.chat_concurrently(status["router_url"], "demo-model", 2) == [kit.ANSWER] * 2
+    kit.check_chat(demo.job)
 
 
 def test_gate_latency_reported(demo: SlurmJob) -> None:
     """Printed, and only checked to be present and under the startup budget."""
-    log = (demo.job / "logs" / "prefill-0" / "agent.log").read_text()
-    line = next(x for x in log.splitlines() if "router started" in x)
-    status = kit.read_status(demo.job)
-    assert status is not None
-    metrics = kit.agent_entry(status, "prefill-0")["metrics_url"]
-    gate = kit.metric_value(metrics, "tilert_agent_gate_latency_seconds")
-    print(f"\nslurm gate latency: metric {gate} s; log: {line.split('head: ', 1)[-1]}")
-    assert gate is not None and 0 <= gate < 60
+    kit.check_gate_latency(demo.job, "slurm")
 
 
 def test_decode_engine_sigkill_recovers(demo: SlurmJob) -> None:
     """SIGKILL decode-0's engine on its node: same ports, degraded -> ready, router untouched."""
-    status = kit.read_status(demo.job)
-    assert status is not None
-    d0 = kit.agent_entry(status, "decode-0")
-    before = kit.agent_status(d0["status_url"])
-    head = kit.agent_status(kit.agent_entry(status, "prefill-0")["status_url"])
-    router_pid = head["router"]["pid"]
-    seen: list[str] = []
-    psutil.Process(before["pid"]).send_signal(signal.SIGKILL)
-    kit.wait_state(demo.job, "degraded", 15, seen=seen)
-    after_status = kit.wait_state(demo.job, "ready", 30, seen=seen)
-    print(f"\nstates after the SIGKILL: {seen}")
-    after = kit.agent_status(d0["status_url"])
-    assert after["pid"] != before["pid"] and after["ports"] == before["ports"]
-    assert after["restarts"] == before["restarts"] + 1
-    head = kit.agent_status(kit.agent_entry(after_status, "prefill-0")["status_url"])
-    assert head["router"]["pid"] == router_pid and head["router"]["restarts"] == 0
-    assert kit.chat_concurrently(after_status["router_url"], "demo-model", 2) == [kit.ANSWER] * 2
+    kit.check_engine_sigkill_recovers(demo.job)
 
 
 def test_status_command(demo: SlurmJob) -> None:
@@ -157,97 +120,72 @@ def test_status_command(demo: SlurmJob) -> None:
 
 def test_stop_drains_within_kill_wait(demo: SlurmJob) -> None:
     """``stop J``: scancel --signal=TERM; everything gone within KillWait, job ended, ``stopped``."""
-    ports = kit.job_ports(demo.job)
-    procs = kit.job_processes(demo.job, ports)
-    assert len(procs) >= 7, kit.describe(procs)  # 3 agents, 3 engines, the router, ...
+    # 3 agents, 3 engines, the router, ...
+    ports, procs = kit.running_processes(demo.job, at_least=7)
     done = demo.cmd("stop", str(demo.job))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "scancel --signal=TERM" in done.stdout  # (--full or not: submit/stop.py says why)
     assert "still running" not in done.stdout, done.stdout  # ended without the hard scancel
-    left = kit.wait_gone(procs, demo.slurm.kill_wait_s)
-    assert not left, "left behind:\n" + kit.describe(left)
+    kit.assert_gone(procs, demo.slurm.kill_wait_s)
     assert not kit.job_processes(demo.job, ports)
     assert demo.slurm.wait_job_end(demo.id, timeout=30) == "COMPLETED"
     status = kit.wait_state(demo.job, "stopped", 5)
-    assert status["router_url"] is None
-    assert demo.cmd("stop", str(demo.job)).returncode == 0
     # A "ready" left behind by a job that has ended is reported as stale.
-    (demo.job / "status.json").write_text(kit.json.dumps(dict(status, state="ready")))
-    view = kit.json.loads(demo.cmd("status", str(demo.job), "--json").stdout)
-    assert view["stale"] is True and "ended" in view["stale_reason"], view
-    assert "STALE" in demo.cmd("status", str(demo.job)).stdout
+    view = kit.check_stopped(demo.job, status, demo.cmd)
+    assert "ended" in view["stale_reason"], view
 
 
 # ---- faults, each its own job --------------------------------------------------------------
 
 
-def test_decode_crash_loop_is_dropped(
+@pytest.fixture
+def fault_job(
     slurm: LocalSlurm, slurm_cluster_file: Path, router_python: Path, tmp_path: Path
+) -> Callable[..., SlurmJob]:
+    """``fault_job(*sets)``: a job of its own with the recipe overrides ``sets``."""
+
+    def submit(*sets: str) -> SlurmJob:
+        args, _ = kit.e2e_sets(router_python, *sets)
+        return SlurmJob(slurm, tmp_path / "job", slurm_cluster_file, args)
+
+    return submit
+
+
+def test_decode_crash_loop_is_dropped(
+    slurm: LocalSlurm, fault_job: Callable[..., SlurmJob]
 ) -> None:
     """decode-1 crash-looping: dropped; the job serves degraded through decode-0."""
-    sets, _ = kit.e2e_sets(
-        router_python,
-        "roles.decode.env.TILERT_MOCK_FAULT_TARGET=decode-1",
-        "roles.decode.env.TILERT_MOCK_CRASH_AFTER_S=0.3",
-        "agent.restart={backoff_initial_s: 0.1, backoff_max_s: 0.2, max_restarts: 2, window_s: 60}",
-    )
-    with SlurmJob(slurm, tmp_path / "job", slurm_cluster_file, sets) as job:
-        status = kit.wait_status(
-            job.job,
-            lambda s: (
-                s["state"] == "degraded"
-                and kit.agent_entry(s, "decode-1")["state"] == "failed"
-                and "dropped" in kit.agent_entry(s, "decode-1")["reason"]
-                and s["router_url"] is not None
-                and kit.router_serves_without(job.job, s, "decode-1")
-            ),
-            "degraded with decode-1 dropped and the router healthy without it",
-            READY_S,
-        )
-        d1 = kit.agent_entry(status, "decode-1")
-        assert d1["log"].endswith("logs/decode-1/engine.log") and "gave up" in d1["reason"], d1
-        assert kit.chat(status["router_url"], "demo-model") == kit.ANSWER
+    with fault_job(*kit.DECODE_CRASH_LOOP) as job:
+        kit.check_decode_dropped(job.job, READY_S)
         assert slurm.job_state(job.id) == "RUNNING"  # decode-1's exit 1 did not end the job
         done = job.cmd("stop", str(job.job))
         assert done.returncode == 0, done.stdout + done.stderr
         kit.wait_state(job.job, "stopped", 15)
 
 
+def wait_failed_and_ended(slurm: LocalSlurm, job: SlurmJob) -> dict:
+    """status.json ``failed``, then the Slurm job ended (the failing step cancels it); status."""
+    status = kit.wait_state(job.job, "failed", READY_S)
+    end = slurm.wait_job_end(job.id, timeout=30 + slurm.kill_wait_s)
+    assert end in ("FAILED", "CANCELLED"), end
+    return status
+
+
 def test_prefill_crash_loop_fails_the_job(
-    slurm: LocalSlurm, slurm_cluster_file: Path, router_python: Path, tmp_path: Path
+    slurm: LocalSlurm, fault_job: Callable[..., SlurmJob]
 ) -> None:
     """The prefill crash-looping: failed naming prefill-0, reason and log; the job ends."""
-    sets, _ = kit.e2e_sets(
-        router_python,
-        "roles.prefill.env.TILERT_MOCK_CRASH_AFTER_S=0.3",
-        "agent.restart={backoff_initial_s: 0.1, backoff_max_s: 0.2, max_restarts: 1, window_s: 60}",
-    )
-    with SlurmJob(slurm, tmp_path / "job", slurm_cluster_file, sets) as job:
-        status = kit.wait_state(job.job, "failed", READY_S)
-        assert "prefill-0" in status["error"] and "logs/prefill-0/engine.log" in status["error"]
+    with fault_job(*kit.PREFILL_CRASH_LOOP) as job:
         # The prefill step exits 1, the script cancels the job: nothing is left running.
-        end = slurm.wait_job_end(job.id, timeout=30 + slurm.kill_wait_s)
-        assert end in ("FAILED", "CANCELLED"), end
-        assert "exiting with code 1" in (job.job / "logs/prefill-0/agent.log").read_text()
-        assert not kit.wait_gone(kit.job_processes(job.job, kit.job_ports(job.job)), 10)
+        kit.check_prefill_failed(job.job, wait_failed_and_ended(slurm, job))
 
 
 def test_workers_never_healthy_fail_the_job(
-    slurm: LocalSlurm, slurm_cluster_file: Path, router_python: Path, tmp_path: Path
+    slurm: LocalSlurm, fault_job: Callable[..., SlurmJob]
 ) -> None:
     """Decodes whose /health never answers within a small budget: failed, naming them."""
-    sets, _ = kit.e2e_sets(
-        router_python,
-        "roles.decode.env.TILERT_MOCK_HANG_HEALTH=1",
-        "agent.startup_budget_s={prefill: 3, decode: 3, router: 60}",
-    )
-    with SlurmJob(slurm, tmp_path / "job", slurm_cluster_file, sets) as job:
-        status = kit.wait_state(job.job, "failed", READY_S)
-        for name in ("decode-0", "decode-1"):
-            assert f"logs/{name}/engine.log" in status["error"], status["error"]
-        end = slurm.wait_job_end(job.id, timeout=30 + slurm.kill_wait_s)
-        assert end in ("FAILED", "CANCELLED"), end
-        assert not kit.wait_gone(kit.job_processes(job.job, kit.job_ports(job.job)), 10)
+    with fault_job(*kit.DECODES_NEVER_HEALTHY) as job:
+        kit.check_decodes_never_healthy(job.job, wait_failed_and_ended(slurm, job))
 
 
 # ---- the pyxis launcher's nested step, without container flags -----------------------------
@@ -290,7 +228,7 @@ async def test_pyxis_nested_overlap_step(slurm: LocalSlurm, tmp_path: Path) -> N
                 output += chunk
         assert code in (143, -15), (code, output)
         assert b"engine got TERM" in output, output  # TERM reached it: no SIGKILL abort
-        assert not kit.wait_gone([proc], 2)
+        kit.assert_gone([proc], 2)
     finally:
         engine.kill()
         slurm.scancel(holder)
