@@ -170,6 +170,9 @@ class Head:
         if peer.status is None:
             return "starting"
         if not peer.reachable:
+            # An agent that said it was stopping and is gone has stopped: not a lost peer.
+            if peer.status.state in ("stopping", "stopped"):
+                return "stopped"
             return "unreachable"
         return peer.status.state
 

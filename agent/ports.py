@@ -24,7 +24,10 @@ def is_bindable(port: int) -> bool:
                 continue  # no IPv6 on this node: nothing to collide with
             raise
         with sock:
-            # No SO_REUSEADDR: a port in TIME_WAIT would still fail the engine's own bind.
+            # SO_REUSEADDR, as uvicorn (vLLM, TileRT, the router) and hypercorn set it: a port
+            # whose old connections linger in TIME_WAIT is free for them, and must be for us too.
+            # A port another socket listens on still fails this bind.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:

@@ -22,6 +22,7 @@ from submit import slurm
 
 # Three missed heartbeats (the head writes every 5 s).
 STALE_AFTER_S = 15.0
+REASON_WIDTH = 70
 LIVE_STATES = ("starting", "waiting", "ready", "degraded", "stopping")
 
 
@@ -100,14 +101,14 @@ def render_table(status: JobStatus, stale: str | None) -> str:
     rows += [_row(a) for a in status.agents]
     if status.router is not None:
         rows.append(_row(status.router))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        if len(r[4]) > REASON_WIDTH:
+            r[4] = r[4][: REASON_WIDTH - 3] + "..."
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines.append("")
     for r in rows:
-        reason = r[4] if len(r[4]) <= 70 else r[4][:67] + "..."
-        lines.append(
-            "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True))
-            + f"  {reason}  {r[5]}"
-        )
+        cells = [c.ljust(w) for c, w in zip(r[:5], widths, strict=True)]
+        lines.append("  ".join([*cells, r[5]]).rstrip())
     return "\n".join(lines)
 
 

@@ -335,6 +335,8 @@ def hold_port(port: int) -> list[socket.socket]:
     held = []
     for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         sock = socket.socket(family, socket.SOCK_STREAM)
+        # As real servers do: the port may still have TIME_WAIT entries from an earlier test.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind((host, port))

@@ -33,6 +33,7 @@ def held() -> Iterator[list[socket.socket]]:
 def hold(held: list[socket.socket], family: int, host: str, port: int) -> None:
     """Bind and listen on (host, port) like a server would (v6only for ``::``)."""
     sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     sock.bind((host, port))
@@ -70,3 +71,38 @@ def test_choose_ports_distinct_and_skip_avoided() -> None:
 def test_no_free_port_is_an_error() -> None:
     with pytest.raises(OSError, match="no free port"):
         choose_port(40000, avoid=set(range(40000, 40011)), limit=10)
+
+
+def test_port_with_only_time_wait_connections_is_free() -> None:
+    """After a server closed its connections (TIME_WAIT), engines can bind again: so can we."""
+    (port,) = free_ports(1)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = listener.accept()
+    conn.close()  # the server side closes first: its end of the connection enters TIME_WAIT
+    client.close()
+    listener.close()
+    probe = socket.socket()  # what a bind without SO_REUSEADDR would say
+    try:
+        probe.bind(("0.0.0.0", port))
+        pytest.skip("no TIME_WAIT entry stayed on this port; nothing to check")
+    except OSError:
+        pass
+    finally:
+        probe.close()
+    assert is_bindable(port)
+    assert choose_port(port) == port
+
+
+def test_listening_port_is_taken_even_with_reuseaddr(held: list[socket.socket]) -> None:
+    """SO_REUSEADDR does not let the probe past a socket that listens on the port."""
+    (port,) = free_ports(1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", port))
+    sock.listen()
+    held.append(sock)
+    assert not is_bindable(port)
