@@ -308,6 +308,12 @@ class _Child:
                 proc.kill()  # psutil refuses a pid that now names another process
         self._seen.clear()
 
+    async def abandon(self) -> None:
+        """Kill and reap a child whose start could not be completed (shielded: it must end)."""
+        self.kill_now()
+        with trio.CancelScope(shield=True):
+            await self.wait()
+
     def kill_now(self) -> None:
         """SIGKILL the group and every descendant seen (synchronous)."""
         self.tree()
@@ -370,9 +376,7 @@ class ProcessLauncher:
         try:
             child.attach_lifeline(_LIFELINE_PROCESS)
         except BaseException:
-            child.kill_now()
-            with trio.CancelScope(shield=True):
-                await child.wait()
+            await child.abandon()
             raise
         await trio.lowlevel.checkpoint()
         return ProcessEngine(child)
@@ -657,9 +661,7 @@ class PyxisLauncher:
             else:
                 child.attach_lifeline(_LIFELINE_PROCESS)
         except BaseException:
-            child.kill_now()
-            with trio.CancelScope(shield=True):
-                await child.wait()
+            await child.abandon()
             raise
         return PyxisEngine(self, child, marker, step, since)
 
