@@ -28,6 +28,14 @@ GPU_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DE
 MANAGED_ENV = ("TILERT_AGENT_NAME", "TILERT_PD_PROBE_ADDR", *GPU_ENV_NAMES)
 
 
+def arg_value(args: list[str], flag: str) -> str | None:
+    """The value following ``flag`` in a rendered argument list (``--flag value``)."""
+    for i, arg in enumerate(args[:-1]):
+        if arg == flag:
+            return args[i + 1]
+    return None
+
+
 @dataclass(frozen=True)
 class DecodeEndpoint:
     """One decode node as the router's ``--decode host:ctrl:http`` names it."""

@@ -21,7 +21,7 @@ import trio
 
 from agent import preflight
 from agent.atomicfile import write_atomic
-from agent.commands import DecodeEndpoint, router_command
+from agent.commands import DecodeEndpoint, arg_value, router_command
 from agent.launchers import LaunchSpec
 from agent.logs import LogSink, log_path
 from agent.records import ROUTER_NAME, AgentStatus, JobAgent, JobState, JobStatus, RendezvousRecord
@@ -296,9 +296,7 @@ class Head:
         """Can this node start the real router? Under --mock a missing one means the stand-in."""
         router = self.plan.router
         paths = []
-        model_path = next(
-            (router.args[i + 1] for i, a in enumerate(router.args[:-1]) if a == "--model-path"), ""
-        )
+        model_path = arg_value(router.args, "--model-path") or ""
         if model_path.startswith("/"):
             paths.append(model_path)
         checks = preflight.PreflightChecks(

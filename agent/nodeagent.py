@@ -19,7 +19,7 @@ import msgspec
 import trio
 
 from agent import preflight
-from agent.commands import MANAGED_ENV, decode_command, prefill_command
+from agent.commands import MANAGED_ENV, arg_value, decode_command, prefill_command
 from agent.head import Head
 from agent.httpserver import bound_socket, serve
 from agent.identity import Identity
@@ -36,14 +36,6 @@ from agent.server import StatusFeed, build_app
 from agent.supervisor import EngineSupervisor, policy_for
 
 MAX_AGENT_PORT_TRIES = 50
-
-
-def arg_value(args: list[str], flag: str) -> str | None:
-    """The value following ``flag`` in a rendered argument list (``--flag value``)."""
-    for i, arg in enumerate(args[:-1]):
-        if arg == flag:
-            return args[i + 1]
-    return None
 
 
 class NodeAgent:

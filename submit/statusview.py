@@ -47,7 +47,8 @@ def open_job(path: str) -> JobDir:
     return job
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a live process (not a zombie)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -72,7 +73,7 @@ def staleness(status: JobStatus, now: float | None = None) -> str | None:
         active = slurm.job_active(status.slurm_job_id)
         if active is False:
             return f"Slurm job {status.slurm_job_id} has ended but status.json still says {status.state}"
-    elif status.local_pid is not None and not _pid_alive(status.local_pid):
+    elif status.local_pid is not None and not pid_alive(status.local_pid):
         return f"the local supervisor (pid {status.local_pid}) is gone"
     if age > STALE_AFTER_S:
         return f"status.json not refreshed for {age:.0f}s (the head agent writes it every 5 s)"

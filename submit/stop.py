@@ -19,7 +19,7 @@ from collections.abc import Callable
 from agent.plan import load_plan
 from agent.records import JobStatus
 from submit import slurm
-from submit.statusview import _pid_alive, open_job
+from submit.statusview import open_job, pid_alive
 
 POLL_S = 0.2
 SLACK_S = 10.0
@@ -65,7 +65,7 @@ def stop_local(pid: int, limit: float) -> int:
     except ProcessLookupError:
         print("it had already exited")
         return 0
-    if _wait(lambda: not _pid_alive(pid), limit):
+    if _wait(lambda: not pid_alive(pid), limit):
         print("stopped")
         return 0
     print(f"pid {pid} did not exit within {limit:g}s; sending SIGKILL (its agents die with it)")
@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-    if status.local_pid and _pid_alive(status.local_pid):
+    if status.local_pid and pid_alive(status.local_pid):
         return stop_local(status.local_pid, limit)
     print(f"nothing to stop: the job is {status.state} and no supervisor is running")
     return 0
