@@ -9,12 +9,13 @@ from pathlib import Path
 import msgspec
 import trio
 
-from agent.identity import IdentityError, resolve_identity
-from agent.jobdir import JobDir
-from agent.loader import load_recipe
-from agent.logs import log_path, setup_agent_logging
-from agent.plan import load_plan
+from agent.job.logfiles import log_path
+from agent.job.paths import JobDir
+from agent.job.plan import load_plan
+from agent.node.agentlog import setup_agent_logging
+from agent.node.identity import IdentityError, resolve_identity
 from agent.problems import RecipeError
+from agent.recipe.loader import load_recipe
 
 EXIT_BAD_INPUT = 2
 

@@ -18,22 +18,23 @@ import httpx
 import msgspec
 import trio
 
-from agent import preflight
-from agent.commands import MANAGED_ENV, arg_value, decode_command, prefill_command
-from agent.head import Head
-from agent.httpserver import bound_socket, serve
-from agent.identity import Identity
-from agent.jobdir import PRIVATE_DIR_MODE, JobDir
-from agent.launchers import Launcher, LaunchSpec, make_launcher
-from agent.logs import LogSink, log_path
-from agent.metrics import AgentMetrics, HeadFigures
-from agent.plan import Plan
-from agent.ports import choose_port, choose_ports, is_bindable
-from agent.records import AgentStatus, EngineStatus, RendezvousRecord
-from agent.reexport import UpstreamMetrics
-from agent.rendezvous import read_records, write_record
-from agent.server import StatusFeed, build_app
-from agent.supervisor import EngineSupervisor, policy_for
+from agent.head.head import Head
+from agent.http.asgi import bound_socket, serve
+from agent.http.endpoint import StatusFeed, build_app
+from agent.http.metrics import AgentMetrics, HeadFigures
+from agent.http.reexport import UpstreamMetrics
+from agent.job.logfiles import log_path
+from agent.job.paths import PRIVATE_DIR_MODE, JobDir
+from agent.job.plan import Plan
+from agent.job.records import AgentStatus, EngineStatus, RendezvousRecord
+from agent.launch import preflight
+from agent.launch.commands import MANAGED_ENV, arg_value, decode_command, prefill_command
+from agent.launch.launchers import Launcher, LaunchSpec, make_launcher
+from agent.node.identity import Identity
+from agent.node.logpump import LogSink
+from agent.node.ports import choose_port, choose_ports, is_bindable
+from agent.node.rendezvous import read_records, write_record
+from agent.node.supervisor import EngineSupervisor, policy_for
 
 MAX_AGENT_PORT_TRIES = 50
 

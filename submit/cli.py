@@ -20,15 +20,15 @@ from pathlib import Path
 
 import msgspec
 
-from agent.atomicfile import write_atomic
-from agent.cluster import ClusterConfig, find_cluster_file, read_cluster
-from agent.jobdir import JobDir
-from agent.loader import LoadedRecipe, load_recipe, resolved_yaml
-from agent.logs import log_path
-from agent.plan import Plan
-from agent.planner import make_plan, secret_values
+from agent.job.atomicfile import write_atomic
+from agent.job.logfiles import log_path
+from agent.job.paths import JobDir
+from agent.job.plan import Plan
+from agent.job.records import JobAgent, JobStatus
 from agent.problems import Problem, RecipeError, error, render_problems
-from agent.records import JobAgent, JobStatus
+from agent.recipe.cluster import ClusterConfig, find_cluster_file, read_cluster
+from agent.recipe.loader import LoadedRecipe, load_recipe, resolved_yaml
+from agent.recipe.planner import make_plan, secret_values
 
 PROG = "tilert-submit"
 JOBS_DIR = "tilert-jobs"
@@ -180,7 +180,7 @@ def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> Non
 
 
 def _submit(job: JobDir, loaded: LoadedRecipe) -> int:
-    from submit import slurm
+    from submit.slurm import client as slurm
 
     # Secrets written in the recipe travel in sbatch's process environment (exported to the
     # agents), never in a file or argv; the recipe's value wins over the submitting shell's.
@@ -205,7 +205,7 @@ def _submit(job: JobDir, loaded: LoadedRecipe) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Load, plan, write the job directory, then dry-run, run locally or submit."""
-    from submit.sbatch import default_agent_command, render_sbatch
+    from submit.slurm.render import default_agent_command, render_sbatch
 
     try:
         cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         print("Dry run: nothing submitted.")
         return 0
     if args.local:
-        from submit.local import run_local
+        from submit.local.run import run_local
 
         return run_local(job, plan, secret_values(loaded.recipe))
     return _submit(job, loaded)

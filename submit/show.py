@@ -9,11 +9,11 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from agent.commands import DecodeEndpoint, decode_command, prefill_command, router_command
-from agent.jobdir import JobDir
-from agent.plan import Plan, RolePlan
-from agent.records import ROUTER_NAME, agent_name
-from agent.secrets import MASK
+from agent.job.paths import JobDir
+from agent.job.plan import Plan, RolePlan
+from agent.job.records import ROUTER_NAME, agent_name
+from agent.job.secrets import MASK
+from agent.launch.commands import DecodeEndpoint, decode_command, prefill_command, router_command
 
 CHOSEN = "<agent>"
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import msgspec
 import psutil
 
-from agent.jobdir import JobDir
-from agent.records import JobAgent, JobStatus
-from submit import slurm
+from agent.job.paths import JobDir
+from agent.job.records import JobAgent, JobStatus
+from submit.slurm import client as slurm
 
 # Three missed heartbeats (the head writes every 5 s).
 STALE_AFTER_S = 15.0

@@ -16,9 +16,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from agent.plan import load_plan
-from agent.records import JobStatus
-from submit import slurm
+from agent.job.plan import load_plan
+from agent.job.records import JobStatus
+from submit.slurm import client as slurm
 from submit.statusview import open_job, pid_alive
 
 POLL_S = 0.2

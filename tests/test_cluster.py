@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cluster import (
+from agent.problems import RecipeError
+from agent.recipe.cluster import (
     ClusterConfig,
     find_cluster_file,
     load_cluster,
@@ -14,7 +15,6 @@ from agent.cluster import (
     read_cluster,
     resolve_image,
 )
-from agent.problems import RecipeError
 
 DATA = Path(__file__).parent / "data" / "recipes"
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.commands import (
+from agent.job.plan import Plan, load_plan
+from agent.launch.commands import (
     GPU_ENV_NAMES,
     STANDIN_MODULES,
     DecodeEndpoint,
@@ -16,7 +17,6 @@ from agent.commands import (
     prefill_command,
     router_command,
 )
-from agent.plan import Plan, load_plan
 from tests.agentkit import make_job
 
 SECRET = "s3cr3t-value-never-in-argv"

@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from agent.atomicfile import write_atomic
+from agent.job.atomicfile import write_atomic
 from tests import e2ekit as kit
 from tests.agentkit import REPO, clean_env
 from tests.infra.prometheus import PrometheusServer, promtool_binary, promtool_check_metrics

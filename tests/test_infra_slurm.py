@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.cluster import load_cluster
+from agent.recipe.cluster import load_cluster
 from tests.conftest import require
 from tests.infra.slurm import LocalSlurm, missing_binaries
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import trio
 
-from agent.launchers import (
+from agent.launch.launchers import (
     ENGINE_ID_ENV,
     LaunchSpec,
     ProcessEngine,
@@ -298,7 +298,7 @@ def test_refuses_to_fork_from_another_thread() -> None:
 AGENT = textwrap.dedent(
     """
     import os, sys, trio
-    from agent.launchers import LaunchSpec, ProcessLauncher
+    from agent.launch.launchers import LaunchSpec, ProcessLauncher
 
     async def main():
         engine = await ProcessLauncher().start(LaunchSpec(

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import trio
 
-from agent.launchers import ENGINE_ID_ENV, LaunchSpec, PyxisEngine, PyxisLauncher
+from agent.launch.launchers import ENGINE_ID_ENV, LaunchSpec, PyxisEngine, PyxisLauncher
 from tests.infra.slurm import LocalSlurm
 
 pytestmark = pytest.mark.slurm
@@ -146,7 +146,7 @@ async def test_run_through_a_nested_step(slurm: LocalSlurm, job: str) -> None:
 AGENT = textwrap.dedent(
     """
     import os, sys, trio
-    from agent.launchers import LaunchSpec, PyxisLauncher
+    from agent.launch.launchers import LaunchSpec, PyxisLauncher
 
     async def main():
         launcher = PyxisLauncher(sys.argv[1], sys.argv[2])

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.cluster import ClusterConfig, load_cluster
-from agent.loader import LoadedRecipe, load_recipe, load_recipe_text, resolved_yaml
 from agent.problems import RecipeError
-from agent.recipe import public_model_name
+from agent.recipe.cluster import ClusterConfig, load_cluster
+from agent.recipe.loader import LoadedRecipe, load_recipe, load_recipe_text, resolved_yaml
+from agent.recipe.model import public_model_name
 
 DATA = Path(__file__).parent / "data" / "recipes"
 B200 = DATA / "b200-nixl-glm5.yaml"

@@ -15,16 +15,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.jobdir import JobDir
-from agent.logs import (
-    DROP_NOTICE,
-    LogSink,
-    follow_file,
-    log_files,
-    log_path,
-    rotated_files,
-    setup_agent_logging,
-)
+from agent.job.logfiles import log_files, log_path, rotated_files
+from agent.job.logtail import follow_file
+from agent.job.paths import JobDir
+from agent.node.agentlog import setup_agent_logging
+from agent.node.logpump import DROP_NOTICE, LogSink
 
 PY = sys.executable
 
@@ -255,7 +250,7 @@ async def test_follow_file_waits_for_the_file_and_survives_rotation(tmp_path: Pa
     writer = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from agent.logs import LogSink\n"
+        "from agent.node.logpump import LogSink\n"
         "time.sleep(0.3)\n"
         f"sink = LogSink(Path({str(path)!r}), max_bytes=1000, backups=3)\n"
         f"for i, line in enumerate({expected!r}):\n"

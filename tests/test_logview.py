@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.jobdir import JobDir
+from agent.job.paths import JobDir
 from submit import logview
 
 PY = sys.executable

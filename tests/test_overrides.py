@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.overrides import apply_overrides, parse_override
 from agent.problems import RecipeError
+from agent.recipe.overrides import apply_overrides, parse_override
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.cluster import ClusterConfig, load_cluster
-from agent.loader import LoadedRecipe, load_recipe
-from agent.plan import load_plan
-from agent.planner import make_plan, render_args, secret_values, stop_graces
+from agent.job.plan import load_plan
+from agent.recipe.cluster import ClusterConfig, load_cluster
+from agent.recipe.loader import LoadedRecipe, load_recipe
+from agent.recipe.planner import make_plan, render_args, secret_values, stop_graces
 from tests.golden import GOLDEN_DIR, RECIPES, match
 
 B200 = RECIPES / "b200-nixl-glm5.yaml"

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.ports import choose_port, choose_ports, is_bindable
+from agent.node.ports import choose_port, choose_ports, is_bindable
 from tests.infra.ports import free_ports
 
 

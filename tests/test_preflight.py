@@ -8,8 +8,8 @@ import platform
 import sys
 from pathlib import Path
 
-from agent.launchers import LaunchSpec, ProcessLauncher
-from agent.preflight import PreflightChecks, run_preflight
+from agent.launch.launchers import LaunchSpec, ProcessLauncher
+from agent.launch.preflight import PreflightChecks, run_preflight
 
 BASE = LaunchSpec(name="decode-0-preflight", argv=[], env=dict(os.environ))
 

@@ -14,8 +14,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.httpserver import App, Request, Response, StreamingResponse, bound_socket, serve
-from agent.reexport import PageError, UpstreamMetrics, registry_names, relabel_page
+from agent.http.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
+from agent.http.reexport import PageError, UpstreamMetrics, registry_names, relabel_page
 from tests.conftest import require
 from tests.infra.ports import free_port
 from tests.infra.prometheus import (

@@ -8,9 +8,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.jobdir import JobDir
-from agent.records import RendezvousRecord
-from agent.rendezvous import read_records, write_record
+from agent.job.paths import JobDir
+from agent.job.records import RendezvousRecord
+from agent.node.rendezvous import read_records, write_record
 
 
 @pytest.fixture

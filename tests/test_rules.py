@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.cluster import ClusterConfig, load_cluster
-from agent.loader import LoadedRecipe, load_recipe_text
 from agent.problems import Problem, RecipeError
-from agent.recipe import Recipe, Role, Roles
-from agent.rules import check, human_int
+from agent.recipe.cluster import ClusterConfig, load_cluster
+from agent.recipe.loader import LoadedRecipe, load_recipe_text
+from agent.recipe.model import Recipe, Role, Roles
+from agent.recipe.rules import check, human_int
 
 DATA = Path(__file__).parent / "data" / "recipes"
 CLUSTER = load_cluster(DATA / "srtslurm.yaml")

@@ -12,13 +12,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.cluster import ClusterConfig, load_cluster
-from agent.jobdir import JobDir
-from agent.loader import load_recipe
-from agent.plan import Plan
-from agent.planner import make_plan
+from agent.job.paths import JobDir
+from agent.job.plan import Plan
 from agent.problems import RecipeError
-from submit.sbatch import default_agent_command, job_name, render_sbatch
+from agent.recipe.cluster import ClusterConfig, load_cluster
+from agent.recipe.loader import load_recipe
+from agent.recipe.planner import make_plan
+from submit.slurm.render import default_agent_command, job_name, render_sbatch
 from tests.golden import GOLDEN_DIR, RECIPES, match
 
 SHELLCHECK = shutil.which("shellcheck")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.ports import is_bindable
+from agent.node.ports import is_bindable
 from agent.standins import tokens, wire
 from agent.standins.faults import Faults
 from tests.infra.standin_stack import (

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.jobdir import JobDir
-from agent.loader import load_recipe
-from agent.plan import load_plan
-from agent.planner import make_plan
+from agent.job.paths import JobDir
+from agent.job.plan import load_plan
+from agent.recipe.loader import load_recipe
+from agent.recipe.planner import make_plan
 from submit.cli import main
 from tests.golden import GOLDEN_DIR, RECIPES
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.launchers import LaunchSpec, ProcessLauncher
-from agent.logs import LogSink
-from agent.supervisor import EngineSupervisor, Policy
+from agent.launch.launchers import LaunchSpec, ProcessLauncher
+from agent.node.logpump import LogSink
+from agent.node.supervisor import EngineSupervisor, Policy
 from tests.infra.ports import free_port
 
 PY = sys.executable

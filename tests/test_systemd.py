@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.cluster import ClusterConfig
+from agent.recipe.cluster import ClusterConfig
 from tests.conftest import require
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import trio
 
-from agent.httpserver import (
+from agent.http.asgi import (
     App,
     Request,
     Response,

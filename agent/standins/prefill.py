@@ -27,7 +27,7 @@ import prometheus_client
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from agent.httpserver import (
+from agent.http.asgi import (
     App,
     HTTPError,
     Request,

@@ -26,7 +26,7 @@ import httpx
 import msgspec
 import trio
 
-from agent.httpserver import (
+from agent.http.asgi import (
     App,
     Request,
     Response,

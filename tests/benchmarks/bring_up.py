@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from agent.jobdir import JobDir
+from agent.job.paths import JobDir
 from tests.infra.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

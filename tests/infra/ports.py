@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 
-from agent.ports import is_bindable
+from agent.node.ports import is_bindable
 
 _ROUNDS = 20
 

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import yaml
 
-from agent.atomicfile import write_atomic
+from agent.job.atomicfile import write_atomic
 from tests.infra.ports import free_port
 
 JOB_NAME = "tilert"

@@ -26,7 +26,7 @@ from types import TracebackType
 import psutil
 import yaml
 
-from agent.atomicfile import write_atomic
+from agent.job.atomicfile import write_atomic
 from tests.infra.ports import free_ports
 
 KILL_WAIT_S = 5

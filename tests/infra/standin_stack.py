@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from agent.ports import is_bindable
+from agent.node.ports import is_bindable
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_MODEL = REPO / "recipes" / "local-demo-model"

@@ -12,11 +12,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from agent.cluster import ClusterConfig
-from agent.loader import HF_PREFIX, LoadedRecipe
-from agent.plan import AgentPlan, LauncherName, Plan, RolePlan, RouterPlan, SlurmPlan
+from agent.job.plan import AgentPlan, LauncherName, Plan, RolePlan, RouterPlan, SlurmPlan
+from agent.job.secrets import is_secret_name
 from agent.problems import RecipeError, error
-from agent.recipe import (
+from agent.recipe.cluster import ClusterConfig
+from agent.recipe.loader import HF_PREFIX, LoadedRecipe
+from agent.recipe.model import (
     DEFAULT_HEALTH_INTERVAL_S,
     DEFAULT_HEALTH_MAX_ATTEMPTS,
     AgentSection,
@@ -29,7 +30,6 @@ from agent.recipe import (
     public_model_name,
     role_layout,
 )
-from agent.secrets import is_secret_name
 
 PREFILL_PROGRAM = ["vllm", "serve"]
 DECODE_MODULE = "tilert.pd_vllm.decode_server"

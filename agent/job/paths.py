@@ -9,8 +9,8 @@ from pathlib import Path
 
 import msgspec
 
-from agent.atomicfile import write_atomic
-from agent.records import JobStatus
+from agent.job.atomicfile import write_atomic
+from agent.job.records import JobStatus
 
 DIR_MODE = 0o711
 PRIVATE_DIR_MODE = 0o700

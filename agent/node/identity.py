@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from agent.records import agent_name
+from agent.job.records import agent_name
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agent.problems import Problem, RecipeError, error
-from agent.typedyaml import YamlSyntaxError, load_scalar
+from agent.recipe.typedyaml import YamlSyntaxError, load_scalar
 
 FLAG = "--set"
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import msgspec
 import trio
 
-from agent.atomicfile import is_temp_name, write_atomic
-from agent.jobdir import JobDir
-from agent.records import RECORD_SCHEMA, RendezvousRecord
+from agent.job.atomicfile import is_temp_name, write_atomic
+from agent.job.paths import JobDir
+from agent.job.records import RECORD_SCHEMA, RendezvousRecord
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,22 @@ import httpx
 import msgspec
 import trio
 
-from agent import preflight
-from agent.atomicfile import write_atomic
-from agent.commands import DecodeEndpoint, arg_value, router_command
-from agent.launchers import LaunchSpec
-from agent.logs import LogSink, log_path
-from agent.records import ROUTER_NAME, AgentStatus, JobAgent, JobState, JobStatus, RendezvousRecord
-from agent.rendezvous import Records, watch_records
-from agent.supervisor import EngineSupervisor, policy_for
+from agent.job.atomicfile import write_atomic
+from agent.job.logfiles import log_path
+from agent.job.records import (
+    ROUTER_NAME,
+    AgentStatus,
+    JobAgent,
+    JobState,
+    JobStatus,
+    RendezvousRecord,
+)
+from agent.launch import preflight
+from agent.launch.commands import DecodeEndpoint, arg_value, router_command
+from agent.launch.launchers import LaunchSpec
+from agent.node.logpump import LogSink
+from agent.node.rendezvous import Records, watch_records
+from agent.node.supervisor import EngineSupervisor, policy_for
 
 if TYPE_CHECKING:
     from agent.nodeagent import NodeAgent

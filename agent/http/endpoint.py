@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from agent.httpserver import (
+from agent.http.asgi import (
     App,
     HTTPError,
     Request,
@@ -24,9 +24,9 @@ from agent.httpserver import (
     json_response,
     text_response,
 )
-from agent.logs import LogFollower, follow_file
-from agent.metrics import CONTENT_TYPE
-from agent.records import AgentStatus
+from agent.http.metrics import CONTENT_TYPE
+from agent.job.logtail import LogFollower, follow_file
+from agent.job.records import AgentStatus
 
 MAX_LONG_POLL_S = 60.0
 # The share of Prometheus' scrape timeout the vLLM re-export may spend.

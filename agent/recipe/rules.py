@@ -33,7 +33,7 @@ import re
 from typing import Any
 
 from agent.problems import Problem, error, warning
-from agent.recipe import (
+from agent.recipe.model import (
     ArgValue,
     EnvValue,
     Recipe,

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from agent.plan import Plan, RolePlan, RouterPlan
+from agent.job.plan import Plan, RolePlan, RouterPlan
 
 # The stand-in that replaces each real program under --mock (DESIGN.md: "Stand-ins are product code").
 STANDIN_MODULES = {

@@ -17,9 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from agent.records import EngineState
-from agent.reexport import registry_names
-from agent.supervisor import EngineSupervisor
+from agent.http.reexport import registry_names
+from agent.job.records import EngineState
+from agent.node.supervisor import EngineSupervisor
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ENGINE_STATES: Sequence[EngineState] = (

@@ -15,11 +15,11 @@ import time
 import msgspec
 import trio
 
-from agent.jobdir import JobDir
-from agent.launchers import Engine, LaunchSpec, make_launcher
-from agent.logs import LogSink
-from agent.plan import Plan
-from agent.records import JobStatus, agent_name
+from agent.job.paths import JobDir
+from agent.job.plan import Plan
+from agent.job.records import JobStatus, agent_name
+from agent.launch.launchers import Engine, LaunchSpec, make_launcher
+from agent.node.logpump import LogSink
 
 PROGRESS_EVERY_S = 10.0
 POLL_S = 0.25

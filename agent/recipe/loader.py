@@ -21,11 +21,11 @@ from typing import Any
 import msgspec
 import yaml
 
-from agent import rules
-from agent.cluster import ClusterConfig, merged_mounts, resolve_image
-from agent.overrides import FLAG, apply_overrides, parse_override
+from agent.job.secrets import MASK, is_secret_name
 from agent.problems import Problem, RecipeError, error, errors_of, warning, warnings_of
-from agent.recipe import (
+from agent.recipe import rules
+from agent.recipe.cluster import ClusterConfig, merged_mounts, resolve_image
+from agent.recipe.model import (
     AgentSection,
     Frontend,
     Model,
@@ -38,11 +38,11 @@ from agent.recipe import (
     gpus_per_node,
     role_layout,
 )
-from agent.secrets import MASK, is_secret_name
-from agent.typedyaml import (
+from agent.recipe.overrides import FLAG, apply_overrides, parse_override
+from agent.recipe.typedyaml import (
     Path as KeyPath,
 )
-from agent.typedyaml import (
+from agent.recipe.typedyaml import (
     ShapeChecker,
     YamlSyntaxError,
     convert_problem,

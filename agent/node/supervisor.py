@@ -27,10 +27,10 @@ import httpx
 import psutil
 import trio
 
-from agent.launchers import Engine, Launcher, LaunchSpec
-from agent.logs import LogSink
-from agent.plan import Plan
-from agent.records import EngineState, EngineStatus
+from agent.job.plan import Plan
+from agent.job.records import EngineState, EngineStatus
+from agent.launch.launchers import Engine, Launcher, LaunchSpec
+from agent.node.logpump import LogSink
 
 ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
 FAILURE_LOG_LINES = 50

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import msgspec
 
-from agent.launchers import Launcher, LaunchSpec, RunTimeout
+from agent.launch.launchers import Launcher, LaunchSpec, RunTimeout
 
 RESULT_PREFIX = "TILERT_PREFLIGHT "
 SETUP_FAILED_PREFIX = "TILERT_PREFLIGHT_SETUP_FAILED "

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from agent.problems import Problem, RecipeError, error, warning
-from agent.typedyaml import ShapeChecker, YamlSyntaxError, line_of, parse, suggest
+from agent.recipe.typedyaml import ShapeChecker, YamlSyntaxError, line_of, parse, suggest
 
 CLUSTER_ENV = "TILERT_CLUSTER_FILE"
 CLUSTER_FLAG = "--cluster"

@@ -17,10 +17,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from agent.cluster import ClusterConfig
-from agent.jobdir import JobDir
-from agent.plan import Plan, RolePlan
+from agent.job.paths import JobDir
+from agent.job.plan import Plan, RolePlan
 from agent.problems import RecipeError, error
+from agent.recipe.cluster import ClusterConfig
 
 AGENT_SCRIPT = "tilert-agent"
 SBATCH_LOG = "sbatch.out"

@@ -1,0 +1,67 @@
+"""The agent's own log: ``agent.log`` (size-rotated) and stderr, every line prefixed."""
+
+import logging
+import logging.handlers
+import sys
+import time
+from pathlib import Path
+
+from agent.job.paths import PRIVATE_DIR_MODE
+from agent.recipe.model import LogSettings
+
+# ---- agent.log ----
+
+_HANDLER_MARK = "_tilert_agent_handler"
+
+
+class _LineFormatter(logging.Formatter):
+    """``2026-12-02T11:22:33.123Z decode-0 INFO message``, the prefix repeated on every line."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.agent_name = name
+
+    def format(self, record: logging.LogRecord) -> str:
+        """One or more prefixed lines (multi-line messages and tracebacks stay greppable)."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        prefix = f"{stamp}.{int(record.msecs):03d}Z {self.agent_name} {record.levelname} "
+        body = record.getMessage()
+        if record.exc_info:
+            body += "\n" + self.formatException(record.exc_info)
+        if record.stack_info:
+            body += "\n" + self.formatStack(record.stack_info)
+        return "\n".join(prefix + line for line in body.splitlines() or [""])
+
+
+def setup_agent_logging(
+    path: Path,
+    *,
+    name: str,
+    level: int = logging.INFO,
+    stderr: bool = True,
+    max_bytes: int = LogSettings().max_bytes,
+    backups: int = LogSettings().backups,
+) -> logging.Logger:
+    """Send all logging to ``path`` (size-rotated) and stderr; returns the ``agent`` logger."""
+    path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
+        root.removeHandler(old)
+        old.close()
+    formatter = _LineFormatter(name)
+    handlers: list[logging.Handler] = [
+        logging.handlers.RotatingFileHandler(
+            path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8"
+        )
+    ]
+    if stderr:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        setattr(handler, _HANDLER_MARK, True)
+        root.addHandler(handler)
+    root.setLevel(level)
+    # One line per HTTP request (every probe) would drown the log.
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(max(level, logging.WARNING))
+    return logging.getLogger("agent")
