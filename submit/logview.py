@@ -22,9 +22,9 @@ import trio
 
 from agent.job.logfiles import log_files, log_path, rotated_files
 from agent.job.logtail import LogFollower
+from agent.job.names import ROUTER_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
-from agent.job.records import ROUTER_NAME, agent_name
 
 # docker compose's palette: bright cyan, yellow, green, magenta, blue, then the plain ones.
 _COLOURS = ("96", "93", "92", "95", "94", "36", "33", "32", "35", "34")

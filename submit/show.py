@@ -9,9 +9,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, RolePlan
-from agent.job.records import ROUTER_NAME, agent_name
 from agent.job.secrets import MASK
 from agent.launch.commands import DecodeEndpoint, decode_command, prefill_command, router_command
 
@@ -55,9 +55,7 @@ def _node_map(plan: Plan) -> list[str]:
     for role in (plan.prefill, plan.decode):
         what = "vLLM prefill" if role.role == "prefill" else "TileRT decode"
         for i, name in enumerate(_names(role)):
-            extra = (
-                f" + router (port {plan.router.port})" if name == agent_name("prefill", 0) else ""
-            )
+            extra = f" + router (port {plan.router.port})" if name == HEAD_NAME else ""
             gpus = f"{role.gpus_per_worker} GPU{'s' if role.gpus_per_worker != 1 else ''}"
             rows.append(f"  node {role.first_node + i:<3} {name:<10} {what} ({gpus}){extra}")
     return rows
@@ -85,11 +83,11 @@ def _commands(plan: Plan) -> list[str]:
         else (f"{decode_names[0]} .. {decode_names[-1]} (each)")
     )
     lines = [
-        f"  {agent_name('prefill', 0)}:",
+        f"  {HEAD_NAME}:",
         f"    {shlex.join(prefill.argv)}",
         f"  {decode_label}:",
         f"    {shlex.join(decode.argv)}",
-        f"  {ROUTER_NAME} (in {agent_name('prefill', 0)}, after every worker is healthy):",
+        f"  {ROUTER_NAME} (in {HEAD_NAME}, after every worker is healthy):",
         f"    {shlex.join(router.argv)}",
     ]
     if plan.mock:

@@ -21,14 +21,8 @@ import trio
 
 from agent.job.atomicfile import write_atomic
 from agent.job.logfiles import log_path
-from agent.job.records import (
-    ROUTER_NAME,
-    AgentStatus,
-    JobAgent,
-    JobState,
-    JobStatus,
-    RendezvousRecord,
-)
+from agent.job.names import ROUTER_NAME
+from agent.job.records import AgentStatus, JobAgent, JobState, JobStatus, RendezvousRecord
 from agent.launch import preflight
 from agent.launch.commands import DecodeEndpoint, arg_value, router_command
 from agent.launch.launchers import LaunchSpec

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_sort_key, parse_agent_name
 from agent.job.paths import JobDir
-from agent.job.records import ROUTER_NAME
 
 ENGINE_LOG = "engine.log"
 ROUTER_LOG = "router.log"
 AGENT_LOG = "agent.log"
-# The router is supervised by the head agent, so its log lives in the head's folder.
-ROUTER_LOG_OWNER = "prefill-0"
-ROLE_ORDER = ("prefill", "decode")
 
 
 def rotated_files(path: Path) -> list[Path]:
@@ -31,19 +28,12 @@ def rotated_files(path: Path) -> list[Path]:
 
 def log_path(job: JobDir, name: str, *, agent: bool = False) -> Path:
     """The current log file of ``name`` (``prefill-0``, ``decode-1``, ``router``)."""
+    # The router is supervised by the head agent, so its log lives in the head's folder.
     if name == ROUTER_NAME:
         if agent:
             raise ValueError("the router has no agent.log of its own: see prefill-0's")
-        return job.log_dir(ROUTER_LOG_OWNER) / ROUTER_LOG
+        return job.log_dir(HEAD_NAME) / ROUTER_LOG
     return job.log_dir(name) / (AGENT_LOG if agent else ENGINE_LOG)
-
-
-def _agent_sort_key(name: str) -> tuple[int, int, str] | None:
-    """Sort key for an agent folder name (prefill first, then by index); None when not an agent."""
-    role, _, index = name.rpartition("-")
-    if role not in ROLE_ORDER or not index.isdigit():
-        return None
-    return ROLE_ORDER.index(role), int(index), name
 
 
 def log_files(job: JobDir, *, agent: bool = False) -> dict[str, Path]:
@@ -55,8 +45,8 @@ def log_files(job: JobDir, *, agent: bool = False) -> dict[str, Path]:
         entries = [p.name for p in job.logs.iterdir() if p.is_dir()]
     except FileNotFoundError:
         return {}
-    keyed = sorted(k for k in map(_agent_sort_key, entries) if k is not None)
-    files = {name: log_path(job, name, agent=agent) for _, _, name in keyed}
-    if not agent and ROUTER_LOG_OWNER in files:
+    names = sorted((n for n in entries if parse_agent_name(n)), key=agent_sort_key)
+    files = {name: log_path(job, name, agent=agent) for name in names}
+    if not agent and HEAD_NAME in files:
         files[ROUTER_NAME] = log_path(job, ROUTER_NAME)
     return files

@@ -88,11 +88,3 @@ class JobStatus(msgspec.Struct, kw_only=True):
     agents: list[JobAgent] = []
     # The router, supervised by prefill-0 (not an agent of its own; ``logs J router`` shows it).
     router: JobAgent | None = None
-
-
-def agent_name(role: str, index: int) -> str:
-    """The public name of an agent: ``prefill-0``, ``decode-1``."""
-    return f"{role}-{index}"
-
-
-ROUTER_NAME = "router"

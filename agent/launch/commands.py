@@ -22,7 +22,6 @@ STANDIN_MODULES = {
     "decode": "agent.standins.decode",
     "router": "agent.standins.router",
 }
-ROUTER_MODULE = "tilert.pd_vllm.pd_router"
 GPU_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 # Variables the agent itself sets for engines (besides GPU visibility).
 MANAGED_ENV = ("TILERT_AGENT_NAME", "TILERT_PD_PROBE_ADDR", *GPU_ENV_NAMES)

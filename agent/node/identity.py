@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from agent.job.records import agent_name
+from agent.job.names import HEAD_NAME, agent_name
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Identity:
     @property
     def is_head(self) -> bool:
         """The head agent (prefill-0) gates and runs the router."""
-        return self.role == "prefill" and self.index == 0
+        return self.name == HEAD_NAME
 
 
 class IdentityError(Exception):

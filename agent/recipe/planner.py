@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from agent.facts import DECODE_MODULE, PREFILL_PROGRAM, ROUTER_MODULE
 from agent.job.plan import AgentPlan, LauncherName, Plan, RolePlan, RouterPlan, SlurmPlan
 from agent.job.secrets import is_secret_name
 from agent.problems import RecipeError, error
@@ -30,10 +31,6 @@ from agent.recipe.model import (
     public_model_name,
     role_layout,
 )
-
-PREFILL_PROGRAM = ["vllm", "serve"]
-DECODE_MODULE = "tilert.pd_vllm.decode_server"
-ROUTER_MODULE = "tilert.pd_vllm.pd_router"
 
 # The agent section's own defaults: a recipe that sets one role's budget or grace leaves the
 # others None, and they fall back to these (one source for every default).

@@ -32,6 +32,31 @@ import json
 import re
 from typing import Any
 
+from agent.facts import (
+    CONNECTOR,
+    CONNECTOR_MODULE,
+    CONNECTOR_ROLE,
+    DECODE_ENGINE,
+    DECODE_FOR_LAYOUT,
+    DECODE_KV_DEFAULT,
+    DECODE_KV_LAYOUT,
+    DEFAULT_DECODE_MAX_SEQ_LEN,
+    DEFAULT_SENDERS,
+    DEFAULT_TILERT_MODEL,
+    DEFAULT_TRANSPORT,
+    MANAGED_ARGS,
+    NUM_MTP_CHOICES,
+    PREFILL_ENGINE,
+    PREFILL_KV_DEFAULT,
+    PREFILL_KV_LAYOUT,
+    ROUTER_MANAGED_ARGS,
+    ROUTER_PARSERS,
+    ROUTER_TYPE,
+    TILERT_MODELS,
+    TRANSPORTS,
+    human_int,
+    strict_int,
+)
 from agent.problems import Problem, error, warning
 from agent.recipe.model import (
     ArgValue,
@@ -46,83 +71,7 @@ from agent.recipe.model import (
     role_layout,
 )
 
-ROUTER_TYPE = "tilert-router"
-PREFILL_ENGINE = "vllm"
-DECODE_ENGINE = "tilert"
-
-CONNECTOR = "TileRTConnector"
-CONNECTOR_MODULE = "tilert.pd_vllm.prefill_connector"
-CONNECTOR_ROLE = "kv_producer"
-
-# TileRT 0.1.6 decode_server defaults (the prefill connector has the same transport default).
-DEFAULT_TRANSPORT = "mooncake"
-TRANSPORTS = ("mooncake", "nixl")
-DEFAULT_DECODE_MAX_SEQ_LEN = 4096
-DEFAULT_TILERT_MODEL = "glm5"
-TILERT_MODELS = ("glm5", "glm5_2", "dsv32")
-NUM_MTP_CHOICES = (3,)
-DEFAULT_SENDERS = 8
-ROUTER_PARSERS = ("glm47", "none")
-
-PREFILL_KV_DEFAULT = "auto"
-DECODE_KV_DEFAULT = "fp8_ds_mla"
-# dtype -> layout family, per side (table in the module docstring).
-PREFILL_KV_LAYOUT = {
-    "fp8_ds_mla": "fp8 MLA",
-    "auto": "bf16",
-    "bfloat16": "bf16",
-    "bf16": "bf16",
-    "fp8": "ROCm fp8",
-    "fp8_e4m3": "ROCm fp8",
-}
-DECODE_KV_LAYOUT = {
-    "fp8_ds_mla": "fp8 MLA",
-    "fp8": "fp8 MLA",
-    "fp8_e4m3": "fp8 MLA",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "auto": "bf16",
-    "fp8_rocm": "ROCm fp8",
-}
-# Decode dtype to suggest for each prefill layout.
-_DECODE_FOR_LAYOUT = {"fp8 MLA": "fp8", "bf16": "bf16", "ROCm fp8": "fp8_rocm"}
-
-# Args the agent owns: (role, canonical key) -> why and what to do instead.
-MANAGED_ARGS = {
-    ("decode", "engine"): (
-        "the agent always passes --engine tilert (TileRT's default 'stub' is a fake engine)",
-        "remove it",
-    ),
-    ("decode", "http-port"): (
-        "the agent chooses the decode HTTP port on its node and passes --http-port",
-        "remove it; probing starts at agent.ports.decode.http",
-    ),
-    ("decode", "ctrl-port"): (
-        "the agent chooses the decode control port on its node and passes --ctrl-port",
-        "remove it; probing starts at agent.ports.decode.ctrl",
-    ),
-    ("prefill", "host"): (
-        "the agent runs vLLM on all interfaces and advertises the node's address",
-        "remove it (agent.bind and the cluster's network_interface choose addresses)",
-    ),
-    ("prefill", "port"): (
-        "the agent chooses the prefill HTTP port on its node and passes --port",
-        "remove it; probing starts at agent.ports.prefill.http",
-    ),
-    ("prefill", "model"): (
-        "vLLM serves model.path (the agent passes it as `vllm serve MODEL`)",
-        "remove it and set model.path",
-    ),
-}
-ROUTER_MANAGED_ARGS = {
-    "vllm-url": "the agent passes the prefill's URL once its port is known",
-    "decode": "the agent passes every decode node's host:ctrl:http once their ports are known",
-    "host": "the router listens on all interfaces",
-    "port": "the router port is agent.router_port",
-}
-
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")
 
 
 def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
@@ -147,34 +96,6 @@ def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
 
 def _arg(role: Role, name: str) -> tuple[str, ArgValue] | None:
     return find_arg(role.args, name)
-
-
-def _strict_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value.strip())
-    return None
-
-
-def human_int(value: Any) -> int | None:
-    """vLLM's human-readable integers: 1k = 1000, 1K = 1024 (also m/M, g/G); plain ints as is."""
-    plain = _strict_int(value)
-    if plain is not None or not isinstance(value, str):
-        return plain
-    match = _HUMAN_INT.match(value.strip())
-    if not match:
-        return None
-    number, suffix = match.groups()
-    if not suffix:
-        return None
-    power = "kmg".index(suffix.lower()) + 1
-    base = 1000 if suffix.islower() else 1024
-    if suffix.isupper() and "." in number:
-        return None
-    return int(float(number) * base**power)
 
 
 def _json_arg(
@@ -607,7 +528,7 @@ def _seq_len(
     dec = _arg(decode, "max-seq-len")
     dec_len = DEFAULT_DECODE_MAX_SEQ_LEN
     if dec is not None:
-        parsed = _strict_int(dec[1])
+        parsed = strict_int(dec[1])
         if parsed is None or parsed < 1:
             out.append(
                 error(
@@ -634,7 +555,7 @@ def _seq_len(
     raw = extra.get("tilert_max_seq_len")
     tms: int | None = None
     if raw is not None:
-        tms = _strict_int(raw)
+        tms = strict_int(raw)
         if tms is None or tms < 1:
             out.append(
                 error(path, "must be a positive integer", f'write "tilert_max_seq_len": {dec_len}')
@@ -740,7 +661,7 @@ def _kv_dtype(prefill: Role, decode: Role, out: list[Problem]) -> None:
             f"prefill KV cache dtype {pre_value!r}{'' if pre else ' (vLLM default)'} is the "
             f"{pre_layout} layout but decode {dec_value!r}{'' if dec else ' (TileRT default)'} is "
             f"the {dec_layout} layout",
-            f"set {dec_path}: {_DECODE_FOR_LAYOUT[pre_layout]} to match the prefill (pairs: "
+            f"set {dec_path}: {DECODE_FOR_LAYOUT[pre_layout]} to match the prefill (pairs: "
             "fp8_ds_mla/fp8, bfloat16/bf16, ROCm fp8/fp8_rocm)",
         )
     )
@@ -777,7 +698,7 @@ def _mtp(prefill: Role, decode: Role, out: list[Problem]) -> None:
             )
         )
     num = _arg(decode, "num-mtp")
-    if num is not None and _strict_int(num[1]) not in NUM_MTP_CHOICES:
+    if num is not None and strict_int(num[1]) not in NUM_MTP_CHOICES:
         out.append(
             error(
                 f"roles.decode.args.{num[0]}",
@@ -824,7 +745,7 @@ def _env_agreement(recipe: Recipe, prefill: Role, decode: Role, out: list[Proble
     if senders is None:
         return
     tp = _arg(prefill, "tensor-parallel-size")
-    tp_value = _strict_int(tp[1]) if tp else 1
+    tp_value = strict_int(tp[1]) if tp else 1
     tp_path = f"roles.prefill.args.{tp[0] if tp else 'tensor-parallel-size'}"
     if tp_value is None or tp_value < 1:
         out.append(
@@ -961,8 +882,8 @@ def _settings(recipe: Recipe, out: list[Problem]) -> None:
         _, _, gpus = role_layout(prefill, gpus_per_node(recipe))
         tp = _arg(prefill, "tensor-parallel-size")
         pp = _arg(prefill, "pipeline-parallel-size")
-        tp_n = _strict_int(tp[1]) if tp else 1
-        pp_n = _strict_int(pp[1]) if pp else 1
+        tp_n = strict_int(tp[1]) if tp else 1
+        pp_n = strict_int(pp[1]) if pp else 1
         if gpus and tp_n and pp_n and tp_n * pp_n != gpus:
             out.append(
                 warning(

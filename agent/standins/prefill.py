@@ -27,6 +27,7 @@ import prometheus_client
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from agent.facts import human_int
 from agent.http.asgi import (
     App,
     HTTPError,
@@ -56,10 +57,11 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 def _model_len(raw: str) -> int:
-    """vLLM's --max-model-len: an integer, or a size such as 128k / 1m."""
-    text = raw.strip().lower()
-    scale = {"k": 1000, "m": 1000_000}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+    """vLLM's --max-model-len: an integer or a size (1k = 1000, 1K = 1024), as the rules read it."""
+    value = human_int(raw)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"not a length: {raw!r} (examples: 4096, 128k, 198K)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,9 +15,10 @@ import time
 import msgspec
 import trio
 
+from agent.job.names import HEAD_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
-from agent.job.records import JobStatus, agent_name
+from agent.job.records import JobStatus
 from agent.launch.launchers import Engine, LaunchSpec, make_launcher
 from agent.node.logpump import LogSink
 
@@ -134,7 +135,7 @@ class LocalRun:
         last_line = ""
         last_print = 0.0
         ready_said = False
-        head = self.agents[agent_name("prefill", 0)]
+        head = self.agents[HEAD_NAME]
         while not stop.is_set():
             status = _read(self.job)
             elapsed = time.monotonic() - self.started
@@ -155,7 +156,7 @@ class LocalRun:
                 status = _read(self.job)
                 error = status.error if status and status.error else "see its agent.log"
                 _say(f"the head agent prefill-0 exited with code {head.returncode}: {error}")
-                tail = self.sinks[agent_name("prefill", 0)].recent(20)
+                tail = self.sinks[HEAD_NAME].recent(20)
                 if tail:
                     _say("last lines of its stderr:\n  " + "\n  ".join(tail))
                 if head.returncode and status is not None and status.state != "failed":
@@ -164,7 +165,7 @@ class LocalRun:
                     status.state = "failed"
                     status.error = (
                         f"prefill-0 exited with code {head.returncode}: {last} "
-                        f"(log: {self.job.log_dir(agent_name('prefill', 0)) / 'agent.log'})"
+                        f"(log: {self.job.log_dir(HEAD_NAME) / 'agent.log'})"
                     )
                     status.router_url = None
                     status.updated_at = time.time()

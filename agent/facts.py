@@ -1,0 +1,131 @@
+"""What TileRT 0.1.6 and vLLM are, as far as this project needs to know: one home for each fact.
+
+Module names, the programs the agent starts, the defaults and choices of TileRT's decode server and
+router, the KV layouts each side derives, and the flags the agent manages. The rules, the command
+builders, the preflight and the stand-ins all read them here. Imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# Modules of the tilert wheel the agent starts or checks for.
+CONNECTOR_MODULE = "tilert.pd_vllm.prefill_connector"
+DECODE_MODULE = "tilert.pd_vllm.decode_server"
+ROUTER_MODULE = "tilert.pd_vllm.pd_router"
+# The program that serves the prefill (``vllm serve MODEL``).
+PREFILL_PROGRAM = ("vllm", "serve")
+# Python modules each role's real engine needs (checked by the preflight on the node).
+ENGINE_MODULES = {
+    "prefill": ("vllm", CONNECTOR_MODULE),
+    "decode": (DECODE_MODULE,),
+    "router": (ROUTER_MODULE,),
+}
+# Distributions whose versions the preflight reports (the tilert versions must match across nodes).
+ENGINE_DISTRIBUTIONS = ("tilert", "vllm")
+
+ROUTER_TYPE = "tilert-router"
+PREFILL_ENGINE = "vllm"
+DECODE_ENGINE = "tilert"
+
+CONNECTOR = "TileRTConnector"
+CONNECTOR_ROLE = "kv_producer"
+
+# TileRT 0.1.6 decode_server defaults (the prefill connector has the same transport default).
+DEFAULT_TRANSPORT = "mooncake"
+TRANSPORTS = ("mooncake", "nixl")
+DEFAULT_DECODE_MAX_SEQ_LEN = 4096
+DEFAULT_TILERT_MODEL = "glm5"
+TILERT_MODELS = ("glm5", "glm5_2", "dsv32")
+NUM_MTP_CHOICES = (3,)
+DEFAULT_SENDERS = 8
+ROUTER_PARSERS = ("glm47", "none")
+
+PREFILL_KV_DEFAULT = "auto"
+DECODE_KV_DEFAULT = "fp8_ds_mla"
+# dtype -> layout family, per side (table in the module docstring).
+PREFILL_KV_LAYOUT = {
+    "fp8_ds_mla": "fp8 MLA",
+    "auto": "bf16",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "fp8": "ROCm fp8",
+    "fp8_e4m3": "ROCm fp8",
+}
+DECODE_KV_LAYOUT = {
+    "fp8_ds_mla": "fp8 MLA",
+    "fp8": "fp8 MLA",
+    "fp8_e4m3": "fp8 MLA",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "auto": "bf16",
+    "fp8_rocm": "ROCm fp8",
+}
+# Decode dtype to suggest for each prefill layout.
+DECODE_FOR_LAYOUT = {"fp8 MLA": "fp8", "bf16": "bf16", "ROCm fp8": "fp8_rocm"}
+
+# Args the agent owns: (role, canonical key) -> why and what to do instead.
+MANAGED_ARGS = {
+    ("decode", "engine"): (
+        "the agent always passes --engine tilert (TileRT's default 'stub' is a fake engine)",
+        "remove it",
+    ),
+    ("decode", "http-port"): (
+        "the agent chooses the decode HTTP port on its node and passes --http-port",
+        "remove it; probing starts at agent.ports.decode.http",
+    ),
+    ("decode", "ctrl-port"): (
+        "the agent chooses the decode control port on its node and passes --ctrl-port",
+        "remove it; probing starts at agent.ports.decode.ctrl",
+    ),
+    ("prefill", "host"): (
+        "the agent runs vLLM on all interfaces and advertises the node's address",
+        "remove it (agent.bind and the cluster's network_interface choose addresses)",
+    ),
+    ("prefill", "port"): (
+        "the agent chooses the prefill HTTP port on its node and passes --port",
+        "remove it; probing starts at agent.ports.prefill.http",
+    ),
+    ("prefill", "model"): (
+        "vLLM serves model.path (the agent passes it as `vllm serve MODEL`)",
+        "remove it and set model.path",
+    ),
+}
+ROUTER_MANAGED_ARGS = {
+    "vllm-url": "the agent passes the prefill's URL once its port is known",
+    "decode": "the agent passes every decode node's host:ctrl:http once their ports are known",
+    "host": "the router listens on all interfaces",
+    "port": "the router port is agent.router_port",
+}
+
+
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")
+
+
+def strict_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value.strip())
+    return None
+
+
+def human_int(value: Any) -> int | None:
+    """vLLM's human-readable integers: 1k = 1000, 1K = 1024 (also m/M, g/G); plain ints as is."""
+    plain = strict_int(value)
+    if plain is not None or not isinstance(value, str):
+        return plain
+    match = _HUMAN_INT.match(value.strip())
+    if not match:
+        return None
+    number, suffix = match.groups()
+    if not suffix:
+        return None
+    power = "kmg".index(suffix.lower()) + 1
+    base = 1000 if suffix.islower() else 1024
+    if suffix.isupper() and "." in number:
+        return None
+    return int(float(number) * base**power)
