@@ -1,1 +1,9 @@
-"""TODO"""
+"""What an agent serves over HTTP, and what it scrapes.
+
+``asgi`` is a small ASGI toolkit on hypercorn + trio (also used by the stand-ins); ``endpoint`` is
+the agent's ``/healthz``, ``/status`` (long-poll), ``/metrics`` and ``/logs``; ``metrics`` is the
+agent's own Prometheus registry; ``reexport`` fetches vLLM's page and re-exports it with our labels.
+
+May import: the standard library, trio, hypercorn, httpx, psutil, msgspec, prometheus_client,
+``agent.job`` and ``agent.node``. Never ``agent.head`` or ``agent.nodeagent``.
+"""

@@ -1,1 +1,10 @@
-"""TODO"""
+"""The node runtime's parts: who this agent is, its ports, its rendezvous record, its engine.
+
+``identity`` (index, node, address), ``ports`` (probe bindable ports), ``rendezvous`` (write our
+record, read and watch the others'), ``supervisor`` (one engine's state machine: probe, restart,
+give up), ``logpump`` (engine output to rotated files, never blocking the engine) and ``agentlog``
+(the agent's own log). ``agent.nodeagent`` puts them together; ``agent.head`` uses them too.
+
+May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``, ``agent.job``
+and ``agent.launch``. Never ``agent.http``, ``agent.head`` or ``agent.nodeagent``.
+"""
