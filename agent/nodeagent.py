@@ -27,9 +27,8 @@ from agent.job.logfiles import log_path
 from agent.job.paths import PRIVATE_DIR_MODE, JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, EngineStatus, RendezvousRecord
-from agent.launch import preflight
+from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
 from agent.launch.commands import MANAGED_ENV, arg_value, decode_command, prefill_command
-from agent.launch.launchers import Launcher, LaunchSpec, make_launcher
 from agent.node.identity import Identity
 from agent.node.logpump import LogSink
 from agent.node.ports import choose_port, choose_ports, is_bindable

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import trio
 
-from agent.launch.launchers import LaunchSpec, PyxisLauncher
+from agent.launch import LaunchSpec, PyxisLauncher
 from tests import e2ekit as kit
 from tests.infra.slurm import ENDED_STATES, LocalSlurm
 

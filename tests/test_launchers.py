@@ -17,15 +17,17 @@ import psutil
 import pytest
 import trio
 
-from agent.launch.launchers import (
-    ENGINE_ID_ENV,
+from agent.launch import (
     LaunchSpec,
-    ProcessEngine,
+    LocalProcess,
     ProcessLauncher,
     PyxisLauncher,
     RunTimeout,
-    find_marked_leader,
     make_launcher,
+)
+from agent.launch.pyxis import (
+    ENGINE_ID_ENV,
+    find_marked_leader,
     pyxis_container_name,
     pyxis_srun_argv,
 )
@@ -65,7 +67,7 @@ def spec(argv: list[str], env: dict[str, str] | None = None, **kw: object) -> La
     return LaunchSpec(name="test", argv=argv, env=env or dict(BASE_ENV), **kw)  # type: ignore[arg-type]
 
 
-async def read_all(engine: ProcessEngine) -> bytes:
+async def read_all(engine: LocalProcess) -> bytes:
     """The engine's output up to EOF."""
     data = b""
     while chunk := await engine.output.receive_some(65536):
@@ -73,7 +75,7 @@ async def read_all(engine: ProcessEngine) -> bytes:
     return data
 
 
-async def read_line(engine: ProcessEngine) -> bytes:
+async def read_line(engine: LocalProcess) -> bytes:
     """One line of output (the first)."""
     data = b""
     while b"\n" not in data:
@@ -86,11 +88,11 @@ async def read_line(engine: ProcessEngine) -> bytes:
 @pytest.fixture
 async def launcher() -> AsyncIterator[ProcessLauncher]:
     """A ProcessLauncher whose engines are all killed after the test."""
-    engines: list[ProcessEngine] = []
+    engines: list[LocalProcess] = []
     real = ProcessLauncher()
 
     class Tracking(ProcessLauncher):
-        async def start(self, spec: LaunchSpec) -> ProcessEngine:
+        async def start(self, spec: LaunchSpec) -> LocalProcess:
             engine = await real.start(spec)
             engines.append(engine)
             return engine
@@ -298,7 +300,7 @@ def test_refuses_to_fork_from_another_thread() -> None:
 AGENT = textwrap.dedent(
     """
     import os, sys, trio
-    from agent.launch.launchers import LaunchSpec, ProcessLauncher
+    from agent.launch import LaunchSpec, ProcessLauncher
 
     async def main():
         engine = await ProcessLauncher().start(LaunchSpec(

@@ -15,7 +15,8 @@ import psutil
 import pytest
 import trio
 
-from agent.launch.launchers import ENGINE_ID_ENV, LaunchSpec, PyxisEngine, PyxisLauncher
+from agent.launch import LaunchSpec, PyxisLauncher, PyxisStep
+from agent.launch.pyxis import ENGINE_ID_ENV
 from tests.infra.slurm import LocalSlurm
 
 pytestmark = pytest.mark.slurm
@@ -62,7 +63,7 @@ def step_ids(slurm: LocalSlurm, job: str) -> list[str]:
     return slurm.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"]).stdout.split()
 
 
-async def engine_pid(engine: PyxisEngine, timeout: float = 20) -> int:
+async def engine_pid(engine: PyxisStep, timeout: float = 20) -> int:
     """The leader pid once the launcher has found it on the node."""
     with trio.fail_after(timeout):
         while (pid := engine.pid) is None:
@@ -70,7 +71,7 @@ async def engine_pid(engine: PyxisEngine, timeout: float = 20) -> int:
     return pid
 
 
-async def first_line(engine: PyxisEngine) -> str:
+async def first_line(engine: PyxisStep) -> str:
     """The step's first output line."""
     data = b""
     with trio.fail_after(20):
@@ -81,7 +82,7 @@ async def first_line(engine: PyxisEngine) -> str:
     return data.decode().splitlines()[0]
 
 
-async def rest(engine: PyxisEngine) -> bytes:
+async def rest(engine: PyxisStep) -> bytes:
     """The remaining output up to EOF."""
     data = b""
     with trio.fail_after(20):
@@ -146,7 +147,7 @@ async def test_run_through_a_nested_step(slurm: LocalSlurm, job: str) -> None:
 AGENT = textwrap.dedent(
     """
     import os, sys, trio
-    from agent.launch.launchers import LaunchSpec, PyxisLauncher
+    from agent.launch import LaunchSpec, PyxisLauncher
 
     async def main():
         launcher = PyxisLauncher(sys.argv[1], sys.argv[2])

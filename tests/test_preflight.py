@@ -8,7 +8,7 @@ import platform
 import sys
 from pathlib import Path
 
-from agent.launch.launchers import LaunchSpec, ProcessLauncher
+from agent.launch import LaunchSpec, ProcessLauncher
 from agent.launch.preflight import PreflightChecks, run_preflight
 
 BASE = LaunchSpec(name="decode-0-preflight", argv=[], env=dict(os.environ))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.launch.launchers import LaunchSpec, ProcessLauncher
+from agent.launch import LaunchSpec, ProcessLauncher
 from agent.node.logpump import LogSink
 from agent.node.supervisor import EngineSupervisor, Policy
 from tests.infra.ports import free_port
@@ -145,7 +145,7 @@ async def test_stop_sigterms_then_sigkills_after_grace(tmp_path: Path) -> None:
     assert h.sup.state == "stopped"
     assert h.states[-2:] == ["stopping", "stopped"]
     assert h.sup.status().pid is None
-    assert h.sup.engine is not None and h.sup.engine.returncode == -9
+    assert h.sup.process is not None and h.sup.process.returncode == -9
 
 
 async def test_stop_during_backoff_ends_stopped(tmp_path: Path) -> None:

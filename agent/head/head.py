@@ -23,9 +23,8 @@ from agent.job.atomicfile import write_atomic
 from agent.job.logfiles import log_path
 from agent.job.names import ROUTER_NAME
 from agent.job.records import AgentStatus, JobAgent, JobState, JobStatus, RendezvousRecord
-from agent.launch import preflight
+from agent.launch import LaunchSpec, preflight
 from agent.launch.commands import DecodeEndpoint, arg_value, router_command
-from agent.launch.launchers import LaunchSpec
 from agent.node.logpump import LogSink
 from agent.node.rendezvous import Records, watch_records
 from agent.node.supervisor import EngineSupervisor, policy_for

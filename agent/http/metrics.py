@@ -57,10 +57,10 @@ class HeadFigures:
 
 
 def _tree(engine_pid: int | None, supervisor: EngineSupervisor) -> list[psutil.Process]:
-    if engine_pid is None or supervisor.engine is None:
+    if engine_pid is None or supervisor.process is None:
         return []
     try:
-        return supervisor.engine.descendants()
+        return supervisor.process.descendants()
     except psutil.Error:
         return []
 

@@ -1,1 +1,61 @@
-"""TODO"""
+"""Launch: how the agent starts, watches and stops the processes it runs on its node.
+
+One contract, two backends, chosen by the cluster file (``launcher: process|pyxis``); what each
+guarantees, and why, is in docs/launchers.md:
+
+- ``spec``: the contract: ``LaunchSpec`` (what to run), ``Launcher`` (starts it),
+  ``ProcessHandle`` (what a start gives back), ``RunTimeout``, the setup-script wrapper;
+- ``child``: what both backends share: a child forked from the main thread with PDEATHSIG, its
+  exit awaited through a pidfd, a lifeline that kills it when the agent dies, the tree sweep;
+- ``process``: ``ProcessLauncher``, whose handles are ``LocalProcess`` (a plain child of the agent);
+- ``pyxis``: ``PyxisLauncher``, whose handles are ``PyxisStep`` (a nested ``srun --overlap`` step
+  of the agent's job, in a pyxis container, stopped with ``scancel``).
+
+Beside the launchers, and imported as modules: ``commands`` (each engine's argv and environment)
+and ``preflight`` (seconds-long checks through the same launcher before the long load).
+
+Words: an *engine* is the server a role runs (vLLM prefill, TileRT decode); the recipe's
+``engine`` key names its *engine type*. A *process handle* is what a launcher returns for anything
+it starts: an engine, the router, a preflight, or (``--local``) an agent. The handle is never
+called an engine here.
+
+May import: the standard library, trio, psutil, msgspec, and ``agent.facts``, ``agent.problems``,
+``agent.job`` (commands reads the plan); nothing of ``agent.recipe``, ``agent.node`` or above.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from agent.launch.process import LocalProcess, ProcessLauncher
+from agent.launch.pyxis import PyxisLauncher, PyxisStep
+from agent.launch.spec import Launcher, LaunchSpec, ProcessHandle, RunTimeout
+
+__all__ = [
+    "LaunchSpec",
+    "Launcher",
+    "LocalProcess",
+    "ProcessHandle",
+    "ProcessLauncher",
+    "PyxisLauncher",
+    "PyxisStep",
+    "RunTimeout",
+    "make_launcher",
+]
+
+
+def make_launcher(
+    kind: Literal["process", "pyxis"], *, slurm_job_id: str | None, node: str | None
+) -> Launcher:
+    """The launcher the cluster file names (``launcher: process|pyxis``)."""
+    if kind == "process":
+        return ProcessLauncher()
+    if kind == "pyxis":
+        if not slurm_job_id or not node:
+            raise ValueError(
+                "launcher: pyxis needs a Slurm job (SLURM_JOB_ID) and this node's name "
+                "(SLURMD_NODENAME); run the agent inside the job, or set launcher: process "
+                "in the cluster file"
+            )
+        return PyxisLauncher(slurm_job_id, node)
+    raise ValueError(f"unknown launcher {kind!r}: use process or pyxis (cluster file key launcher)")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from agent.job.plan import Plan, RolePlan, RouterPlan
 
-# The stand-in that replaces each real program under --mock (DESIGN.md: "Stand-ins are product code").
+# The stand-in that replaces each real program under --mock
+# (docs/design.md: "Stand-ins are product code").
 STANDIN_MODULES = {
     "prefill": "agent.standins.prefill",
     "decode": "agent.standins.decode",
@@ -50,6 +51,8 @@ class DecodeEndpoint:
 
 @dataclass(frozen=True)
 class Command:
+    """One process's argv and complete environment, ready for a ``LaunchSpec``."""
+
     argv: list[str]
     env: dict[str, str]
 
@@ -110,7 +113,7 @@ def decode_command(
     ctrl_port: int,
     agent_env: Mapping[str, str] = os.environ,
 ) -> Command:
-    """``python -m tilert.pd_vllm.decode_server --engine tilert --http-port H --ctrl-port C <args>``."""
+    """``python -m tilert.pd_vllm.decode_server --engine tilert --http-port H --ctrl-port C ...``"""
     role = plan.decode
     program = _standin("decode") if plan.mock else list(role.program)
     # --engine defaults to a stub in TileRT 0.1.6: a real deployment must always say tilert.
@@ -141,7 +144,7 @@ def router_command(
     use_standin: bool,
     agent_env: Mapping[str, str] = os.environ,
 ) -> Command:
-    """``<router_python> -m tilert.pd_vllm.pd_router --vllm-url U --decode h:c:p ... --host --port``."""
+    """``<router_python> -m tilert.pd_vllm.pd_router --vllm-url U --decode h:c:p ... --port P``."""
     router: RouterPlan = plan.router
     program = _standin("router") if use_standin else list(router.program)
     # ONE --decode flag with every node: the router's argparse keeps only the last repeated flag.

@@ -1,6 +1,6 @@
-"""Preflight: seconds-long checks on the node, through the engine's own launcher, before the long load.
+"""Preflight: seconds-long checks on the node, through the engine's launcher, before the long load.
 
-What only a compute node can know (DESIGN.md): does the engine's interpreter (inside the image,
+What only a compute node can know (docs/design.md): does the engine's interpreter (inside the image,
 with the job's mounts) find the modules the engine needs, which tilert/vllm versions it has, does
 the setup script exist, do the weights exist. One short ``python -c`` program answers all of it
 with one JSON line; it imports nothing of ours, because it runs inside the engine image.
@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import msgspec
 
-from agent.launch.launchers import Launcher, LaunchSpec, RunTimeout
+from agent.launch.spec import Launcher, LaunchSpec, RunTimeout
 
 RESULT_PREFIX = "TILERT_PREFLIGHT "
 SETUP_FAILED_PREFIX = "TILERT_PREFLIGHT_SETUP_FAILED "
@@ -43,7 +43,7 @@ class PreflightChecks(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class PreflightResult(msgspec.Struct, kw_only=True):
-    """The outcome: ok, every problem (what, where it looked, what to do), versions, setup script."""
+    """The outcome: ok, every problem (what, where it looked, what to do), versions, the script."""
 
     ok: bool
     problems: list[str]
@@ -98,7 +98,8 @@ print("TILERT_PREFLIGHT " + json.dumps(report), flush=True)
 # names are unlikely ones because the sourced script shares the shell.
 _SETUP_THEN_PROGRAM = (
     '__tilert_py=$1; __tilert_prog=$2; __tilert_spec=$3; shift 3; __tilert_found=""; '
-    'for __tilert_c in "$@"; do if [ -f "$__tilert_c" ]; then __tilert_found=$__tilert_c; break; fi; done; '
+    'for __tilert_c in "$@"; do '
+    'if [ -f "$__tilert_c" ]; then __tilert_found=$__tilert_c; break; fi; done; '
     'if [ -n "$__tilert_found" ]; then . "$__tilert_found" </dev/null || '
     '{ echo "' + SETUP_FAILED_PREFIX + '$? $__tilert_found"; exit 97; }; fi; '
     'exec "$__tilert_py" -c "$__tilert_prog" "$__tilert_spec" "$__tilert_found"'

@@ -29,7 +29,7 @@ import trio
 
 from agent.job.plan import Plan
 from agent.job.records import EngineState, EngineStatus
-from agent.launch.launchers import Engine, Launcher, LaunchSpec
+from agent.launch import Launcher, LaunchSpec, ProcessHandle
 from agent.node.logpump import LogSink
 
 ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
@@ -111,7 +111,7 @@ class EngineSupervisor:
         self.reason = "not started yet"
         self.since = time.time()
         self.restarts = 0
-        self.engine: Engine | None = None
+        self.process: ProcessHandle | None = None
         self.generation = 0
         self.started_at: float | None = None
         self.ever_healthy = False
@@ -127,10 +127,10 @@ class EngineSupervisor:
 
     def status(self) -> EngineStatus:
         """The ``/status`` view of this engine."""
-        alive = self.engine is not None and self.engine.returncode is None
+        alive = self.process is not None and self.process.returncode is None
         return EngineStatus(
             state=self.state,
-            pid=self.engine.pid if alive and self.engine else None,
+            pid=self.process.pid if alive and self.process else None,
             ports=self.ports(),
             restarts=self.restarts,
             reason=self.reason,
@@ -181,7 +181,7 @@ class EngineSupervisor:
                 await self._shutdown()
             self.done.set()
 
-    async def _stop_engine(self, engine: Engine) -> None:
+    async def _stop_engine(self, engine: ProcessHandle) -> None:
         if engine.returncode is not None:
             return
         if self.stopping and self.state != "failed":
@@ -190,8 +190,8 @@ class EngineSupervisor:
         self.log.info("%s: engine pid %s ended with status %d", self.name, engine.pid, code)
 
     async def _shutdown(self) -> None:
-        if self.engine is not None:
-            await self._stop_engine(self.engine)
+        if self.process is not None:
+            await self._stop_engine(self.process)
         if self.stopping and self.state != "failed":
             self._set("stopped", "stopped on request")
 
@@ -248,7 +248,7 @@ class EngineSupervisor:
         except OSError as exc:
             self._fail(f"could not start {spec.argv[0]}: {exc}")
             return None
-        self.engine = engine
+        self.process = engine
         self.started_at = time.time()
         self.sink.note(f"{self._generation_note()}, pid {engine.pid}: {' '.join(spec.argv)} ===")
         self._set("starting", f"engine pid {engine.pid} started; waiting for {self.health_url()}")
@@ -299,7 +299,7 @@ class EngineSupervisor:
         with trio.move_on_after(seconds):
             await self._probe_wakeup.wait()
 
-    def _exit_reason(self, engine: Engine) -> str:
+    def _exit_reason(self, engine: ProcessHandle) -> str:
         code = engine.returncode
         if code is not None and code < 0:
             return f"engine pid {engine.pid} killed by signal {-code}"
@@ -308,7 +308,7 @@ class EngineSupervisor:
         return f"engine pid {engine.pid} exited with code {code}"
 
     async def _watch(
-        self, client: httpx.AsyncClient, engine: Engine, exited: trio.Event, start: float
+        self, client: httpx.AsyncClient, engine: ProcessHandle, exited: trio.Event, start: float
     ) -> str | None:
         policy = self.policy
         deadline = start + policy.startup_budget_s
@@ -374,7 +374,7 @@ class EngineSupervisor:
     def _generation_note(self) -> str:
         return f"=== {self.name} generation {self.generation} started"
 
-    def _answered_by_engine(self, engine: Engine) -> bool:
+    def _answered_by_engine(self, engine: ProcessHandle) -> bool:
         """Whether the health port's listening socket belongs to the engine's process tree."""
         port = urlsplit(self.health_url()).port
         tree = engine.descendants()

@@ -19,7 +19,7 @@ from agent.job.names import HEAD_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobStatus
-from agent.launch.launchers import Engine, LaunchSpec, make_launcher
+from agent.launch import LaunchSpec, ProcessHandle, make_launcher
 from agent.node.logpump import LogSink
 
 PROGRESS_EVERY_S = 10.0
@@ -66,7 +66,7 @@ class LocalRun:
         self.plan = plan
         self.env = {**os.environ, **extra_env}
         self.launcher = make_launcher("process", slurm_job_id=None, node=None)
-        self.agents: dict[str, Engine] = {}
+        self.agents: dict[str, ProcessHandle] = {}
         self.sinks: dict[str, LogSink] = {}
         self.limit = max(plan.prefill.startup_budget_s, plan.decode.startup_budget_s)
         self.started = time.monotonic()
