@@ -103,7 +103,8 @@ def find_cluster_file(flag: str | None, env: Mapping[str, str], cwd: Path) -> Pa
     return default if default.is_file() else None
 
 
-def _local_path(value: str, base_dir: Path) -> str:
+def relative_to_file(value: str, base_dir: Path) -> str:
+    """A ``./`` or ``../`` path made absolute against ``base_dir`` (its file's folder); else as is."""
     if value.startswith(("./", "../")) or value in (".", ".."):
         return str((base_dir / value).resolve())
     return value
@@ -182,7 +183,7 @@ def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:
     if not problems:
         base = path.resolve().parent
         cleaned["model_paths"] = {
-            k: _local_path(v, base) for k, v in cleaned.get("model_paths", {}).items()
+            k: relative_to_file(v, base) for k, v in cleaned.get("model_paths", {}).items()
         }
         cluster = msgspec.convert(cleaned, ClusterConfig)
         problems = _semantic_problems(cluster)

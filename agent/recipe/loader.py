@@ -24,7 +24,7 @@ import yaml
 from agent.job.secrets import masked
 from agent.problems import InputError, Problem, error, errors_of, warning, warnings_of
 from agent.recipe import rules
-from agent.recipe.cluster import ClusterConfig, merged_mounts, resolve_image
+from agent.recipe.cluster import ClusterConfig, merged_mounts, relative_to_file, resolve_image
 from agent.recipe.model import (
     AgentSection,
     Frontend,
@@ -149,11 +149,9 @@ def _syntax_problem(exc: YamlSyntaxError) -> Problem:
 
 
 def _local(value: str, base_dir: Path) -> str:
-    if value.startswith(("./", "../")) or value in (".", ".."):
-        return str((base_dir / value).resolve())
     if value.startswith("~"):
         return os.path.expanduser(value)
-    return value
+    return relative_to_file(value, base_dir)
 
 
 def _model_location(
