@@ -1,1 +1,13 @@
-"""TODO"""
+"""From the user's input to a plan: the recipe and cluster file, checked, resolved, then planned.
+
+- ``model``: the recipe as typed Structs (srtctl schema-2 spellings plus the ``agent:`` section);
+- ``typedyaml``: YAML with line numbers, and a walk that reports every unknown key and wrong type;
+- ``overrides``: ``--set KEY=VALUE``;
+- ``cluster``: the cluster file (srtctl's ``srtslurm.yaml``) and its aliases;
+- ``rules``: the load-time rules (srtctl's, and the prefill/decode agreements);
+- ``loader``: all of the above in order, every problem in one ``agent.problems.InputError``;
+- ``planner``: a loaded recipe -> the launch plan (``agent.job.plan``).
+
+Runs in the submitter, and in every agent when it re-checks ``J/recipe.yaml``. May import
+``agent.facts``, ``agent.problems`` and ``agent.job``; nothing of the node, HTTP or head layers.
+"""
