@@ -44,7 +44,17 @@ ROUTER_PARSERS = ("glm47", "none")
 
 PREFILL_KV_DEFAULT = "auto"
 DECODE_KV_DEFAULT = "fp8_ds_mla"
-# dtype -> layout family, per side (table in the module docstring).
+# KV cache dtype -> layout family, per side. TileRT 0.1.6 derives its layout version on the
+# prefill from vLLM's real KV cache and on the decode from --kv-cache-dtype; both must land on the
+# same layout:
+#
+#   vLLM prefill kv-cache-dtype            TileRT decode kv-cache-dtype              layout
+#   fp8_ds_mla                             fp8_ds_mla (decode default), fp8,         fp8 MLA
+#                                          fp8_e4m3
+#   auto (vLLM default), bfloat16, bf16    bf16, bfloat16, auto                      bf16 (+40)
+#   fp8, fp8_e4m3 (ROCm)                   fp8_rocm                                  ROCm fp8
+#
+# vLLM's fp8 on NVIDIA is not the fp8_ds_mla layout.
 PREFILL_KV_LAYOUT = {
     "fp8_ds_mla": "fp8 MLA",
     "auto": "bf16",
@@ -104,6 +114,7 @@ _HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")
 
 
 def strict_int(value: Any) -> int | None:
+    """An int, or a string of digits, as an int; None for anything else (booleans included)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):

@@ -14,7 +14,7 @@ from agent.job.paths import JobDir
 from agent.job.plan import load_plan
 from agent.node.agentlog import setup_agent_logging
 from agent.node.identity import IdentityError, resolve_identity
-from agent.problems import RecipeError
+from agent.problems import InputError
 from agent.recipe.loader import load_recipe
 
 EXIT_BAD_INPUT = 2
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Defence in depth (and for systemd use): the same rules the submitter ran.
         load_recipe(job.recipe)
-    except RecipeError as exc:
+    except InputError as exc:
         return _fail(f"{job.recipe} does not validate:\n{exc}")
     try:
         identity = resolve_identity(args.role, args.index, plan.network_interface)

@@ -1,7 +1,7 @@
-"""Problems found in a recipe, a cluster file or a flag: a key path in the user's spelling + a fix.
+"""Problems found in a recipe, a cluster file, a flag or a job directory: a key path + a fix.
 
 Every check (YAML syntax, unknown keys, types, the load-time rules) produces ``Problem`` values so
-that one run reports all of them together; ``RecipeError`` carries them to the CLI, which prints
+that one run reports all of them together; ``InputError`` carries them to the CLI, which prints
 ``str(error)`` and exits 2. Never a traceback.
 """
 
@@ -16,6 +16,8 @@ Severity = Literal["error", "warning"]
 
 
 class Problem(msgspec.Struct, frozen=True):
+    """One thing wrong (or doubtful) in the user's input, where it is, and how to fix it."""
+
     # Dotted key path as the user wrote it ("roles.decode.args.http-port", "frontend.args.vllm_url",
     # "--set roles.x=1"); "" for the whole file.
     path: str
@@ -74,8 +76,8 @@ def render_problems(problems: Sequence[Problem], source: str) -> str:
     return "\n".join([title, *(_render_one(p, source) for p in [*errs, *warns])])
 
 
-class RecipeError(Exception):
-    """Bad user input (recipe, cluster file, flags): every problem found, rendered by ``str()``."""
+class InputError(Exception):
+    """Bad user input (recipe, cluster file, flags, job directory): every problem, via ``str()``."""
 
     def __init__(self, problems: Sequence[Problem], source: str = "") -> None:
         self.problems = list(problems)

@@ -25,7 +25,7 @@ from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobAgent, JobStatus
-from agent.problems import Problem, RecipeError, error, render_problems
+from agent.problems import InputError, Problem, error, render_problems
 from agent.recipe.cluster import ClusterConfig, find_cluster_file, read_cluster
 from agent.recipe.loader import LoadedRecipe, load_recipe, resolved_yaml
 from agent.recipe.planner import make_plan, secret_values
@@ -130,7 +130,7 @@ def _job_root(flag: str | None, name: str) -> Path:
     if flag is not None:
         root = Path(flag).expanduser().absolute()
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
-            raise RecipeError(
+            raise InputError(
                 [
                     error(
                         "--job-dir",
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         job = JobDir(_job_root(args.job_dir, plan.name))
         agent_command = default_agent_command(cluster)
         script = render_sbatch(plan, job, agent_command)
-    except RecipeError as exc:
+    except InputError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.problems import RecipeError
+from agent.problems import InputError
 from agent.recipe.cluster import (
     ClusterConfig,
     find_cluster_file,
@@ -48,10 +48,10 @@ def test_relative_flag_is_relative_to_cwd(tmp_path: Path) -> None:
 
 def test_missing_named_files_are_errors_naming_the_source(tmp_path: Path) -> None:
     write(tmp_path, "{}\n")  # a ./srtslurm.yaml must not silently replace a missing named file
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         find_cluster_file("nope.yaml", {}, tmp_path)
     assert "--cluster" in str(info.value) and "nope.yaml" in str(info.value)
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         find_cluster_file(None, {"TILERT_CLUSTER_FILE": "/no/such.yaml"}, tmp_path)
     assert "TILERT_CLUSTER_FILE" in str(info.value)
 
@@ -93,7 +93,7 @@ def test_unknown_keys_and_wrong_types_all_reported(tmp_path: Path) -> None:
         tmp_path,
         "containres: {a: /x.sqsh}\ngpus_per_node: eight\nlauncher: slurm\ncontainers: {b: [1]}\n",
     )
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         load_cluster(path)
     exc = info.value
     by_path = {p.path: p for p in exc.problems}
@@ -115,13 +115,13 @@ def test_srtctl_keys_are_warnings(tmp_path: Path) -> None:
 
 
 def test_syntax_error(tmp_path: Path) -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         load_cluster(write(tmp_path, "containers: {a: b\n"))
     assert "line" in str(info.value) and "column" in str(info.value)
 
 
 def test_semantic_checks(tmp_path: Path) -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         load_cluster(write(tmp_path, "kill_wait_s: 0\nvisible_devices_env: not a var\n"))
     assert {p.path for p in info.value.problems} == {"kill_wait_s", "visible_devices_env"}
 
@@ -152,7 +152,7 @@ def test_resolve_image(value: str, expected: str) -> None:
 
 
 def test_bare_word_is_an_error_with_did_you_mean() -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         resolve_image("tilert-decod", SITE, "roles.decode.container")
     problem = info.value.problems[0]
     assert problem.path == "roles.decode.container"
@@ -160,7 +160,7 @@ def test_bare_word_is_an_error_with_did_you_mean() -> None:
 
 
 def test_bare_word_without_a_cluster_file() -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         resolve_image("ubuntu", None, "model.container")
     assert "srtslurm.yaml" in info.value.problems[0].hint
     assert "ubuntu:latest" in info.value.problems[0].hint

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.problems import RecipeError
+from agent.problems import InputError
 from agent.recipe.cluster import ClusterConfig, load_cluster
 from agent.recipe.loader import LoadedRecipe, load_recipe, load_recipe_text, resolved_yaml
 from agent.recipe.model import public_model_name
@@ -23,8 +23,8 @@ def load_text(text: str, **kw: object) -> LoadedRecipe:
     return load_recipe_text(text, source="t.yaml", base_dir=DATA, **kw)  # type: ignore[arg-type]
 
 
-def fail_text(text: str, **kw: object) -> RecipeError:
-    with pytest.raises(RecipeError) as info:
+def fail_text(text: str, **kw: object) -> InputError:
+    with pytest.raises(InputError) as info:
         load_text(text, **kw)
     return info.value
 
@@ -75,7 +75,7 @@ def test_mi355x_loads_with_its_model_alias() -> None:
 
 
 def test_b200_without_a_cluster_file_names_every_alias() -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         load_recipe(B200, cluster=ClusterConfig())
     paths = {p.path for p in info.value.problems if p.severity == "error"}
     assert paths == {
@@ -284,7 +284,7 @@ def test_relative_paths_resolve_against_the_recipe_folder(tmp_path: Path) -> Non
 
 
 def test_missing_recipe_file_is_a_recipe_error(tmp_path: Path) -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         load_recipe(tmp_path / "nope.yaml")
     assert "cannot read" in str(info.value)
 

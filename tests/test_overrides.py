@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.problems import RecipeError
+from agent.problems import InputError
 from agent.recipe.overrides import apply_overrides, parse_override
 
 
@@ -42,25 +42,25 @@ def test_later_overrides_win() -> None:
 
 @pytest.mark.parametrize("item", ["roles.decode.nodes", "=1", "a..b=1", ".a=1", "a.=1"])
 def test_bad_syntax_names_the_flag(item: str) -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         apply_overrides({}, [item])
     assert f"--set {item}" in str(info.value)
     assert info.value.problems[0].hint
 
 
 def test_bad_yaml_value() -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         apply_overrides({}, ["a.b=[1, 2"])
     assert "not valid YAML" in str(info.value)
 
 
 def test_cannot_walk_through_a_scalar() -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         apply_overrides({"name": "x"}, ["name.sub=1"])
     assert "'name' is a str value" in str(info.value)
 
 
 def test_every_bad_flag_is_reported() -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         apply_overrides({}, ["nope", "a.b=1", "x..y=2"])
     assert len(info.value.problems) == 2

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.problems import Problem, RecipeError
+from agent.facts import human_int
+from agent.problems import InputError, Problem
 from agent.recipe.cluster import ClusterConfig, load_cluster
 from agent.recipe.loader import LoadedRecipe, load_recipe_text
 from agent.recipe.model import Recipe, Role, Roles
-from agent.recipe.rules import check, human_int
+from agent.recipe.rules import check
 
 DATA = Path(__file__).parent / "data" / "recipes"
 CLUSTER = load_cluster(DATA / "srtslurm.yaml")
@@ -33,8 +34,8 @@ def load(data: dict[str, Any], cluster: ClusterConfig | None = CLUSTER) -> Loade
     return load_recipe_text(text, source="t.yaml", base_dir=DATA, cluster=cluster)
 
 
-def failure(data: dict[str, Any], cluster: ClusterConfig | None = CLUSTER) -> RecipeError:
-    with pytest.raises(RecipeError) as info:
+def failure(data: dict[str, Any], cluster: ClusterConfig | None = CLUSTER) -> InputError:
+    with pytest.raises(InputError) as info:
         load(data, cluster)
     return info.value
 

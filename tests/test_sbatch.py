@@ -14,7 +14,7 @@ import pytest
 
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
-from agent.problems import RecipeError
+from agent.problems import InputError
 from agent.recipe.cluster import ClusterConfig, load_cluster
 from agent.recipe.loader import load_recipe
 from agent.recipe.planner import make_plan
@@ -123,7 +123,7 @@ def test_job_name_is_sanitized() -> None:
 
 @pytest.mark.parametrize("bad", ["/tmp/a\nb", "/tmp/a\rb", "/tmp/a\x00b", "/tmp/a\tb"])
 def test_control_characters_in_the_job_dir_are_refused(bad: str) -> None:
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         render_sbatch(plan_for("local-demo"), JobDir(Path(bad)), GOLDEN_AGENT)
     assert info.value.problems[0].path == "--job-dir"
 
@@ -139,7 +139,7 @@ def test_control_characters_in_the_job_dir_are_refused(bad: str) -> None:
 def test_unsafe_header_values_are_refused(field: str, key: str) -> None:
     plan = plan_for("b200-nixl-glm5")
     slurm = msgspec.structs.replace(plan.slurm, **{field: "x\n#SBATCH --wrap=touch"})
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         render_sbatch(msgspec.structs.replace(plan, slurm=slurm), GOLDEN_JOB, GOLDEN_AGENT)
     assert info.value.problems[0].path == key
 

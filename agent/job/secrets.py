@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import TypeVar
 
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 MASK = "***"
+
+_Value = TypeVar("_Value")
 
 
 def is_secret_name(name: str) -> bool:
@@ -13,6 +17,6 @@ def is_secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
-def masked(env: dict[str, str]) -> dict[str, str]:
+def masked(env: Mapping[str, _Value]) -> dict[str, _Value | str]:
     """A copy of ``env`` with secret values replaced by ``***``."""
     return {k: (MASK if is_secret_name(k) else v) for k, v in env.items()}

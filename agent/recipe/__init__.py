@@ -1,11 +1,13 @@
-"""From the user's recipe to a plan: the layer the submitter runs before anything is submitted.
+"""From the user's input to a plan: the recipe and cluster file, checked, resolved, then planned.
 
-``model`` holds the recipe's msgspec Structs (srtctl schema 2 plus our ``agent:`` section);
-``typedyaml`` parses YAML and checks every key and type at once; ``loader`` turns a file (and
-``--set`` overrides from ``overrides``) into a validated recipe; ``cluster`` reads the cluster
-file; ``rules`` are the load-time checks; ``planner`` turns recipe + cluster into a ``Plan``.
-Every agent runs the same validation again on its node.
+- ``model``: the recipe as typed Structs (srtctl schema-2 spellings plus the ``agent:`` section);
+- ``typedyaml``: YAML with line numbers, and a walk that reports every unknown key and wrong type;
+- ``overrides``: ``--set KEY=VALUE``;
+- ``cluster``: the cluster file (srtctl's ``srtslurm.yaml``) and its aliases;
+- ``rules``: the load-time rules (srtctl's, and the prefill/decode agreements);
+- ``loader``: all of the above in order, every problem in one ``agent.problems.InputError``;
+- ``planner``: a loaded recipe -> the launch plan (``agent.job.plan``).
 
-May import: the standard library, msgspec, PyYAML, ``agent.facts``, ``agent.problems`` and
-``agent.job``. Never the node runtime, the launchers or anything that needs trio.
+Runs in the submitter, and in every agent when it re-checks ``J/recipe.yaml``. May import
+``agent.facts``, ``agent.problems`` and ``agent.job``; nothing of the node, HTTP or head layers.
 """

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from agent.problems import Problem, RecipeError, error, warning
+from agent.problems import InputError, Problem, error, warning
 from agent.recipe.typedyaml import ShapeChecker, YamlSyntaxError, line_of, parse, suggest
 
 CLUSTER_ENV = "TILERT_CLUSTER_FILE"
@@ -87,7 +87,7 @@ def find_cluster_file(flag: str | None, env: Mapping[str, str], cwd: Path) -> Pa
             path = Path(value).expanduser()
             path = path if path.is_absolute() else cwd / path
             if not path.is_file():
-                raise RecipeError(
+                raise InputError(
                     [
                         error(
                             name,
@@ -103,7 +103,8 @@ def find_cluster_file(flag: str | None, env: Mapping[str, str], cwd: Path) -> Pa
     return default if default.is_file() else None
 
 
-def _local_path(value: str, base_dir: Path) -> str:
+def relative_to_file(value: str, base_dir: Path) -> str:
+    """A ``./`` or ``../`` path made absolute against ``base_dir`` (its file's folder); else as is."""
     if value.startswith(("./", "../")) or value in (".", ".."):
         return str((base_dir / value).resolve())
     return value
@@ -138,18 +139,18 @@ def _semantic_problems(cluster: ClusterConfig) -> list[Problem]:
 
 
 def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:
-    """Load and check a cluster file: (config, warnings). Raises RecipeError with every error."""
+    """Load and check a cluster file: (config, warnings). Raises InputError with every error."""
     source = str(path)
     try:
         text = path.read_text()
     except OSError as exc:
-        raise RecipeError(
+        raise InputError(
             [error("", f"cannot read the cluster file: {exc.strerror}", "check the path")], source
         ) from None
     try:
         raw, lines, problems = parse(text)
     except YamlSyntaxError as exc:
-        raise RecipeError(
+        raise InputError(
             [
                 error(
                     "",
@@ -163,7 +164,7 @@ def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RecipeError(
+        raise InputError(
             [error("", "the top level must be a mapping of cluster keys", "see docs/recipe.md")],
             source,
         )
@@ -182,7 +183,7 @@ def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:
     if not problems:
         base = path.resolve().parent
         cleaned["model_paths"] = {
-            k: _local_path(v, base) for k, v in cleaned.get("model_paths", {}).items()
+            k: relative_to_file(v, base) for k, v in cleaned.get("model_paths", {}).items()
         }
         cluster = msgspec.convert(cleaned, ClusterConfig)
         problems = _semantic_problems(cluster)
@@ -191,7 +192,7 @@ def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:
         for p in [*problems, *warnings]
     ]
     if any(p.severity == "error" for p in problems):
-        raise RecipeError(problems, source)
+        raise InputError(problems, source)
     return cluster, problems
 
 
@@ -206,7 +207,7 @@ def is_image_reference(value: str) -> bool:
 
 
 def resolve_image(value: str, cluster: ClusterConfig | None, key: str) -> str:
-    """A cluster alias -> its image; a reference as is; any other bare word -> RecipeError."""
+    """A cluster alias -> its image; a reference as is; any other bare word -> InputError."""
     if cluster is not None and value in cluster.containers:
         return cluster.containers[value]
     if is_image_reference(value):
@@ -230,7 +231,7 @@ def resolve_image(value: str, cluster: ClusterConfig | None, key: str) -> str:
             "the cluster file defines no 'containers:' aliases; add one, or write a .sqsh path "
             f"or a registry reference such as {value}:latest"
         )
-    raise RecipeError(
+    raise InputError(
         [error(key, f"'{value}' is neither a cluster image alias nor an image reference", hint)]
     )
 

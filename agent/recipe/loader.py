@@ -2,9 +2,9 @@
 
 Order: YAML syntax (line and column) -> ``--set`` overrides -> shape (unknown keys with "did you
 mean", wrong types; bad entries pruned) -> ``msgspec.convert`` -> resolution (cluster defaults,
-image and model aliases, ``hf:`` ids, ``./`` paths, role layout defaults) -> ``agent.rules``.
-Errors from every stage are raised together in one ``RecipeError``; warnings ride along in
-``LoadedRecipe.warnings``.
+image and model aliases, ``hf:`` ids, ``./`` paths, role layout defaults) -> the load-time rules
+(``agent.recipe.rules``). Errors from every stage are raised together in one ``InputError``;
+warnings ride along in ``LoadedRecipe.warnings``.
 
 ``resolved_yaml`` writes what was loaded (aliases resolved, defaults merged, secrets masked) for
 ``J/recipe.yaml``; agents load it again with ``cluster=None`` and get the same recipe.
@@ -21,10 +21,10 @@ from typing import Any
 import msgspec
 import yaml
 
-from agent.job.secrets import MASK, is_secret_name
-from agent.problems import Problem, RecipeError, error, errors_of, warning, warnings_of
+from agent.job.secrets import masked
+from agent.problems import InputError, Problem, error, errors_of, warning, warnings_of
 from agent.recipe import rules
-from agent.recipe.cluster import ClusterConfig, merged_mounts, resolve_image
+from agent.recipe.cluster import ClusterConfig, merged_mounts, relative_to_file, resolve_image
 from agent.recipe.model import (
     AgentSection,
     Frontend,
@@ -40,9 +40,7 @@ from agent.recipe.model import (
 )
 from agent.recipe.overrides import FLAG, apply_overrides, parse_override
 from agent.recipe.typedyaml import (
-    Path as KeyPath,
-)
-from agent.recipe.typedyaml import (
+    KeyPath,
     ShapeChecker,
     YamlSyntaxError,
     convert_problem,
@@ -57,6 +55,8 @@ HF_PREFIX = "hf:"
 
 @dataclass
 class LoadedRecipe:
+    """A recipe that passed every check, with its warnings and what it was loaded with."""
+
     recipe: Recipe
     warnings: list[Problem]
     cluster: ClusterConfig | None
@@ -149,11 +149,9 @@ def _syntax_problem(exc: YamlSyntaxError) -> Problem:
 
 
 def _local(value: str, base_dir: Path) -> str:
-    if value.startswith(("./", "../")) or value in (".", ".."):
-        return str((base_dir / value).resolve())
     if value.startswith("~"):
         return os.path.expanduser(value)
-    return value
+    return relative_to_file(value, base_dir)
 
 
 def _model_location(
@@ -193,7 +191,7 @@ def _image(
         return None
     try:
         return resolve_image(value, cluster, path)
-    except RecipeError as exc:
+    except InputError as exc:
         if cluster is not None and cluster.launcher == "process":
             # Images are not used by the process launcher; keep the recipe loadable (e.g. --mock).
             out.extend(
@@ -311,17 +309,17 @@ def load_recipe_text(
     overrides: Sequence[str] = (),
     cluster: ClusterConfig | None = None,
 ) -> LoadedRecipe:
-    """Parse, override, check, resolve and validate a recipe; RecipeError lists every error."""
+    """Parse, override, check, resolve and validate a recipe; InputError lists every error."""
     try:
         raw, lines, problems = parse(text)
     except YamlSyntaxError as exc:
-        raise RecipeError([_syntax_problem(exc)], source) from None
+        raise InputError([_syntax_problem(exc)], source) from None
     if raw is None:
-        raise RecipeError(
+        raise InputError(
             [error("", "the recipe is empty", "start from recipes/b200-nixl-glm5.yaml")], source
         )
     if not isinstance(raw, dict):
-        raise RecipeError(
+        raise InputError(
             [
                 error(
                     "",
@@ -334,8 +332,8 @@ def load_recipe_text(
         )
     try:
         raw = apply_overrides(raw, overrides)
-    except RecipeError as exc:
-        raise RecipeError([*problems, *exc.problems], source) from None
+    except InputError as exc:
+        raise InputError([*problems, *exc.problems], source) from None
     overridden = [".".join(parse_override(item)[0]) for item in overrides]
 
     checker = ShapeChecker(_advice)
@@ -344,7 +342,7 @@ def load_recipe_text(
     try:
         recipe = msgspec.convert(cleaned, Recipe)
     except msgspec.ValidationError as exc:  # the walker should have caught it; never a traceback
-        raise RecipeError([*problems, convert_problem(exc)], source) from None
+        raise InputError([*problems, convert_problem(exc)], source) from None
 
     recipe = _resolve(recipe, cluster, base_dir, problems)
     launcher = cluster.launcher if cluster is not None else None
@@ -361,7 +359,7 @@ def load_recipe_text(
             p = msgspec.structs.replace(p, line=line_of(p.path, lines))
         located.append(p)
     if errors_of(located):
-        raise RecipeError(located, source)
+        raise InputError(located, source)
     return LoadedRecipe(
         recipe=recipe,
         warnings=warnings_of(located),
@@ -379,12 +377,12 @@ def load_recipe(
     try:
         text = path.read_text()
     except OSError as exc:
-        raise RecipeError(
+        raise InputError(
             [error("", f"cannot read the recipe: {exc.strerror or exc}", "check the file name")],
             source,
         ) from None
     except UnicodeDecodeError:
-        raise RecipeError(
+        raise InputError(
             [error("", "the recipe is not UTF-8 text", "save it as UTF-8")], source
         ) from None
     return load_recipe_text(
@@ -394,10 +392,6 @@ def load_recipe(
         overrides=overrides,
         cluster=cluster,
     )
-
-
-def _mask(env: dict[str, Any]) -> dict[str, Any]:
-    return {k: (MASK if is_secret_name(k) else v) for k, v in env.items()}
 
 
 def resolved_dict(loaded: LoadedRecipe) -> dict[str, Any]:
@@ -411,13 +405,13 @@ def resolved_dict(loaded: LoadedRecipe) -> dict[str, Any]:
     if agent:
         data["agent"] = agent
     if "environment" in data:
-        data["environment"] = _mask(data["environment"])
+        data["environment"] = masked(data["environment"])
     for role in data.get("roles", {}).values():
         if "env" in role:
-            role["env"] = _mask(role["env"])
+            role["env"] = masked(role["env"])
     frontend = data.get("frontend", {})
     if "env" in frontend:
-        frontend["env"] = _mask(frontend["env"])
+        frontend["env"] = masked(frontend["env"])
     return data
 
 

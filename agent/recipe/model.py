@@ -2,8 +2,8 @@
 
 Field names are the ones users write (srtctl spellings, hyphens kept through ``rename``), so a
 msgspec error path or a rule's key path reads like the user's YAML. Everything is optional at the
-type level; the rules in ``agent.rules`` say what is required, so all problems can be reported
-together instead of msgspec's first one.
+type level; the rules in ``agent.recipe.rules`` say what is required, so all problems can be
+reported together instead of msgspec's first one.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class Resources(_Strict):
 
 
 class Role(_Strict):
+    """One engine role (``roles.prefill``, ``roles.decode``): its engine, layout, env and args."""
+
     # A string ("vllm") or a mapping with a ``type`` key ({type: vllm, ...}).
     engine: str | dict[str, Any] | None = None
     container: str | None = None
@@ -146,9 +148,11 @@ class AgentSection(_Strict):
 
 
 class Recipe(_Strict):
+    """A whole recipe file (srtctl schema 2 plus the ``agent:`` section)."""
+
     schema: int | None = None
     name: str | None = None
-    # srtctl's shared engine; refused together with role engines (see agent.rules).
+    # srtctl's shared engine; refused together with role engines (see agent.recipe.rules).
     engine: str | dict[str, Any] | None = None
     model: Model = msgspec.field(default_factory=Model)
     resources: Resources = msgspec.field(default_factory=Resources)
@@ -199,9 +203,17 @@ def role_layout(role: Role, node_gpus: int) -> tuple[int, int, int]:
     return nodes, workers, gpus
 
 
-def role_env(recipe: Recipe, role: Role) -> dict[str, EnvValue]:
-    """A role's effective environment: top-level ``environment`` overlaid by the role's ``env``."""
+def role_env(recipe: Recipe, role: Role | Frontend) -> dict[str, EnvValue]:
+    """A role's (or the router's) environment: top-level ``environment`` overlaid by its ``env``."""
     return {**recipe.environment, **role.env}
+
+
+def env_value(value: EnvValue) -> str:
+    """An environment value as the engine sees it (YAML booleans as ``1`` / ``0``)."""
+    # The rules compare this spelling too: TILERT_PD_NO_MTP: true and "1" are the same setting.
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
 
 
 def public_model_name(recipe: Recipe) -> str | None:

@@ -12,24 +12,24 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from agent.problems import Problem, RecipeError, error
+from agent.problems import InputError, Problem, error
 from agent.recipe.typedyaml import YamlSyntaxError, load_scalar
 
 FLAG = "--set"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """Split one ``KEY=VALUE`` into path parts and the YAML-typed value (RecipeError when bad)."""
+    """Split one ``KEY=VALUE`` into path parts and the YAML-typed value (InputError when bad)."""
     where = f"{FLAG} {item}"
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep:
-        raise RecipeError(
+        raise InputError(
             [error(where, "expected KEY=VALUE", "write e.g. --set roles.decode.nodes=2")]
         )
     parts = key.split(".")
     if not key or any(not part.strip() for part in parts):
-        raise RecipeError(
+        raise InputError(
             [
                 error(
                     where,
@@ -41,7 +41,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = load_scalar(text)
     except YamlSyntaxError as exc:
-        raise RecipeError(
+        raise InputError(
             [error(where, f"the value is not valid YAML: {exc.detail}", "quote the value")]
         ) from None
     return [part.strip() for part in parts], value
@@ -54,7 +54,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     for item in overrides:
         try:
             parts, value = parse_override(item)
-        except RecipeError as exc:
+        except InputError as exc:
             problems.extend(exc.problems)
             continue
         node: Any = result
@@ -76,5 +76,5 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         else:
             node[parts[-1]] = value
     if problems:
-        raise RecipeError(problems)
+        raise InputError(problems)
     return result

@@ -15,7 +15,7 @@ from typing import Any
 from agent.facts import DECODE_MODULE, PREFILL_PROGRAM, ROUTER_MODULE
 from agent.job.plan import AgentPlan, LauncherName, Plan, RolePlan, RouterPlan, SlurmPlan
 from agent.job.secrets import is_secret_name
-from agent.problems import RecipeError, error
+from agent.problems import InputError, error
 from agent.recipe.cluster import ClusterConfig
 from agent.recipe.loader import HF_PREFIX, LoadedRecipe
 from agent.recipe.model import (
@@ -26,9 +26,11 @@ from agent.recipe.model import (
     EnvValue,
     Recipe,
     Role,
+    env_value,
     gpus_per_node,
     norm_arg,
     public_model_name,
+    role_env,
     role_layout,
 )
 
@@ -70,26 +72,15 @@ def render_args(args: Mapping[str, ArgValue]) -> list[str]:
     return argv
 
 
-def env_value(value: EnvValue) -> str:
-    """An environment value as the engine sees it (YAML booleans as ``1`` / ``0``)."""
-    # Same spelling as agent.rules compares (TILERT_PD_NO_MTP: true means "1").
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)
-
-
-def split_env(*layers: Mapping[str, EnvValue]) -> tuple[dict[str, str], list[str]]:
-    """(non-secret env, secret names) of env layers merged in order, later layers winning."""
-    merged: dict[str, EnvValue] = {}
-    for layer in layers:
-        merged.update(layer)
-    plain = {k: env_value(v) for k, v in merged.items() if not is_secret_name(k)}
-    secrets = [k for k in merged if is_secret_name(k)]
+def split_env(env: Mapping[str, EnvValue]) -> tuple[dict[str, str], list[str]]:
+    """(non-secret values as the engine sees them, secret names) of an environment."""
+    plain = {k: env_value(v) for k, v in env.items() if not is_secret_name(k)}
+    secrets = [k for k in env if is_secret_name(k)]
     return plain, secrets
 
 
 def secret_values(recipe: Recipe) -> dict[str, str]:
-    """Secret env values written in the recipe (they travel in the sbatch process env, never a file)."""
+    """Secret env values in the recipe (they travel in the sbatch process env, never a file)."""
     layers: list[Mapping[str, EnvValue]] = [recipe.environment, recipe.frontend.env]
     layers += [role.env for role in (recipe.roles.prefill, recipe.roles.decode) if role]
     return {k: env_value(v) for layer in layers for k, v in layer.items() if is_secret_name(k)}
@@ -144,7 +135,7 @@ def _model_argument(recipe: Recipe) -> str:
     path = recipe.model.path
     if not path:
         # The rules refuse this at load; a plan without a model cannot be written.
-        raise RecipeError([error("model.path", "no model to serve", "set model.path")])
+        raise InputError([error("model.path", "no model to serve", "set model.path")])
     # The loader already strips hf:; a plan built from an unresolved recipe must not pass it on.
     return path[len(HF_PREFIX) :] if path.startswith(HF_PREFIX) else path
 
@@ -152,7 +143,7 @@ def _model_argument(recipe: Recipe) -> str:
 def _role(recipe: Recipe, name: str) -> Role:
     role: Role | None = getattr(recipe.roles, name)
     if role is None:
-        raise RecipeError([error(f"roles.{name}", f"the {name} role is missing", "add it")])
+        raise InputError([error(f"roles.{name}", f"the {name} role is missing", "add it")])
     return role
 
 
@@ -166,7 +157,7 @@ def _role_plan(
 ) -> RolePlan:
     role = _role(recipe, name)
     nodes, workers, gpus = role_layout(role, gpus_per_node(recipe))
-    env, secret = split_env(recipe.environment, role.env)
+    env, secret = split_env(role_env(recipe, role))
     bases = getattr(recipe.agent.ports, name)
     port_base = {"http": bases.http, "agent": bases.agent}
     if bases.ctrl is not None:
@@ -229,7 +220,7 @@ def make_plan(loaded: LoadedRecipe, *, mock: bool, launcher: str | None = None) 
         first_node=prefill.nodes,
         grace=graces["decode"],
     )
-    router_env, router_secret = split_env(recipe.environment, recipe.frontend.env)
+    router_env, router_secret = split_env(role_env(recipe, recipe.frontend))
     router = RouterPlan(
         image=recipe.frontend.container_image or recipe.model.container,
         program=[agent.router_python, "-m", ROUTER_MODULE],

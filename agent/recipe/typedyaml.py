@@ -24,8 +24,9 @@ import yaml
 
 from agent.problems import Problem, error
 
-PathPart = str | int
-Path = tuple[PathPart, ...]
+# A key path in a YAML tree, ("roles", "decode", "env", 0); not named Path, which is pathlib's.
+KeyPart = str | int
+KeyPath = tuple[KeyPart, ...]
 
 _INT = "tag:yaml.org,2002:int"
 _FLOAT = "tag:yaml.org,2002:float"
@@ -78,7 +79,7 @@ class YamlSyntaxError(Exception):
         self.column = column
 
 
-def dotted(path: Path) -> str:
+def dotted(path: KeyPath) -> str:
     """``("roles", "decode", "env", 0)`` -> ``roles.decode.env[0]``."""
     text = ""
     for part in path:
@@ -99,7 +100,7 @@ def _syntax_error(exc: yaml.YAMLError) -> YamlSyntaxError:
     return YamlSyntaxError(detail, mark.line + 1, mark.column + 1)
 
 
-def _walk_nodes(node: yaml.Node, path: Path, lines: dict[str, int], dups: list[Problem]) -> None:
+def _walk_nodes(node: yaml.Node, path: KeyPath, lines: dict[str, int], dups: list[Problem]) -> None:
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
@@ -231,7 +232,7 @@ def _kind_ok(value: Any, t: mi.Type) -> bool:
     return True
 
 
-def _type_hint(t: mi.Type, path: Path) -> str:
+def _type_hint(t: mi.Type, path: KeyPath) -> str:
     want = describe(t)
     key = str(path[-1]) if path else "the file"
     if want.startswith("an integer"):
@@ -250,7 +251,7 @@ def _type_hint(t: mi.Type, path: Path) -> str:
 
 
 # Extra advice for an unknown key: (struct class, key, path) -> a message and a hint, or None.
-UnknownKeyAdvice = Callable[[type, str, Path], tuple[str, str] | None]
+UnknownKeyAdvice = Callable[[type, str, KeyPath], tuple[str, str] | None]
 
 
 def suggest(word: str, choices: list[str]) -> str | None:
@@ -272,11 +273,11 @@ class ShapeChecker:
         self.pruned: list[str] = []
         self._advice = advice
 
-    def _bad(self, path: Path, message: str, hint: str) -> None:
+    def _bad(self, path: KeyPath, message: str, hint: str) -> None:
         self.problems.append(error(dotted(path), message, hint))
         self.pruned.append(dotted(path))
 
-    def check(self, value: Any, t: mi.Type, path: Path = ()) -> tuple[bool, Any]:
+    def check(self, value: Any, t: mi.Type, path: KeyPath = ()) -> tuple[bool, Any]:
         """(keep, cleaned value): ``keep`` is False when the value itself is wrong."""
         if isinstance(t, mi.UnionType):
             members = [m for m in t.types if _kind_ok(value, m)]
@@ -318,7 +319,7 @@ class ShapeChecker:
             return False, None
         return True, value
 
-    def _struct(self, value: dict[Any, Any], t: mi.StructType, path: Path) -> dict[str, Any]:
+    def _struct(self, value: dict[Any, Any], t: mi.StructType, path: KeyPath) -> dict[str, Any]:
         fields = {f.encode_name: f for f in t.fields}
         cleaned: dict[str, Any] = {}
         for key, item in value.items():
@@ -337,7 +338,7 @@ class ShapeChecker:
                 self._bad((*path, name), f"'{name}' is required here", f"add {name}: ...")
         return cleaned
 
-    def _unknown(self, key: str, t: mi.StructType, path: Path, choices: list[str]) -> None:
+    def _unknown(self, key: str, t: mi.StructType, path: KeyPath, choices: list[str]) -> None:
         advice = self._advice(t.cls, key, path) if self._advice else None
         if advice is not None:
             message, hint = advice

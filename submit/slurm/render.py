@@ -19,7 +19,7 @@ from pathlib import Path
 
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, RolePlan
-from agent.problems import RecipeError, error
+from agent.problems import InputError, error
 from agent.recipe.cluster import ClusterConfig
 
 AGENT_SCRIPT = "tilert-agent"
@@ -50,7 +50,7 @@ def job_name(name: str) -> str:
 def check_shell_path(value: str, flag: str) -> None:
     """Refuse a path or word with control characters (unsafe in a script even when quoted)."""
     if _CONTROL.search(value):
-        raise RecipeError(
+        raise InputError(
             [
                 error(
                     flag,
@@ -63,7 +63,7 @@ def check_shell_path(value: str, flag: str) -> None:
 
 def _header_value(value: str, key: str) -> str:
     if not _HEADER_VALUE.match(value):
-        raise RecipeError(
+        raise InputError(
             [
                 error(
                     key,
@@ -115,13 +115,13 @@ def _step(role: RolePlan) -> list[str]:
 
 
 def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
-    """The batch script text for ``plan`` in job directory ``job`` (RecipeError on unsafe input)."""
+    """The batch script text for ``plan`` in job directory ``job`` (InputError on unsafe input)."""
     root = str(job.root)
     check_shell_path(root, "--job-dir")
     if not os.path.isabs(root):
         raise ValueError(f"the job directory must be absolute, got {root!r}")
     if not agent_command:
-        raise RecipeError([error("agent_command", "the command is empty", "remove it")])
+        raise InputError([error("agent_command", "the command is empty", "remove it")])
     for word in agent_command:
         check_shell_path(word, "agent_command")
     slurm = plan.slurm
