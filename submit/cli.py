@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -25,11 +26,14 @@ from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobAgent, JobStatus
 from agent.problems import Problem, RecipeError, error, render_problems
-from agent.recipe.cluster import ClusterConfig, find_cluster_file, read_cluster
-from agent.recipe.loader import LoadedRecipe, load_recipe, resolved_yaml
-from agent.recipe.planner import make_plan, secret_values
 from submit import PROG
 from submit.backend import BackendError, backend_for
+
+# The recipe layer (YAML, rules, planner) is imported where a recipe is read: the job commands
+# and --help do not pay for it.
+if TYPE_CHECKING:
+    from agent.recipe.cluster import ClusterConfig
+    from agent.recipe.loader import LoadedRecipe
 
 JOBS_DIR = "tilert-jobs"
 EXIT_BAD_INPUT = 2
@@ -118,6 +122,8 @@ def _warn(problems: Sequence[Problem], source: str) -> None:
 
 
 def _load_cluster(flag: str | None) -> tuple[ClusterConfig | None, list[Problem], str]:
+    from agent.recipe.cluster import find_cluster_file, read_cluster
+
     path = find_cluster_file(flag, os.environ, Path.cwd())
     if path is None:
         return None, [], ""
@@ -172,6 +178,8 @@ def pending_status(plan: Plan, job: JobDir) -> JobStatus:
 
 def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> None:
     """Lay out the job directory and write recipe.yaml, plan.json, sbatch.sh, status.json."""
+    from agent.recipe.loader import resolved_yaml
+
     job.create()
     write_atomic(job.recipe, resolved_yaml(loaded).encode(), mode=0o644)
     write_atomic(job.plan, msgspec.json.format(msgspec.json.encode(plan)) + b"\n", mode=0o644)
@@ -181,6 +189,8 @@ def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> Non
 
 def run(args: argparse.Namespace) -> int:
     """Load, plan, write the job directory, then dry-run, run locally or submit."""
+    from agent.recipe.loader import load_recipe
+    from agent.recipe.planner import make_plan, secret_values
     from submit.slurm.render import default_agent_command, render_sbatch
 
     try:
