@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import shlex
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -26,11 +26,15 @@ from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobAgent, JobStatus
 from agent.problems import InputError, Problem, error, render_problems
-from agent.recipe.cluster import ClusterConfig, find_cluster_file, read_cluster
-from agent.recipe.loader import LoadedRecipe, load_recipe, resolved_yaml
-from agent.recipe.planner import make_plan, secret_values
+from submit import PROG
+from submit.backend import BackendError, backend_for
 
-PROG = "tilert-submit"
+# The recipe layer (YAML, rules, planner) is imported where a recipe is read: the job commands
+# and --help do not pay for it.
+if TYPE_CHECKING:
+    from agent.recipe.cluster import ClusterConfig
+    from agent.recipe.loader import LoadedRecipe
+
 JOBS_DIR = "tilert-jobs"
 EXIT_BAD_INPUT = 2
 EXIT_RUNTIME = 1
@@ -118,6 +122,8 @@ def _warn(problems: Sequence[Problem], source: str) -> None:
 
 
 def _load_cluster(flag: str | None) -> tuple[ClusterConfig | None, list[Problem], str]:
+    from agent.recipe.cluster import find_cluster_file, read_cluster
+
     path = find_cluster_file(flag, os.environ, Path.cwd())
     if path is None:
         return None, [], ""
@@ -172,6 +178,8 @@ def pending_status(plan: Plan, job: JobDir) -> JobStatus:
 
 def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> None:
     """Lay out the job directory and write recipe.yaml, plan.json, sbatch.sh, status.json."""
+    from agent.recipe.loader import resolved_yaml
+
     job.create()
     write_atomic(job.recipe, resolved_yaml(loaded).encode(), mode=0o644)
     write_atomic(job.plan, msgspec.json.format(msgspec.json.encode(plan)) + b"\n", mode=0o644)
@@ -179,32 +187,10 @@ def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> Non
     job.write_status(pending_status(plan, job))
 
 
-def _submit(job: JobDir, loaded: LoadedRecipe) -> int:
-    from submit.slurm import client as slurm
-
-    # Secrets written in the recipe travel in sbatch's process environment (exported to the
-    # agents), never in a file or argv; the recipe's value wins over the submitting shell's.
-    env = {**os.environ, **secret_values(loaded.recipe)}
-    try:
-        job_id = slurm.sbatch(job.sbatch, env=env)
-    except slurm.SlurmError as exc:
-        status = job.read_status()
-        job.write_status(
-            msgspec.structs.replace(status, state="failed", error=f"not submitted: {exc}")
-        )
-        return _fail(str(exc), EXIT_RUNTIME)
-    status = job.read_status()
-    job.write_status(msgspec.structs.replace(status, slurm_job_id=job_id, updated_at=time.time()))
-    print(f"Submitted Slurm job {job_id}")
-    print("Follow it with:")
-    for command in ("status", "logs", "stop"):
-        extra = " -f" if command == "logs" else ""
-        print(f"  {PROG} {command} {shlex.quote(str(job.root))}{extra}")
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     """Load, plan, write the job directory, then dry-run, run locally or submit."""
+    from agent.recipe.loader import load_recipe
+    from agent.recipe.planner import make_plan, secret_values
     from submit.slurm.render import default_agent_command, render_sbatch
 
     try:
@@ -235,11 +221,10 @@ def run(args: argparse.Namespace) -> int:
         print(render_plan(plan, job, agent_command, local=args.local))
         print("Dry run: nothing submitted.")
         return 0
-    if args.local:
-        from submit.local.run import run_local
-
-        return run_local(job, plan, secret_values(loaded.recipe))
-    return _submit(job, loaded)
+    try:
+        return backend_for(local=args.local).submit(job, plan, secret_values(loaded.recipe))
+    except BackendError as exc:
+        return _fail(str(exc), EXIT_RUNTIME)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,17 +8,15 @@ reported as stale instead of being believed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 import msgspec
-import psutil
 
 from agent.job.paths import JobDir
 from agent.job.records import JobAgent, JobStatus
-from submit.slurm import client as slurm
+from submit.backend import backend_of
 
 # Three missed heartbeats (the head writes every 5 s).
 STALE_AFTER_S = 15.0
@@ -47,34 +45,14 @@ def open_job(path: str) -> JobDir:
     return job
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` names a live process (not a zombie)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # An exited process its parent has not reaped yet (a zombie) still answers signal 0.
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:
-        return True
-
-
 def staleness(status: JobStatus, now: float | None = None) -> str | None:
     """Why a live-looking state cannot be believed, or None."""
     if status.state not in LIVE_STATES:
         return None
     age = (now or time.time()) - status.updated_at
-    if status.slurm_job_id:
-        active = slurm.job_active(status.slurm_job_id)
-        if active is False:
-            return f"Slurm job {status.slurm_job_id} has ended but status.json still says {status.state}"
-    elif status.local_pid is not None and not pid_alive(status.local_pid):
-        return f"the local supervisor (pid {status.local_pid}) is gone"
+    backend = backend_of(status)
+    if backend is not None and backend.is_running(status) is False:
+        return backend.gone(status)
     if age > STALE_AFTER_S:
         return f"status.json not refreshed for {age:.0f}s (the head agent writes it every 5 s)"
     return None
@@ -90,10 +68,9 @@ def render_table(status: JobStatus, stale: str | None) -> str:
     lines = [f"job: {status.state}{' (STALE: ' + stale + ')' if stale else ''}"]
     lines.append(f"model: {status.model}")
     lines.append(f"router: {status.router_url or '-'}")
-    if status.slurm_job_id:
-        lines.append(f"slurm job: {status.slurm_job_id}")
-    if status.local_pid:
-        lines.append(f"local supervisor pid: {status.local_pid}")
+    backend = backend_of(status)
+    if backend is not None:
+        lines.append(backend.summary(status))
     age = time.time() - status.updated_at
     lines.append(f"updated: {age:.1f}s ago")
     if status.error:

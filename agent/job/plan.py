@@ -14,6 +14,9 @@ from typing import Literal
 import msgspec
 
 PLAN_SCHEMA = 1
+# What an agent may take to exit beyond its engines' graces (sweep leftovers, write its last
+# status, close its logs). Generous: whoever waits stops waiting as soon as the agents are gone.
+AGENT_EXIT_SLACK_S = 10.0
 
 RoleName = Literal["prefill", "decode"]
 LauncherName = Literal["process", "pyxis"]
@@ -108,6 +111,17 @@ class Plan(msgspec.Struct, kw_only=True):
         if name == "decode":
             return self.decode
         raise KeyError(name)
+
+    def drain_s(self) -> float:
+        """How long a whole job may take to drain: the router, then the slower worker, plus slack.
+
+        The head stops the router before its own engine (requests in flight still reference the
+        prefill) and every decode agent drains at the same time, so this bounds every agent's exit.
+        Whoever stops a job (``tilert-submit stop``, the ``--local`` supervisor) waits this long
+        before it kills.
+        """
+        workers = max(self.prefill.stop_grace_s, self.decode.stop_grace_s)
+        return self.router.stop_grace_s + workers + AGENT_EXIT_SLACK_S
 
 
 def load_plan(data: bytes) -> Plan:

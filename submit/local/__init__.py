@@ -1,1 +1,7 @@
-"""TODO"""
+"""The local backend: ``--local`` runs a job's agents as processes on this machine (``run``, the
+foreground supervisor) and the ``Backend`` that starts, watches and stops it (``backend``).
+
+May import ``agent.job``, ``agent.launch`` and ``agent.node`` (the agents' own process launcher
+and log sink), and ``submit.backend`` for the interface; never ``submit.slurm`` nor the commands.
+``backend`` imports ``run`` (and with it trio) only to run a job.
+"""

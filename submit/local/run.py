@@ -24,8 +24,6 @@ from agent.node.logpump import LogSink
 
 PROGRESS_EVERY_S = 10.0
 POLL_S = 0.25
-# Agents drain engines within their own graces; this bounds the wait for the agents themselves.
-AGENT_STOP_SLACK_S = 10.0
 
 
 def agent_argv(job: JobDir, role: str, index: int) -> list[str]:
@@ -88,12 +86,9 @@ class LocalRun:
         nursery.start_soon(engine.wait)
 
     async def _stop_agents(self) -> None:
+        # Each agent drains its engines within their graces; the plan's drain time bounds that.
+        grace = self.plan.drain_s()
         async with trio.open_nursery() as nursery:
-            grace = (
-                self.plan.router.stop_grace_s
-                + max(self.plan.prefill.stop_grace_s, self.plan.decode.stop_grace_s)
-                + AGENT_STOP_SLACK_S
-            )
             for engine in self.agents.values():
                 nursery.start_soon(engine.stop, grace)
 

@@ -1,0 +1,100 @@
+"""Where a job's agents run, behind one interface: Slurm (``submit.slurm``) or this machine
+(``submit.local``).
+
+A backend starts a job, tells whether it still runs and stops it so that its agents drain.
+``status`` and ``stop`` ask the backend that ``status.json`` names (``backend_of``) and never
+branch on "Slurm job id or local pid" themselves. A backend is imported when it is picked, and
+the local one loads its supervisor (and trio) only to run a job: ``status``, ``stop`` and
+``--help`` stay quick.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+
+from agent.job.paths import JobDir
+from agent.job.plan import Plan
+from agent.job.records import JobStatus
+
+POLL_S = 0.2
+
+
+class BackendError(Exception):
+    """The backend could not do what was asked (Slurm unreachable, ...); ``str()`` says why."""
+
+
+class Backend(ABC):
+    """How jobs of one kind are started, watched and stopped."""
+
+    @abstractmethod
+    def owns(self, status: JobStatus) -> bool:
+        """Whether ``status.json`` names a job this backend started."""
+
+    @abstractmethod
+    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
+        """Start the written job; tilert-submit's exit code. BackendError when it could not."""
+
+    @abstractmethod
+    def is_running(self, status: JobStatus) -> bool | None:
+        """Whether the job still runs (or waits to); None when that cannot be told now."""
+
+    @abstractmethod
+    def gone(self, status: JobStatus) -> str:
+        """Why a live ``status.json`` is not believed once ``is_running`` said False."""
+
+    @abstractmethod
+    def summary(self, status: JobStatus) -> str:
+        """The line ``status`` shows for where the job runs."""
+
+    @abstractmethod
+    def stop(self, status: JobStatus, limit: float) -> int:
+        """Stop a running job so that its agents drain within ``limit`` s; the exit code."""
+
+    def not_running(self, status: JobStatus) -> str:
+        """What ``stop`` says when the job is not running."""
+        return nothing_to_stop(status)
+
+
+def nothing_to_stop(status: JobStatus) -> str:
+    """What ``stop`` says when no supervisor of the job is running."""
+    return f"nothing to stop: the job is {status.state} and no supervisor is running"
+
+
+def backend_of(status: JobStatus) -> Backend | None:
+    """The backend that runs the job ``status.json`` describes; None before one started it."""
+    # Slurm first: the id is recorded at submission, before any agent runs.
+    for pick in (_slurm, _local):
+        backend = pick()
+        if backend.owns(status):
+            return backend
+    return None
+
+
+def backend_for(*, local: bool) -> Backend:
+    """The backend a new job is submitted to: this machine with ``--local``, else Slurm."""
+    return _local() if local else _slurm()
+
+
+# Imported here, not at the top: the backends import this module for the interface.
+def _slurm() -> Backend:
+    from submit.slurm.backend import SlurmBackend
+
+    return SlurmBackend()
+
+
+def _local() -> Backend:
+    from submit.local.backend import LocalBackend
+
+    return LocalBackend()
+
+
+def wait_until(predicate: Callable[[], bool], limit: float) -> bool:
+    """Poll ``predicate`` until it holds or ``limit`` s passed; whether it held."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(POLL_S)
+    return predicate()

@@ -1,0 +1,102 @@
+"""Jobs on Slurm: submitted with sbatch, watched with squeue, stopped with scancel.
+
+Stop: ``scancel --signal=TERM`` (every step's tasks, the agents, get SIGTERM; they stop their
+engines within the grace, the steps end with 0 and the batch script ends normally), then a plain
+``scancel`` if the job outlives the grace. Not ``--full``: checked on Slurm 22.05, it also signals
+the ``srun`` clients in the batch shell, and an ``srun`` client that gets SIGTERM aborts its step
+with SIGKILL, so the agents would never drain.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from collections.abc import Mapping
+
+import msgspec
+
+from agent.job.paths import JobDir
+from agent.job.plan import Plan
+from agent.job.records import JobStatus
+from submit import PROG
+from submit.backend import Backend, BackendError, wait_until
+from submit.slurm import client
+
+# How long a job may take to leave squeue after a plain scancel (TERM, then KILL).
+SCANCEL_WAIT_S = 10.0
+
+
+def _job_id(status: JobStatus) -> str:
+    if not status.slurm_job_id:
+        raise ValueError("status.json names no Slurm job")
+    return status.slurm_job_id
+
+
+class SlurmBackend(Backend):
+    """A job whose agents run as the steps of one Slurm job (``J/sbatch.sh``)."""
+
+    def owns(self, status: JobStatus) -> bool:
+        """Whether status.json records a Slurm job id."""
+        return bool(status.slurm_job_id)
+
+    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
+        """sbatch ``J/sbatch.sh`` and record the job id in status.json (or the failure)."""
+        # Secrets written in the recipe travel in sbatch's process environment (exported to the
+        # agents), never in a file or argv; the recipe's value wins over the submitting shell's.
+        env = {**os.environ, **secrets}
+        try:
+            job_id = client.sbatch(job.sbatch, env=env)
+        except client.SlurmError as exc:
+            status = job.read_status()
+            job.write_status(
+                msgspec.structs.replace(status, state="failed", error=f"not submitted: {exc}")
+            )
+            raise BackendError(str(exc)) from None
+        status = job.read_status()
+        job.write_status(
+            msgspec.structs.replace(status, slurm_job_id=job_id, updated_at=time.time())
+        )
+        print(f"Submitted Slurm job {job_id}")
+        print("Follow it with:")
+        for command in ("status", "logs", "stop"):
+            extra = " -f" if command == "logs" else ""
+            print(f"  {PROG} {command} {shlex.quote(str(job.root))}{extra}")
+        return 0
+
+    def is_running(self, status: JobStatus) -> bool | None:
+        """Whether Slurm still runs or queues the job; None while Slurm cannot be asked."""
+        return client.job_active(_job_id(status))
+
+    def gone(self, status: JobStatus) -> str:
+        """The Slurm job has ended."""
+        return f"Slurm job {_job_id(status)} has ended but status.json still says {status.state}"
+
+    def summary(self, status: JobStatus) -> str:
+        """The Slurm job id."""
+        return f"slurm job: {_job_id(status)}"
+
+    def not_running(self, status: JobStatus) -> str:
+        """The Slurm job is not running."""
+        return f"Slurm job {_job_id(status)} is not running (status.json: {status.state})"
+
+    def stop(self, status: JobStatus, limit: float) -> int:
+        """TERM every task of the job, wait for it to end, scancel it for good after ``limit``."""
+        job_id = _job_id(status)
+        try:
+            return stop_job(job_id, limit)
+        except client.SlurmError as exc:
+            raise BackendError(f"could not stop Slurm job {job_id}: {exc}") from None
+
+
+def stop_job(job_id: str, limit: float) -> int:
+    """``scancel --signal=TERM``, wait up to ``limit`` s, then a plain ``scancel``; 0."""
+    print(f"stopping Slurm job {job_id}: scancel --signal=TERM (agents drain, up to {limit:g}s)")
+    client.scancel(job_id, signal_name="TERM")
+    if wait_until(lambda: client.job_active(job_id) is False, limit):
+        print(f"Slurm job {job_id} ended")
+        return 0
+    print(f"Slurm job {job_id} still running after {limit:g}s: scancel {job_id}")
+    client.scancel(job_id)
+    wait_until(lambda: client.job_active(job_id) is False, SCANCEL_WAIT_S)
+    return 0
