@@ -62,34 +62,6 @@ def nothing_to_stop(status: JobStatus) -> str:
     return f"nothing to stop: the job is {status.state} and no supervisor is running"
 
 
-def backend_of(status: JobStatus) -> Backend | None:
-    """The backend that runs the job ``status.json`` describes; None before one started it."""
-    # Slurm first: the id is recorded at submission, before any agent runs.
-    for pick in (_slurm, _local):
-        backend = pick()
-        if backend.owns(status):
-            return backend
-    return None
-
-
-def backend_for(*, local: bool) -> Backend:
-    """The backend a new job is submitted to: this machine with ``--local``, else Slurm."""
-    return _local() if local else _slurm()
-
-
-# Imported here, not at the top: the backends import this module for the interface.
-def _slurm() -> Backend:
-    from submit.slurm.backend import SlurmBackend
-
-    return SlurmBackend()
-
-
-def _local() -> Backend:
-    from submit.local.backend import LocalBackend
-
-    return LocalBackend()
-
-
 def wait_until(predicate: Callable[[], bool], limit: float) -> bool:
     """Poll ``predicate`` until it holds or ``limit`` s passed; whether it held."""
     deadline = time.monotonic() + limit

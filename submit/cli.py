@@ -27,7 +27,8 @@ from agent.job.plan import Plan
 from agent.job.records import JobAgent, JobStatus
 from agent.problems import InputError, Problem, error, render_problems
 from submit import PROG
-from submit.backend import BackendError, backend_for
+from submit.backend import BackendError
+from submit.choice import backend_for
 
 # The recipe layer (YAML, rules, planner) is imported where a recipe is read: the job commands
 # and --help do not pay for it.

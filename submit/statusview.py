@@ -16,7 +16,7 @@ import msgspec
 
 from agent.job.paths import JobDir
 from agent.job.records import JobAgent, JobStatus
-from submit.backend import backend_of
+from submit.choice import backend_of
 
 # Three missed heartbeats (the head writes every 5 s).
 STALE_AFTER_S = 15.0

@@ -12,7 +12,8 @@ import sys
 
 from agent.job.plan import load_plan
 from agent.job.records import JobStatus
-from submit.backend import BackendError, backend_of, nothing_to_stop
+from submit.backend import BackendError, nothing_to_stop
+from submit.choice import backend_of
 from submit.statusview import open_job
 
 

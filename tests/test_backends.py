@@ -20,7 +20,7 @@ import pytest
 from agent.job.paths import JobDir
 from agent.job.plan import AGENT_EXIT_SLACK_S, load_plan
 from agent.job.records import JobStatus
-from submit.backend import backend_for, backend_of
+from submit.choice import backend_for, backend_of
 from submit.cli import main
 from submit.local.backend import LocalBackend, pid_alive
 from submit.slurm.backend import SlurmBackend
