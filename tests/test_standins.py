@@ -378,13 +378,13 @@ async def test_kvlink_sender_and_receiver_in_process(
         ranks=(0, 1),
         tensor_parallel_size=2,
     )
-    sender = kvlink.Sender(config, nursery, send_kv=True)
+    sender = kvlink.Sender(config, nursery, no_kv=False)
     await sender.send(kvlink.Transfer("r1", "127.0.0.1", port, 10, {"temperature": 0.5}))
     slot = await receiver.wait_complete("r1", 5, trio.Event())
     assert slot is not None and slot.done_ranks == {0, 1} and slot.seq_len == 10
     receiver.release("r1")
     # A decode that does not match is refused before admission, and nothing is admitted.
-    other = kvlink.Sender(dataclasses.replace(config, transport="nixl"), nursery, send_kv=True)
+    other = kvlink.Sender(dataclasses.replace(config, transport="nixl"), nursery, no_kv=False)
     await other.send(kvlink.Transfer("r2", "127.0.0.1", port, 10, {}))
     assert "transport mismatch: decode=mooncake vs prefill=nixl" in caplog.text
     too_long = kvlink.Transfer("r3", "127.0.0.1", port, 101, {})

@@ -124,10 +124,11 @@ class Transfer:
 class Sender:
     """The connector's sending side: each claimed request is sent in the background."""
 
-    def __init__(self, config: ConnectorConfig, nursery: trio.Nursery, *, send_kv: bool) -> None:
+    def __init__(self, config: ConnectorConfig, nursery: trio.Nursery, *, no_kv: bool) -> None:
         self.config = config
         self.nursery = nursery
-        self.send_kv = send_kv
+        # The TILERT_MOCK_NO_KV fault: claim requests but never send their KV.
+        self.no_kv = no_kv
 
     def claim(
         self, request_id: str, params: dict[str, Any], seq_len: int, sampling: dict[str, Any]
@@ -144,7 +145,7 @@ class Sender:
             host,
             params.get("tilert_ctrl_port", c.ctrl_port),
         )
-        if not self.send_kv:
+        if self.no_kv:
             conn_log.warning("TILERT_MOCK_NO_KV: not sending the KV of %s", rid)
             return
         port = int(params.get("tilert_ctrl_port", c.ctrl_port))

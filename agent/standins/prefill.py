@@ -399,7 +399,7 @@ def _sender(args: argparse.Namespace, nursery: trio.Nursery, faults: Faults) -> 
         kv_cache_dtype=args.kv_cache_dtype,
     )
     connector.announce()
-    return Sender(connector, nursery, send_kv=not faults.no_kv)
+    return Sender(connector, nursery, no_kv=faults.no_kv)
 
 
 def main(argv: list[str] | None = None) -> None:
