@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import socket
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.facts import DECODE_KV_LAYOUT, PREFILL_KV_LAYOUT, TILERT_MODELS
 from agent.node.ports import is_bindable
-from agent.standins import tokens, wire
+from agent.standins import kvlink, tokens, wire
 from agent.standins.faults import Faults
 from tests.infra.standin_stack import (
     DEMO_MODEL,
@@ -342,12 +345,52 @@ def test_wire_protocol_refusals(spawn) -> None:
 
 
 def test_layout_versions_and_rid() -> None:
-    assert wire.layout_version("glm5", "fp8_ds_mla") == 10
-    assert wire.layout_version("glm5", "bfloat16") == 50
-    assert wire.layout_version("dsv32", "bf16") == 51
-    assert wire.layout_version("glm5_2", "fp8_rocm") == 212
+    assert set(wire.PROFILE_LAYOUT) == set(TILERT_MODELS)
+    assert set(wire.LAYOUT_OFFSET) == set(DECODE_KV_LAYOUT.values())
+    assert set(PREFILL_KV_LAYOUT.values()) <= set(wire.LAYOUT_OFFSET)
+    assert wire.layout_version("glm5", "fp8_ds_mla", DECODE_KV_LAYOUT) == 10
+    assert wire.layout_version("glm5", "bfloat16", DECODE_KV_LAYOUT) == 50
+    assert wire.layout_version("dsv32", "bf16", DECODE_KV_LAYOUT) == 51
+    assert wire.layout_version("glm5_2", "fp8_rocm", DECODE_KV_LAYOUT) == 212
+    # Each side by its own table: vLLM's "fp8" is the flat (ROCm) layout, TileRT's is fp8 MLA.
+    assert wire.layout_version("glm5", "fp8", PREFILL_KV_LAYOUT) == 210
+    assert wire.layout_version("glm5", "fp8", DECODE_KV_LAYOUT) == 10
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        wire.layout_version("glm5", "int4", DECODE_KV_LAYOUT)
     assert wire.derive_rid("chatcmpl-abc123-0-1a2b3c4d") == "abc123"
     assert wire.derive_rid("cmpl-deadbeef") == "cmpl-deadbeef"[5:]
+
+
+async def test_kvlink_sender_and_receiver_in_process(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    receiver = kvlink.Receiver(layout_version=10, transport="mooncake", max_seq_len=100, senders=2)
+    listeners = await nursery.start(trio.serve_tcp, receiver.handle, 0)
+    port = listeners[0].socket.getsockname()[1]
+    config = kvlink.ConnectorConfig(
+        host=None,
+        ctrl_port=port,
+        profile="glm5",
+        transport="mooncake",
+        admission_attempts=2,
+        layout_version=10,
+        senders=2,
+        ranks=(0, 1),
+        tensor_parallel_size=2,
+    )
+    sender = kvlink.Sender(config, nursery, no_kv=False)
+    await sender.send(kvlink.Transfer("r1", "127.0.0.1", port, 10, {"temperature": 0.5}))
+    slot = await receiver.wait_complete("r1", 5, trio.Event())
+    assert slot is not None and slot.done_ranks == {0, 1} and slot.seq_len == 10
+    receiver.release("r1")
+    # A decode that does not match is refused before admission, and nothing is admitted.
+    other = kvlink.Sender(dataclasses.replace(config, transport="nixl"), nursery, no_kv=False)
+    await other.send(kvlink.Transfer("r2", "127.0.0.1", port, 10, {}))
+    assert "transport mismatch: decode=mooncake vs prefill=nixl" in caplog.text
+    too_long = kvlink.Transfer("r3", "127.0.0.1", port, 101, {})
+    await sender.send(too_long)
+    assert "seq 101 exceeds decode max_seq_len 100" in caplog.text
+    assert receiver.current is None and not receiver.completed
 
 
 # --- router stand-in ---------------------------------------------------------------------------

@@ -1,8 +1,30 @@
 """Stand-ins for the GPU engines: vLLM prefill with TileRT's connector, TileRT decode and router.
 
-Product code: ``tilert-submit --mock`` and the local demo run them, and tests drive the real TileRT
-router against them. Each speaks its engine's HTTP and control-port protocols and takes its argument
-list (unknown flags are accepted and logged). ``python -m agent.standins.prefill serve MODEL ...``,
-``python -m agent.standins.decode ...``, ``python -m agent.standins.router ...``; fault switches in
-``agent.standins.faults``; docs/standins.md describes them.
+Product code: ``tilert-submit --mock`` and the local demo run them instead of the engines, and
+tests drive the real TileRT router against them. Each takes its engine's argument list (unknown
+flags are accepted and logged), speaks its HTTP and ctrl-port protocols, and exits with its
+codes; docs/standins.md describes them.
+
+The programs (what ``agent.launch.commands.STANDIN_MODULES`` runs):
+
+- ``prefill``: vLLM's OpenAI server (``python -m agent.standins.prefill serve MODEL ...``); with
+  ``--kv-transfer-config`` naming TileRT's connector, it hands each request to the ``kvlink``
+  sender.
+- ``decode``: TileRT's decode server (``python -m agent.standins.decode ...``): its HTTP app, and
+  the ``kvlink`` receiver on the ctrl port.
+- ``router``: TileRT's P/D router (``python -m agent.standins.router ...``), for where the real
+  one cannot run.
+
+What they share:
+
+- ``kvlink``: the two ends of the ctrl-port conversation, the connector's sender (prefill) and
+  the receive server (decode);
+- ``wire``: that conversation's frames and messages, the rid, the layout version;
+- ``openai_api``: the OpenAI request fields and streamed-reply framing of prefill and router;
+- ``tokens``: the token ids they emit and their text without a tokenizer;
+- ``faults``: the ``TILERT_MOCK_*`` fault switches; ``lifecycle``: parse, load, serve, stop.
+
+Imports: the standard library, third-party packages, ``agent.facts`` (what TileRT and vLLM are)
+and ``agent.http.asgi`` (the HTTP toolkit); nothing of the node runtime, so a stand-in is as
+independent of the agent as the engine it replaces.
 """

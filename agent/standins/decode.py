@@ -1,10 +1,10 @@
 """Stand-in for TileRT's decode server (``python -m tilert.pd_vllm.decode_server``).
 
 Same flags, same HTTP app (``/health``, ``/capabilities``, ``/decode_status``, ``POST /pd/decode``,
-``POST /pd/cancel``), same control plane on the ctrl port (``agent.standins.wire``), both bound on
-``('::', port)`` dual-stack, same startup lines and exit codes (SIGTERM 143, startup error 1). The
-"engine" answers ``[first_token_id]`` + a short fixed reply in the demo tokenizer's byte ids
-(``agent.standins.tokens``), ending with EOS, cut at ``max_tokens``.
+``POST /pd/cancel``), same control plane on the ctrl port (``agent.standins.kvlink.Receiver``),
+both bound on ``('::', port)`` dual-stack, same startup lines and exit codes (SIGTERM 143, startup
+error 1). The "engine" answers ``[first_token_id]`` + a short fixed reply in the demo tokenizer's
+byte ids (``agent.standins.tokens``), ending with EOS, cut at ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,21 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import trio
 
+from agent.facts import (
+    DECODE_KV_DEFAULT,
+    DECODE_KV_LAYOUT,
+    DEFAULT_DECODE_MAX_SEQ_LEN,
+    DEFAULT_TILERT_MODEL,
+    DEFAULT_TRANSPORT,
+    NUM_MTP_CHOICES,
+    TRANSPORTS,
+)
 from agent.http.asgi import (
     App,
     Request,
@@ -33,38 +42,28 @@ from agent.http.asgi import (
 )
 from agent.standins import lifecycle, tokens, wire
 from agent.standins.faults import Crasher, Faults
+from agent.standins.kvlink import Receiver
 
 log = logging.getLogger("pd_vllm.decode_server")
 recv_log = logging.getLogger("pd_vllm.receive")
 
 TERM_EXIT_CODE = 143
-# ReceiveServer's request_timeout: a slot older than this is reclaimed, a tombstone lasts this long.
-REQUEST_TIMEOUT_S = 120.0
-# How long a decode stream may go without a token before it reports a stall (as TileRT does).
-STALL_S = 600.0
-
-FREE, RESERVED, TRANSFERRING, COMPLETE, CANCELLING = (
-    "free",
-    "reserved",
-    "transferring",
-    "complete",
-    "cancelling",
-)
+DEFAULT_HTTP_PORT = 5557
 
 
 def build_parser() -> argparse.ArgumentParser:
     """TileRT decode_server's flags, with its defaults and choices."""
     ap = argparse.ArgumentParser(prog="decode_server", allow_abbrev=False)
     ap.add_argument("--engine", choices=["stub", "tilert"], default="stub")
-    ap.add_argument("--model", default="glm5", help="model profile")
-    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--model", default=DEFAULT_TILERT_MODEL, help="model profile")
+    ap.add_argument("--max-seq-len", type=int, default=DEFAULT_DECODE_MAX_SEQ_LEN)
     ap.add_argument("--ctrl-port", type=int, default=wire.DEFAULT_CTRL_PORT)
-    ap.add_argument("--http-port", type=int, default=5557)
+    ap.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT)
     ap.add_argument("--model-weights-dir", default="")
     ap.add_argument("--with-mtp", action="store_true")
-    ap.add_argument("--num-mtp", type=int, choices=(3,), default=3)
-    ap.add_argument("--transport", choices=["mooncake", "nixl"], default=wire.DEFAULT_TRANSPORT)
-    ap.add_argument("--kv-cache-dtype", default="fp8_ds_mla")
+    ap.add_argument("--num-mtp", type=int, choices=NUM_MTP_CHOICES, default=NUM_MTP_CHOICES[0])
+    ap.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT)
+    ap.add_argument("--kv-cache-dtype", default=DECODE_KV_DEFAULT)
     ap.add_argument(
         "--pd-buffer-device",
         choices=["cuda", "cpu"],
@@ -100,208 +99,6 @@ ENGINES = {
     "stub": EngineKind("StubEngine", penalties=True, ignore_eos=True, logprobs=True),
     "tilert": EngineKind("StandInTileRTEngine", penalties=False, ignore_eos=True, logprobs=False),
 }
-
-
-@dataclass
-class Slot:
-    """The one receive slot: a request whose KV is arriving (TileRT's ReceivedRequest)."""
-
-    rid: str
-    seq_len: int
-    generation: int
-    state: str = RESERVED
-    done_ranks: set[int] = field(default_factory=set)
-    writers: int = 0
-    t_first: float = field(default_factory=time.time)
-
-
-_CANCELLED = object()
-
-
-class Receiver:
-    """The decode side of the control plane (TileRT's ReceiveServer, minus the RDMA buffer)."""
-
-    def __init__(
-        self, *, layout_version: int, transport: str, max_seq_len: int, senders: int
-    ) -> None:
-        self.layout_version = layout_version
-        self.transport = transport
-        self.max_seq_len = max_seq_len
-        self.senders = senders
-        self.current: Slot | None = None
-        self.completed: dict[str, Slot] = {}
-        self.tombstones: dict[str, float] = {}
-        self._generation = 0
-        self._changed = trio.Event()
-
-    def _reusable(self, cur: Slot) -> bool:
-        if cur.state == COMPLETE:
-            return True
-        if cur.writers > 0:
-            return False
-        if cur.state in (FREE, CANCELLING):
-            return True
-        return time.time() - cur.t_first >= REQUEST_TIMEOUT_S
-
-    def hello(self) -> wire.Hello:
-        """The hello frame for a new connection."""
-        busy = self.current is not None and not self._reusable(self.current)
-        return wire.Hello(
-            magic=wire.MAGIC,
-            protocol_version=wire.PROTOCOL_VERSION,
-            layout_version=self.layout_version,
-            transport=self.transport,
-            max_seq_len=self.max_seq_len,
-            busy=busy,
-            senders=self.senders,
-            session_id=f"standin-{os.getpid()}",
-        )
-
-    def _tombstoned(self, rid: str) -> bool:
-        deadline = self.tombstones.get(rid)
-        if deadline is None:
-            return False
-        if deadline <= time.time():
-            del self.tombstones[rid]
-            return False
-        return True
-
-    def admit(self, req: wire.Admission) -> wire.Verdict:
-        """Admit one sender rank, or say why not."""
-        rid, rank = req.rid, req.rank
-        if req.seq_len > self.max_seq_len:
-            return wire.Verdict(
-                accepted=False,
-                rid=rid,
-                error="seq_len exceeds max_seq_len",
-                max_seq_len=self.max_seq_len,
-            )
-        if self._tombstoned(rid):
-            if req.admission_window_s > 0:
-                self.tombstones[rid] = max(
-                    self.tombstones[rid], time.time() + req.admission_window_s
-                )
-            recv_log.warning(
-                "refusing %s rank %d for now: no consumer is waiting for this request", rid, rank
-            )
-            return wire.Verdict(accepted=False, rid=rid, error="cancelling")
-        cur = self.current
-        if cur is not None and cur.rid == rid:
-            if cur.state == CANCELLING:
-                return wire.Verdict(accepted=False, rid=rid, error="cancelling")
-            if rank in cur.done_ranks:
-                return wire.Verdict(accepted=False, rid=rid, rank=rank, error="duplicate_rank")
-        elif cur is not None and not self._reusable(cur):
-            recv_log.warning(
-                "rejecting %s rank %d (busy with %s, state=%s)", rid, rank, cur.rid, cur.state
-            )
-            return wire.Verdict(accepted=False, error="busy", busy_rid=cur.rid)
-        else:
-            self._generation += 1
-            cur = self.current = Slot(rid=rid, seq_len=req.seq_len, generation=self._generation)
-            recv_log.info(
-                "request %s: seq_len=%d (generation %d)", rid, cur.seq_len, cur.generation
-            )
-        cur.state = TRANSFERRING
-        cur.writers += 1
-        return wire.Verdict(accepted=True, rid=rid, rank=rank, generation=cur.generation)
-
-    def done(self, rid: str, rank: int, generation: int) -> None:
-        """A rank finished writing; the last one completes the request."""
-        cur = self.current
-        if cur is None or cur.rid != rid or cur.generation != generation:
-            recv_log.warning("ignoring done from %s rank %d: the slot has moved on", rid, rank)
-            return
-        if cur.state == CANCELLING:
-            recv_log.warning("ignoring done from %s rank %d: request was abandoned", rid, rank)
-            return
-        cur.done_ranks.add(rank)
-        recv_log.info(
-            "request %s: rank %d done (%d/%d)", rid, rank, len(cur.done_ranks), self.senders
-        )
-        if cur.done_ranks >= set(range(self.senders)):
-            cur.state = COMPLETE
-            self.completed[rid] = cur
-            recv_log.info(
-                "request %s: all ranks done in %.1f ms", rid, 1000 * (time.time() - cur.t_first)
-            )
-            self.notify()
-
-    def writer_left(self, rid: str, generation: int) -> None:
-        """A sender connection closed."""
-        cur = self.current
-        if cur is None or cur.generation != generation:
-            return
-        cur.writers = max(0, cur.writers - 1)
-        if cur.state == CANCELLING and cur.writers == 0:
-            recv_log.info("request %s drained; receive slot free", cur.rid)
-            self.current = None
-
-    def notify(self) -> None:
-        """Wake whoever waits for KV (a completion or a cancel)."""
-        self._changed.set()
-        self._changed = trio.Event()
-
-    def expect(self, rid: str) -> None:
-        """A decode request for ``rid`` is waiting: forget its tombstone."""
-        self.tombstones.pop(rid, None)
-
-    def release(self, rid: str) -> None:
-        """The decode request for ``rid`` ended: free the slot, refuse late senders for a while."""
-        now = time.time()
-        self.tombstones = {r: t for r, t in self.tombstones.items() if t > now}
-        self.tombstones[rid] = now + REQUEST_TIMEOUT_S
-        self.completed.pop(rid, None)
-        cur = self.current
-        if cur is None or cur.rid != rid:
-            return
-        if cur.writers > 0 and cur.state != COMPLETE:
-            cur.state = CANCELLING
-            return
-        self.current = None
-
-    async def wait_complete(self, rid: str, timeout_s: float, cancel: trio.Event) -> Any:
-        """The completed slot for ``rid``, None on timeout, ``_CANCELLED`` when cancelled."""
-        deadline = trio.current_time() + timeout_s
-        while True:
-            if cancel.is_set():
-                return _CANCELLED
-            for other in [r for r in self.completed if r != rid]:
-                log.warning("dropping unmatched request %s (waiting for %s)", other, rid)
-                self.release(other)
-            if rid in self.completed:
-                return self.completed.pop(rid)
-            if trio.current_time() >= deadline:
-                return None
-            changed = self._changed
-            with trio.move_on_at(deadline):
-                await changed.wait()
-
-    async def handle(self, stream: trio.SocketStream) -> None:
-        """One sender connection: hello, admission, verdict, done."""
-        frames = wire.FrameStream(stream)
-        admitted: tuple[str, int] | None = None
-        try:
-            with trio.fail_after(REQUEST_TIMEOUT_S):
-                await frames.send(self.hello())
-                req = await frames.receive_as(wire.Admission)
-                verdict = self.admit(req)
-                await frames.send(verdict)
-                if not verdict.accepted:
-                    return
-                assert verdict.generation is not None
-                admitted = (req.rid, verdict.generation)
-                msg = await frames.receive()
-            if not msg.get("done"):
-                recv_log.warning("rank %d sent non-done message: %s", req.rank, msg)
-                return
-            self.done(req.rid, req.rank, verdict.generation)
-        except (wire.WireError, trio.BrokenResourceError, trio.TooSlowError) as exc:
-            recv_log.warning("control connection failed: %s", exc)
-        finally:
-            if admitted is not None:
-                self.writer_left(*admitted)
-            await stream.aclose()
 
 
 @dataclass
@@ -353,8 +150,7 @@ def build_app(
 
     @app.route("GET", "/health")
     async def health(request: Request) -> Response:
-        if faults.hang_health:
-            await trio.sleep_forever()
+        await faults.hold_health()
         return json_response({"status": "ok"})
 
     @app.route("GET", "/capabilities")
@@ -425,7 +221,7 @@ def build_app(
             seq_len = 0
             if not faults.no_kv:
                 got = await receiver.wait_complete(rid, body.timeout_s, cancel)
-                if got is _CANCELLED:
+                if cancel.is_set():
                     log.info("cancelled during KV transfer for %s", rid)
                     cleanup(rid)
                     return json_response(
@@ -539,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     faults = lifecycle.load_faults()
     kind = ENGINES[args.engine]
     profile = args.model
-    version = wire.layout_version(profile, args.kv_cache_dtype)
+    version = wire.layout_version(profile, args.kv_cache_dtype, DECODE_KV_LAYOUT)
     log.info("profile %s MLA cache dtype = %s (layout v%d)", profile, args.kv_cache_dtype, version)
     receiver = Receiver(
         layout_version=version,

@@ -73,6 +73,11 @@ class Faults:
             metrics_file=Path(metrics) if metrics else None,
         )
 
+    async def hold_health(self) -> None:
+        """Under ``TILERT_MOCK_HANG_HEALTH``, never return: ``/health`` accepts and hangs."""
+        if self.hang_health:
+            await trio.sleep_forever()
+
     def describe(self) -> str:
         """The active switches, for the startup log."""
         default = Faults()

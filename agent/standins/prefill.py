@@ -1,13 +1,12 @@
-"""Stand-in for vLLM's OpenAI server with TileRT's prefill connector (``vllm serve MODEL ...``).
+"""Stand-in for vLLM's OpenAI server (``vllm serve MODEL ...``), TileRT's connector plugged in.
 
 ``/health`` (connection refused while "loading", then 200 with an empty body), ``/v1/models``,
 ``/version``, ``/metrics`` (vLLM's ``vllm:`` families, classic text), ``POST /v1/chat/completions``
 and ``POST /v1/completions`` (the router asks for ``max_tokens=1``; logprob tokens read
 ``token_id:N`` with ``--return-tokens-as-token-ids``). No ``/tokenize``, which keeps TileRT's router
 on its chat path. With ``--kv-transfer-config`` naming ``TileRTConnector``, a request carrying
-``kv_transfer_params`` is followed by the connector's ctrl-port handshake with that decode node:
-one connection per sender rank (TILERT_PD_SENDERS, default 8, ranks below the tensor-parallel
-size), busy/cancelling retried with backoff 0.2 * 2^k, then "done". SIGTERM exits 0, as vLLM does.
+``kv_transfer_params`` is handed to the connector's sending side (``agent.standins.kvlink``),
+which shakes hands with that decode node's ctrl port. SIGTERM exits 0, as vLLM does.
 """
 
 from __future__ import annotations
@@ -19,15 +18,13 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import prometheus_client
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from agent.facts import human_int
+from agent.facts import CONNECTOR, PREFILL_KV_DEFAULT, human_int
 from agent.http.asgi import (
     App,
     HTTPError,
@@ -39,11 +36,11 @@ from agent.http.asgi import (
     serve,
     text_response,
 )
-from agent.standins import lifecycle, tokens, wire
+from agent.standins import lifecycle, openai_api, tokens
 from agent.standins.faults import Crasher, Faults
+from agent.standins.kvlink import ConnectorConfig, Sender
 
 log = logging.getLogger("vllm.entrypoints.openai.api_server")
-conn_log = logging.getLogger("pd_vllm.connector")
 
 VERSION = "0.0.0+standin"
 TERM_EXIT_CODE = 0
@@ -77,50 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-transfer-config", type=json.loads, default=None)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--max-model-len", type=_model_len, default=None)
-    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default=PREFILL_KV_DEFAULT)
     return ap
-
-
-@dataclass(frozen=True)
-class Connector:
-    """TileRTConnector's settings (``kv_connector_extra_config``)."""
-
-    host: str | None
-    ctrl_port: int
-    profile: str
-    max_seq_len: int
-    transport: str
-    admission_attempts: int
-    layout_version: int
-    senders: int
-    ranks: tuple[int, ...]
-
-    @classmethod
-    def from_config(
-        cls, config: dict[str, Any], args: argparse.Namespace, max_model_len: int
-    ) -> Connector:
-        """The connector as vLLM would build it from ``--kv-transfer-config``."""
-        extra = config.get("kv_connector_extra_config") or {}
-        profile = str(extra.get("tilert_model", "glm5"))
-        senders = wire.sender_count()
-        tp = max(1, args.tensor_parallel_size)
-        return cls(
-            host=extra.get("tilert_host"),
-            ctrl_port=int(extra.get("tilert_ctrl_port", wire.DEFAULT_CTRL_PORT)),
-            profile=profile,
-            max_seq_len=int(extra.get("tilert_max_seq_len", max_model_len)),
-            transport=str(extra.get("tilert_transport", wire.DEFAULT_TRANSPORT)),
-            admission_attempts=int(extra.get("tilert_admission_attempts", wire.ADMISSION_ATTEMPTS)),
-            layout_version=wire.layout_version(profile, args.kv_cache_dtype),
-            senders=senders,
-            # Only ranks that exist send: a TP smaller than TILERT_PD_SENDERS leaves the decode
-            # waiting for the missing ranks, exactly as with the real connector.
-            ranks=tuple(r for r in range(senders) if r < tp),
-        )
-
-    def admission_window_s(self) -> float:
-        """How long a refused rank keeps retrying (the decode extends its tombstone by it)."""
-        return wire.ADMISSION_BACKOFF_S * (2 ** max(0, self.admission_attempts - 1) - 1)
 
 
 class Metrics:
@@ -228,7 +183,12 @@ class PrefillServer:
     """The stand-in vLLM server's state."""
 
     def __init__(
-        self, args: argparse.Namespace, model: str, faults: Faults, crasher: Crasher
+        self,
+        args: argparse.Namespace,
+        model: str,
+        faults: Faults,
+        crasher: Crasher,
+        sender: Sender | None,
     ) -> None:
         self.model = model
         self.served = args.served_model_name or [model]
@@ -237,15 +197,7 @@ class PrefillServer:
         self.faults = faults
         self.crasher = crasher
         self.metrics = Metrics(self.served[0])
-        self.connector: Connector | None = None
-        cfg = args.kv_transfer_config
-        if cfg and cfg.get("kv_connector") == "TileRTConnector":
-            self.connector = Connector.from_config(cfg, args, self.max_model_len)
-        elif cfg:
-            log.warning(
-                "kv connector %r is not emulated; no KV will be sent", cfg.get("kv_connector")
-            )
-        self.nursery: trio.Nursery | None = None
+        self.sender = sender
 
     def token_text(self, token_id: int) -> str:
         """How a logprob entry names a token."""
@@ -257,8 +209,7 @@ class PrefillServer:
 
         @app.route("GET", "/health")
         async def health(request: Request) -> Response:
-            if self.faults.hang_health:
-                await trio.sleep_forever()
+            await self.faults.hold_health()
             return Response(b"", 200, "application/octet-stream")
 
         @app.route("GET", "/version")
@@ -312,9 +263,7 @@ class PrefillServer:
             return _error(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
         text = _prompt_text(body, is_chat)
         n_prompt = _prompt_tokens(body, text)
-        max_tokens = (
-            body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-        )
+        max_tokens = openai_api.max_tokens(body, DEFAULT_MAX_TOKENS)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error("max_tokens must be at least 1", 400, param="max_tokens")
         if n_prompt + max_tokens > self.max_model_len:
@@ -335,26 +284,10 @@ class PrefillServer:
         self.metrics.running.inc()
         try:
             params = body.get("kv_transfer_params")
-            if (
-                self.connector is not None
-                and isinstance(params, dict)
-                and params.get("tilert_host")
-            ):
-                rid = wire.derive_rid(internal_id)
-                conn_log.info(
-                    "claimed %s (rid=%s, %d tokens) -> %s:%s",
-                    internal_id,
-                    rid,
-                    n_prompt,
-                    params.get("tilert_host"),
-                    params.get("tilert_ctrl_port", self.connector.ctrl_port),
-                )
-                if self.faults.no_kv:
-                    conn_log.warning("TILERT_MOCK_NO_KV: not sending the KV of %s", rid)
-                else:
-                    assert self.nursery is not None
-                    self.nursery.start_soon(self.send_kv, rid, params, n_prompt, body)
+            if self.sender is not None and isinstance(params, dict) and params.get("tilert_host"):
+                self.sender.claim(internal_id, params, n_prompt, openai_api.sampling(body))
             created = int(time.time())
+            # vLLM's UsageInfo order.
             usage = {
                 "prompt_tokens": n_prompt,
                 "total_tokens": n_prompt + len(reply),
@@ -383,7 +316,7 @@ class PrefillServer:
             return json_response(
                 {
                     "id": response_id,
-                    "object": "chat.completion" if is_chat else "text_completion",
+                    "object": openai_api.object_name(is_chat),
                     "created": created,
                     "model": name,
                     "choices": [choice],
@@ -431,164 +364,42 @@ class PrefillServer:
         body: dict[str, Any],
     ) -> AsyncIterator[bytes]:
         """A streamed reply, one token per chunk."""
-        kind = "chat.completion.chunk" if is_chat else "text_completion"
-
-        def chunk(choice: dict[str, Any]) -> bytes:
-            data = {
-                "id": response_id,
-                "object": kind,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            return b"data: " + msgspec.json.encode(data) + b"\n\n"
-
+        stream = openai_api.ChunkStream(
+            response_id, openai_api.chunk_object_name(is_chat), created, model
+        )
         if is_chat:
-            yield chunk(
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            yield stream.event(
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
             )
         for t in visible:
             text = tokens.render([t])
             delta: dict[str, Any] = {"delta": {"content": text}} if is_chat else {"text": text}
-            yield chunk({"index": 0, **delta, "finish_reason": None})
-        yield chunk(
-            {"index": 0, **({"delta": {}} if is_chat else {"text": ""}), "finish_reason": finish}
+            yield stream.event([{"index": 0, **delta, "finish_reason": None}])
+        yield stream.event(
+            [{"index": 0, **({"delta": {}} if is_chat else {"text": ""}), "finish_reason": finish}]
         )
-        opts = body.get("stream_options")
-        if isinstance(opts, dict) and opts.get("include_usage"):
-            data = {
-                "id": response_id,
-                "object": kind,
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage,
-            }
-            yield b"data: " + msgspec.json.encode(data) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+        if openai_api.include_usage(body):
+            yield stream.event([], usage=usage)
+        yield openai_api.SSE_DONE
 
-    async def send_kv(
-        self, rid: str, params: dict[str, Any], seq_len: int, body: dict[str, Any]
-    ) -> None:
-        """The connector's send: every local sender rank, in parallel, like the TP workers."""
-        assert self.connector is not None
-        host = str(params.get("tilert_host") or self.connector.host)
-        port = int(params.get("tilert_ctrl_port", self.connector.ctrl_port))
-        sampling: dict[str, Any] = {
-            k: body[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in body
-        }
-        async with trio.open_nursery() as nursery:
-            for rank in self.connector.ranks:
-                nursery.start_soon(self.send_rank, rid, rank, host, port, seq_len, sampling)
 
-    async def send_rank(
-        self, rid: str, rank: int, host: str, port: int, seq_len: int, sampling: dict[str, Any]
-    ) -> None:
-        """One rank: handshake (retrying transient refusals), "write", done."""
-        assert self.connector is not None
-        delay = wire.ADMISSION_BACKOFF_S
-        attempts = self.connector.admission_attempts
-        for attempt in range(1, attempts + 1):
-            try:
-                outcome = await self.handshake(rid, rank, host, port, seq_len, sampling)
-            except (OSError, wire.WireError, AssertionError, trio.TooSlowError) as exc:
-                conn_log.error("send failed for %s rank=%d: %s", rid, rank, exc)
-                return
-            if outcome != "transient" or attempt == attempts:
-                if outcome == "transient":
-                    conn_log.error(
-                        "gave up admitting %s rank=%d after %d attempts: its shard was NOT "
-                        "transferred, "
-                        "so the decode node will wait out its kv_transfer_timeout for this request",
-                        rid,
-                        rank,
-                        attempts,
-                    )
-                return
-            conn_log.info(
-                "retrying admission for %s rank=%d in %.1fs (attempt %d/%d)",
-                rid,
-                rank,
-                delay,
-                attempt,
-                attempts,
-            )
-            await trio.sleep(delay)
-            delay *= 2
-
-    async def handshake(
-        self, rid: str, rank: int, host: str, port: int, seq_len: int, sampling: dict[str, Any]
-    ) -> str:
-        """One connection: "sent", "transient" (retry) or "permanent"; raises on a mismatch."""
-        assert self.connector is not None
-        c = self.connector
-        t0 = time.monotonic()
-        with trio.fail_after(60):
-            stream = await trio.open_tcp_stream(host, port)
-            async with stream:
-                frames = wire.FrameStream(stream)
-                hello = await frames.receive()
-                assert hello.get("magic") == wire.MAGIC, f"bad hello: {hello}"
-                remote = hello.get("protocol_version", 1)
-                assert remote == wire.PROTOCOL_VERSION, (
-                    f"control-plane protocol mismatch: decode={remote} vs "
-                    f"prefill={wire.PROTOCOL_VERSION}; "
-                    "upgrade both ends together"
-                )
-                assert hello.get("layout_version") == c.layout_version, (
-                    f"layout version mismatch: {hello.get('layout_version')} vs {c.layout_version}"
-                )
-                senders = int(hello.get("senders", 1) or 1)
-                assert senders == c.senders, (
-                    f"sender-count mismatch: decode expects {senders} sender rank(s) but "
-                    "prefill has "
-                    f"{c.senders}; set TILERT_PD_SENDERS to the same value on both roles"
-                )
-                assert hello.get("transport") == c.transport, (
-                    f"transport mismatch: decode={hello.get('transport')} vs prefill={c.transport}"
-                )
-                assert seq_len <= int(hello["max_seq_len"]), (
-                    f"seq {seq_len} exceeds decode max_seq_len {hello['max_seq_len']}"
-                )
-                await frames.send(
-                    wire.Admission(
-                        rid=rid,
-                        rank=rank,
-                        seq_len=seq_len,
-                        last_prompt_token=tokens.EOS_ID,
-                        sampling=sampling or None,
-                        admission_window_s=c.admission_window_s(),
-                    )
-                )
-                ack = await frames.receive()
-                if not ack.get("accepted"):
-                    conn_log.warning("decode node refused %s rank=%d: %s", rid, rank, ack)
-                    return (
-                        "transient" if ack.get("error") in wire.TRANSIENT_REJECTS else "permanent"
-                    )
-                generation = ack.get("generation")
-                if (
-                    ack.get("rid") != rid
-                    or ack.get("rank") != rank
-                    or not isinstance(generation, int)
-                ):
-                    conn_log.error(
-                        "discarding %s rank=%d: admission does not match the request (%s)",
-                        rid,
-                        rank,
-                        ack,
-                    )
-                    return "permanent"
-                await frames.send(wire.Done(done=True, rid=rid, rank=rank, generation=generation))
-                conn_log.info(
-                    "sent %s: rank=%d seq=%d gen=%d 0.0 MB in %.1f ms",
-                    rid,
-                    rank,
-                    seq_len,
-                    generation,
-                    1000 * (time.monotonic() - t0),
-                )
-                return "sent"
+def _sender(args: argparse.Namespace, nursery: trio.Nursery, faults: Faults) -> Sender | None:
+    """The connector's sending side when ``--kv-transfer-config`` names TileRT's connector."""
+    config = args.kv_transfer_config
+    if not config:
+        return None
+    if config.get("kv_connector") != CONNECTOR:
+        log.warning(
+            "kv connector %r is not emulated; no KV will be sent", config.get("kv_connector")
+        )
+        return None
+    connector = ConnectorConfig.from_config(
+        config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    connector.announce()
+    return Sender(connector, nursery, no_kv=faults.no_kv)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -610,26 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     async def body(nursery: trio.Nursery, crasher: Crasher, shutdown: trio.Event) -> None:
-        server = PrefillServer(args, model, faults, crasher)
-        server.nursery = nursery
-        c = server.connector
-        if c is not None:
-            conn_log.info(
-                "TileRTConnector: role=kv_producer profile=%s target=%s:%s",
-                c.profile,
-                c.host,
-                c.ctrl_port,
-            )
-            if len(c.ranks) < c.senders:
-                conn_log.warning(
-                    "TILERT_PD_SENDERS=%d but --tensor-parallel-size=%d: ranks %d..%d do not "
-                    "exist, "
-                    "so every decode node will wait out its KV timeout",
-                    c.senders,
-                    args.tensor_parallel_size,
-                    len(c.ranks),
-                    c.senders - 1,
-                )
+        server = PrefillServer(args, model, faults, crasher, _sender(args, nursery, faults))
         if not await lifecycle.loading(faults, shutdown):
             return
         host = args.host or "0.0.0.0"

@@ -26,6 +26,7 @@ import httpx
 import msgspec
 import trio
 
+from agent.facts import ROUTER_PARSERS
 from agent.http.asgi import (
     App,
     Request,
@@ -35,7 +36,7 @@ from agent.http.asgi import (
     json_response,
     serve,
 )
-from agent.standins import lifecycle, tokens, wire
+from agent.standins import lifecycle, openai_api, tokens, wire
 from agent.standins.faults import Crasher, Faults
 
 log = logging.getLogger("pd_vllm.router")
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=23333)
     ap.add_argument("--model-path", default="")
-    ap.add_argument("--parser", choices=["glm47", "none"], default="glm47")
+    ap.add_argument("--parser", choices=ROUTER_PARSERS, default="glm47")
     ap.add_argument("--model", default="")
     ap.add_argument("--queue-timeout", type=float, default=0.0)
     ap.add_argument("--force-include-usage", action="store_true")
@@ -246,19 +247,11 @@ class Router:
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 log.exception("pd request failed")
                 return json_response({"error": str(exc)}, 502)
-            sampling = {
-                k: body[k]
-                for k in ("temperature", "top_p", "top_k", "repetition_penalty")
-                if k in body
-            }
-            max_tokens = (
-                body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-            )
             payload = {
                 "rid": rid,
                 "first_token_id": first,
-                "max_tokens": max_tokens,
-                "sampling": sampling,
+                "max_tokens": openai_api.max_tokens(body, DEFAULT_MAX_TOKENS),
+                "sampling": openai_api.sampling(body),
                 "stream": True,
             }
             try:
@@ -291,19 +284,14 @@ class Router:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            usage = {
-                "prompt_tokens": usage_prompt,
-                "completion_tokens": len(ids),
-                "total_tokens": usage_prompt + len(ids),
-            }
             return json_response(
                 {
                     "id": prefill["id"],
-                    "object": "chat.completion" if is_chat else "text_completion",
+                    "object": openai_api.object_name(is_chat),
                     "created": int(time.time()),
                     "model": prefill.get("model"),
                     "choices": [choice],
-                    "usage": usage,
+                    "usage": _usage(usage_prompt, len(ids)),
                     "timing_ms": {"total": round(1000 * (time.monotonic() - t0), 1)},
                 }
             )
@@ -356,18 +344,15 @@ class Router:
         usage_prompt: int,
     ) -> AsyncIterator[bytes]:
         """The client's SSE stream; frees the node (and cancels the decode) however it ends."""
-        created = int(time.time())
+        stream = openai_api.ChunkStream(
+            prefill["id"],
+            openai_api.chunk_object_name(is_chat=True),
+            int(time.time()),
+            prefill.get("model"),
+        )
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-            data = {
-                "id": prefill["id"],
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": prefill.get("model"),
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                **extra,
-            }
-            return b"data: " + msgspec.json.encode(data) + b"\n\n"
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            return stream.event([{"index": 0, "delta": delta, "finish_reason": finish}])
 
         ids: list[int] = []
         text = ""
@@ -391,19 +376,10 @@ class Router:
                     yield chunk({"content": f"\n[decode error: {msg['error']}]"})
                     break
             yield chunk({}, finish)
-            opts = body.get("stream_options")
-            if self.force_usage or (isinstance(opts, dict) and opts.get("include_usage")):
-                usage = {
-                    "prompt_tokens": usage_prompt,
-                    "completion_tokens": len(ids),
-                    "total_tokens": usage_prompt + len(ids),
-                }
-                yield (
-                    b"data: "
-                    + msgspec.json.encode({"id": prefill["id"], "choices": [], "usage": usage})
-                    + b"\n\n"
-                )
-            yield b"data: [DONE]\n\n"
+            if self.force_usage or openai_api.include_usage(body):
+                usage = _usage(usage_prompt, len(ids))
+                yield openai_api.sse_event({"id": prefill["id"], "choices": [], "usage": usage})
+            yield openai_api.SSE_DONE
         finally:
             with trio.CancelScope(shield=True):
                 await resp.aclose()
@@ -411,6 +387,15 @@ class Router:
                     with contextlib.suppress(httpx.HTTPError), trio.move_on_after(5):
                         await self.client.post(f"{node.http_base}/pd/cancel", json={"rid": rid})
             self.pool.release(node)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """A reply's usage, in TileRT's router order (``build_usage``)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _finish(reason: Any) -> str:

@@ -9,17 +9,22 @@ JSON (at most 16 MiB):
    "busy", "cancelling", "duplicate_rank"; the prefill retries busy/cancelling with 0.2 * 2^k s)
 4. prefill writes the KV (RDMA in TileRT; nothing here), then ``Done`` and closes.
 
-A request is complete when every sender rank said done.
+A request is complete when every sender rank said done. This module holds what both ends share
+(frames, messages, the rid, the layout version, the sender count); ``agent.standins.kvlink`` holds
+the two ends. Which dtype is which layout, and the transport default, are in ``agent.facts``.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
 import trio
+
+from agent.facts import DEFAULT_SENDERS
 
 _T = TypeVar("_T")
 
@@ -28,17 +33,14 @@ PROTOCOL_VERSION = 2
 NUM_RANKS = 8
 MAX_FRAME = 16 << 20
 DEFAULT_CTRL_PORT = 5556
-DEFAULT_TRANSPORT = "mooncake"
 TRANSIENT_REJECTS = frozenset({"busy", "cancelling"})
-ADMISSION_ATTEMPTS = 5
-ADMISSION_BACKOFF_S = 0.2
 
-# Model profile -> base layout version (tilert.pd_vllm.profiles); offsets as in mla_nsa.py.
+# Model profile (agent.facts.TILERT_MODELS) -> base layout version (tilert.pd_vllm.profiles);
+# offsets as in mla_nsa.py.
 PROFILE_LAYOUT = {"glm5": 10, "dsv32": 11, "glm5_2": 12}
 BF16_OFFSET, KI_TILED_OFFSET, ROCM_FP8_OFFSET, NO_MTP_OFFSET = 40, 100, 200, 1000
-_FP8 = ("fp8_ds_mla", "fp8", "fp8_e4m3")
-_BF16 = ("bf16", "bfloat16", "auto")
-_ROCM_FP8 = ("fp8_rocm", "rocm_fp8")
+# KV layout family (the values of agent.facts' PREFILL_KV_LAYOUT and DECODE_KV_LAYOUT) -> offset.
+LAYOUT_OFFSET = {"fp8 MLA": 0, "bf16": BF16_OFFSET, "ROCm fp8": ROCM_FP8_OFFSET}
 
 
 class Hello(msgspec.Struct, omit_defaults=True):
@@ -102,22 +104,20 @@ def derive_rid(request_id: str) -> str:
     return rid
 
 
-def layout_version(profile: str, kv_cache_dtype: str) -> int:
+def layout_version(profile: str, kv_cache_dtype: str, layouts: Mapping[str, str]) -> int:
     """The KV layout version of a profile and cache dtype; ValueError for unknown ones."""
+    # ``layouts`` is the side's dtype -> layout table: vLLM reads "fp8" as the flat (ROCm) fp8
+    # layout, TileRT's decode as fp8 MLA (agent.facts.PREFILL_KV_LAYOUT, DECODE_KV_LAYOUT).
     if profile not in PROFILE_LAYOUT:
         raise ValueError(f"unknown model profile {profile!r}; want one of {sorted(PROFILE_LAYOUT)}")
-    dtype = (kv_cache_dtype or "").lower()
-    if dtype not in _FP8 + _BF16 + _ROCM_FP8:
+    layout = layouts.get((kv_cache_dtype or "").lower())
+    if layout is None:
         raise ValueError(
-            f"unknown kv_cache_dtype {kv_cache_dtype!r}; want fp8_ds_mla, fp8_rocm or bf16"
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; want one of {', '.join(layouts)}"
         )
-    version = PROFILE_LAYOUT[profile]
+    version = PROFILE_LAYOUT[profile] + LAYOUT_OFFSET[layout]
     if profile == "glm5" and _env_flag("TILERT_PD_NO_MTP"):
         version += NO_MTP_OFFSET
-    if dtype in _BF16:
-        version += BF16_OFFSET
-    if dtype in _ROCM_FP8:
-        version += ROCM_FP8_OFFSET
     if _env_flag("TILERT_PD_KI_TILED"):
         version += KI_TILED_OFFSET
     return version
@@ -125,18 +125,12 @@ def layout_version(profile: str, kv_cache_dtype: str) -> int:
 
 def sender_count() -> int:
     """TILERT_PD_SENDERS (default 8), clamped to 1..8 as TileRT does."""
-    raw = (os.environ.get("TILERT_PD_SENDERS") or "8").strip() or "1"
+    raw = (os.environ.get("TILERT_PD_SENDERS") or str(DEFAULT_SENDERS)).strip() or "1"
     return max(1, min(int(raw), NUM_RANKS))
 
 
 def _env_flag(name: str) -> bool:
     return (os.environ.get(name) or "0").strip().lower() not in ("0", "false", "no", "off", "")
-
-
-def encode_frame(message: msgspec.Struct | dict[str, Any]) -> bytes:
-    """One frame: big-endian length + JSON."""
-    data = msgspec.json.encode(message)
-    return struct.pack("!I", len(data)) + data
 
 
 class FrameStream:
@@ -146,9 +140,10 @@ class FrameStream:
         self.stream = stream
         self._buffer = bytearray()
 
-    async def send(self, message: msgspec.Struct | dict[str, Any]) -> None:
-        """Send one message."""
-        await self.stream.send_all(encode_frame(message))
+    async def send(self, message: msgspec.Struct) -> None:
+        """Send one message: big-endian length + JSON."""
+        data = msgspec.json.encode(message)
+        await self.stream.send_all(struct.pack("!I", len(data)) + data)
 
     async def receive(self) -> dict[str, Any]:
         """The next message as a dict."""
