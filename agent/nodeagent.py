@@ -18,12 +18,13 @@ import httpx
 import msgspec
 import trio
 
-from agent.head.head import Head
+from agent.head import Head, HeadContext
 from agent.http.asgi import bound_socket, serve
 from agent.http.endpoint import StatusFeed, build_app
 from agent.http.metrics import AgentMetrics, HeadFigures
 from agent.http.reexport import UpstreamMetrics
 from agent.job.logfiles import log_path
+from agent.job.names import ROUTER_NAME
 from agent.job.paths import PRIVATE_DIR_MODE, JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, EngineStatus, RendezvousRecord
@@ -90,8 +91,8 @@ class NodeAgent:
         sups: dict[str, EngineSupervisor] = {}
         if self.engine is not None:
             sups["engine"] = self.engine
-        if self.head is not None and self.head.router is not None:
-            sups["router"] = self.head.router
+        if self.head is not None and self.head.router_supervisor is not None:
+            sups["router"] = self.head.router_supervisor
         return sups
 
     def _snapshot(self) -> AgentStatus:
@@ -111,9 +112,7 @@ class NodeAgent:
             )
         # The agent's ports (agent, http, ctrl), not only the engine's; the router has its own.
         engine["ports"] = {k: v for k, v in self.ports.items() if k != "router"}
-        router = None
-        if self.head is not None and self.head.router is not None:
-            router = self.head.router.status()
+        router = self.head.router_status() if self.head is not None else None
         return AgentStatus(
             **engine,
             name=self.id.name,
@@ -128,6 +127,22 @@ class NodeAgent:
         self.feed.bump()
         if self.head is not None:
             self.head.poke()
+
+    def _head_context(self, figures: HeadFigures) -> HeadContext:
+        return HeadContext(
+            plan=self.plan,
+            job=self.job,
+            identity=self.id,
+            log=self.log,
+            launcher=self.launcher,
+            launch_spec=self.launch_spec,
+            own_status=self.feed.current,
+            on_change=self.changed,
+            prefill_url=lambda: self.engine_url(""),
+            figures=figures,
+            probe_observer=self.metrics.observer,
+            stop_node=self.stop_all,
+        )
 
     # ---- ports and the record --------------------------------------------------------------
 
@@ -330,8 +345,8 @@ class NodeAgent:
             )
             await nursery.start(serve, app, sock)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
-            if self.id.is_head:
-                self.head = Head(self)
+            if self.head_figures is not None:  # prefill-0, the head agent
+                self.head = Head(self._head_context(self.head_figures))
             if await self.run_preflight():
                 self.publish()  # now with the versions the preflight found
                 self.engine = EngineSupervisor(
@@ -405,5 +420,5 @@ class NodeAgent:
             "agent": log_path(self.job, self.id.name, agent=True),
         }
         if self.id.is_head:
-            files["router"] = log_path(self.job, "router")
+            files[ROUTER_NAME] = log_path(self.job, ROUTER_NAME)
         return files

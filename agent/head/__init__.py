@@ -1,1 +1,20 @@
-"""TODO"""
+"""The head agent's job, run inside prefill-0's node agent: follow every agent, gate, start and
+prove the router, keep the job serving, and write status.json and targets.json.
+
+- ``context``: ``HeadContext``, what the node agent hands over (plan, job, identity, launcher,
+  hooks); the head never imports the node agent.
+- ``peers``: each agent's record and long-polled ``/status``.
+- ``decisions``: gate, drop, fatal and the job's state, as plain functions over a ``JobView``.
+- ``router``: the router's preflight, start and relaunch; ``canaries``: the streaming chat check.
+- ``statuswriter``: status.json (on change and as a heartbeat) and targets.json.
+- ``head``: ``Head``, which runs them in order.
+
+May import: ``agent.facts``, ``agent.problems``, ``agent.job``, ``agent.launch``, ``agent.node``,
+``agent.http``. Imported by ``agent.nodeagent`` only.
+"""
+
+from agent.head.context import HeadContext
+from agent.head.decisions import JobFailed, JobView
+from agent.head.head import Head
+
+__all__ = ["Head", "HeadContext", "JobFailed", "JobView"]

@@ -1,0 +1,45 @@
+"""What the head needs from the node agent that runs it, handed over as one object.
+
+The head is a part of prefill-0's node agent, yet it must not import it (the node agent imports
+the head): the node agent builds a ``HeadContext`` and the head reads only that.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from agent.http.metrics import HeadFigures
+from agent.job.paths import JobDir
+from agent.job.plan import Plan
+from agent.job.records import AgentStatus
+from agent.launch import Launcher, LaunchSpec
+from agent.node.identity import Identity
+
+# (name, argv, env, image) -> a LaunchSpec with the job's mounts and the node's setup script.
+BuildSpec = Callable[[str, list[str], dict[str, str], str | None], LaunchSpec]
+
+
+@dataclass(frozen=True)
+class HeadContext:
+    """The plan, the job, this node, and the node agent's hooks the head uses."""
+
+    plan: Plan
+    job: JobDir
+    identity: Identity
+    log: logging.Logger
+    launcher: Launcher
+    launch_spec: BuildSpec
+    # The head agent's own /status (its engine's state), read live.
+    own_status: Callable[[], AgentStatus]
+    # A supervised state changed: wake /status long-pollers and the head.
+    on_change: Callable[[], None]
+    # The prefill engine's base URL (its port may move before it first turns healthy).
+    prefill_url: Callable[[], str]
+    # What the head measures, for the agent's /metrics.
+    figures: HeadFigures
+    # component -> a callback recording one health probe latency.
+    probe_observer: Callable[[str], Callable[[float], None]]
+    # Stop everything this node runs: the router first, then the engine.
+    stop_node: Callable[[], Awaitable[None]]

@@ -1,0 +1,125 @@
+"""The head's decisions, as plain functions over what it knows at one moment (a ``JobView``).
+
+May the router start (``gate``), which decode to drop (``to_drop``), can the job still serve
+(``fatal``), which state to show while serving (``serving_state``). No processes, sockets or clocks
+here (the caller passes ``now``), so tests/test_head.py drives every decision with data.
+
+"Degrade, don't die": a failed decode is dropped and the job goes on without it; the job fails only
+when the prefill, the router or every decode has failed, or when the agents cannot work together
+(an unreadable record, different tilert versions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from agent.job.names import HEAD_NAME, parse_agent_name
+from agent.job.records import JobAgent, JobState
+
+
+class JobFailed(Exception):
+    """The job cannot serve; the message names the agent, the reason and its log."""
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What the head knows at one moment, as plain data: the input of every decision."""
+
+    # Every agent the job expects (the head first), as status.json shows it: state, node, reason, log.
+    agents: Mapping[str, JobAgent]
+    # The monotonic time the head saw each agent turn healthy.
+    healthy_since: Mapping[str, float | None] = field(default_factory=dict)
+    # The tilert version each agent's record names (agents whose preflight found one).
+    versions: Mapping[str, str] = field(default_factory=dict)
+    # Records in the rendezvous folder that cannot be read, by agent name.
+    record_problems: Mapping[str, str] = field(default_factory=dict)
+    # The router once started (its row in status.json).
+    router: JobAgent | None = None
+
+    def state(self, name: str) -> str:
+        """The state of agent ``name`` as the head sees it (``missing``, ``unreachable``, ...)."""
+        return self.agents[name].state
+
+    @property
+    def decodes(self) -> list[str]:
+        """The decode agents, in listing order."""
+        return [n for n in self.agents if (p := parse_agent_name(n)) and p[0] == "decode"]
+
+
+def failure_of(agent: JobAgent) -> str:
+    """A failed agent as an error names it: where, why, and its log."""
+    return f"{agent.name} on {agent.node or '?'} failed: {agent.reason} (log: {agent.log})"
+
+
+def gate(view: JobView, now: float) -> float | None:
+    """When every live worker is healthy: the time the last one turned healthy; else None.
+
+    Live: the head and every decode that has not failed (a failed decode is dropped, not waited
+    for). An agent whose turn to healthy was not seen counts as healthy ``now``.
+    """
+    names = [HEAD_NAME, *(n for n in view.decodes if view.state(n) != "failed")]
+    if any(view.state(n) != "healthy" for n in names):
+        return None
+    return max(view.healthy_since.get(n) or now for n in names)
+
+
+def waiting_for(view: JobView) -> str:
+    """The agents the gate still waits for, with their states (the reason of ``waiting``)."""
+    return ", ".join(f"{n} ({a.state})" for n, a in view.agents.items() if a.state != "healthy")
+
+
+def startup_overrun(view: JobView, budget_s: float) -> str:
+    """The error once the startup budget is spent: each late agent with its reason and its log."""
+    # Users act on these, not on a folder.
+    late = [a for a in view.agents.values() if a.state != "healthy"]
+    return f"still waiting after the startup budget of {budget_s:g}s: " + "; ".join(
+        f"{a.name} on {a.node or '?'} {a.state}: {a.reason} (log: {a.log})" for a in late
+    )
+
+
+def to_drop(view: JobView, dropped: Collection[str]) -> list[str]:
+    """The decodes that failed and are not dropped yet (never the prefill: its failure is fatal)."""
+    return [n for n in view.decodes if view.state(n) == "failed" and n not in dropped]
+
+
+def version_mismatch(versions: Mapping[str, str]) -> str | None:
+    """Why the agents' tilert versions cannot work together, or None (the head's is the reference)."""
+    prefill = versions.get(HEAD_NAME)
+    if not prefill:
+        return None
+    for name, version in versions.items():
+        if version != prefill:
+            return (
+                f"tilert versions differ: {HEAD_NAME} has tilert {prefill}, {name} has "
+                f"tilert {version}; the control protocol needs the same version on both sides: "
+                "use matching prefill and decode images"
+            )
+    return None
+
+
+def fatal(view: JobView) -> str | None:
+    """Why the job can no longer serve, or None while it can."""
+    if view.state(HEAD_NAME) == "failed":
+        return failure_of(view.agents[HEAD_NAME])
+    decodes = view.decodes
+    failed = [n for n in decodes if view.state(n) == "failed"]
+    if len(failed) == len(decodes):
+        return "every decode worker failed: " + "; ".join(
+            failure_of(view.agents[n]) for n in failed
+        )
+    if view.router is not None and view.router.state == "failed":
+        return f"router failed: {view.router.reason} (log: {view.router.log})"
+    if view.record_problems:
+        return "; ".join(view.record_problems.values())
+    return version_mismatch(view.versions)
+
+
+def serving_state(view: JobView, dropped: Collection[str]) -> tuple[JobState, str]:
+    """The job's state while it serves, and why: ``ready`` only when nothing is missing."""
+    unhealthy = [n for n, a in view.agents.items() if n not in dropped and a.state != "healthy"]
+    if view.router is not None and view.router.state != "healthy":
+        unhealthy.append(f"router ({view.router.state})")
+    if unhealthy or dropped:
+        return "degraded", ", ".join(unhealthy + [f"{n} dropped" for n in dropped])
+    return "ready", "every worker and the router healthy"

@@ -1,0 +1,150 @@
+"""The job's router: checked before the gate, started once every live worker is healthy, restarted
+without a dropped decode.
+
+It runs under an ``EngineSupervisor`` on the head's node, with its log in the head's folder. Each
+(re)launch builds its command from the decodes' current records, so a decode that republished its
+ports is reached on the new ones. Under ``--mock`` a router the node cannot import means the
+stand-in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+import trio
+
+from agent.facts import ROUTER_MODULE
+from agent.head.context import HeadContext
+from agent.head.decisions import JobFailed
+from agent.job.logfiles import log_path
+from agent.job.names import ROUTER_NAME
+from agent.job.records import EngineStatus, JobAgent, RendezvousRecord
+from agent.launch import LaunchSpec, preflight
+from agent.launch.commands import DecodeEndpoint, arg_value, router_command
+from agent.node.logpump import LogSink
+from agent.node.supervisor import EngineSupervisor, policy_for
+
+
+class Router:
+    """The router of one job: its preflight, its supervisor and the decodes it serves through."""
+
+    def __init__(
+        self, ctx: HeadContext, records: Callable[[], Mapping[str, RendezvousRecord]]
+    ) -> None:
+        self.ctx = ctx
+        self.records = records
+        self.url = f"http://{ctx.identity.address}:{ctx.plan.router.port}"
+        self.decodes: list[str] = []
+        self.standin = False
+        self.supervisor: EngineSupervisor | None = None
+
+    async def preflight(self) -> None:
+        """Can this node start the real router? Under --mock a missing one means the stand-in."""
+        plan, log = self.ctx.plan, self.ctx.log
+        router = plan.router
+        paths = []
+        model_path = arg_value(router.args, "--model-path") or ""
+        if model_path.startswith("/"):
+            paths.append(model_path)
+        checks = preflight.PreflightChecks(
+            python=router.python,
+            modules=[ROUTER_MODULE],
+            distributions=["tilert"],
+            # The stand-ins need no setup; the script belongs to the real images.
+            setup_script=None if plan.mock else plan.setup_script,
+            configs_dir=plan.configs_dir,
+            paths=paths,
+        )
+        base = self.ctx.launch_spec("router-preflight", [], dict(os.environ), router.image)
+        result = await preflight.run_preflight(self.ctx.launcher, base, checks)
+        if result.ok:
+            log.info("head: the real TileRT router is importable by %s", router.python)
+            return
+        if plan.mock:
+            self.standin = True
+            log.warning(
+                "head: --mock and %s cannot start the real router (%s): using the router stand-in",
+                router.python,
+                "; ".join(result.problems),
+            )
+            return
+        raise JobFailed("router preflight failed: " + "; ".join(result.problems))
+
+    def _build(self) -> LaunchSpec:
+        records = self.records()
+        endpoints = []
+        for name in self.decodes:
+            record = records[name]
+            endpoints.append(
+                DecodeEndpoint(record.address, record.ports["ctrl"], record.ports["http"])
+            )
+        cmd = router_command(
+            self.ctx.plan,
+            prefill_url=self.ctx.prefill_url(),
+            decodes=endpoints,
+            host=self.ctx.identity.address,
+            use_standin=self.standin,
+        )
+        return self.ctx.launch_spec(ROUTER_NAME, cmd.argv, cmd.env, self.ctx.plan.router.image)
+
+    def start(self, nursery: trio.Nursery, decodes: list[str]) -> EngineSupervisor:
+        """Start the router through ``decodes`` (its supervisor runs in ``nursery``)."""
+        plan, ctx = self.ctx.plan, self.ctx
+        self.decodes = decodes
+        sink = LogSink(
+            log_path(ctx.job, ROUTER_NAME),
+            max_bytes=plan.agent.log_max_bytes,
+            backups=plan.agent.log_backups,
+        )
+        self.supervisor = EngineSupervisor(
+            name=ROUTER_NAME,
+            launcher=ctx.launcher,
+            build=self._build,
+            health_url=lambda: f"http://{ctx.identity.address}:{plan.router.port}/health",
+            ports=lambda: {"http": plan.router.port},
+            policy=policy_for(
+                plan,
+                startup_budget_s=plan.router.startup_budget_s,
+                stop_grace_s=plan.router.stop_grace_s,
+            ),
+            sink=sink,
+            log=ctx.log,
+            on_change=ctx.on_change,
+            observe_probe=ctx.probe_observer("router"),
+        )
+        nursery.start_soon(self.supervisor.run)
+        return self.supervisor
+
+    def drop(self, names: list[str]) -> None:
+        """Restart the router without the decodes ``names``."""
+        self.decodes = [n for n in self.decodes if n not in names]
+        if self.supervisor is not None:
+            self.supervisor.relaunch(f"restarting the router without {', '.join(names)}")
+
+    def status(self) -> EngineStatus | None:
+        """The router's ``/status`` view; None before it starts."""
+        return self.supervisor.status() if self.supervisor is not None else None
+
+    def entry(self, head_record: RendezvousRecord | None) -> JobAgent | None:
+        """The router's row in status.json (its URLs are the head agent's); None before it starts."""
+        status = self.status()
+        if status is None:
+            return None
+        return JobAgent(
+            name=ROUTER_NAME,
+            role="router",
+            index=0,
+            node=self.ctx.identity.node,
+            state=status.state,
+            restarts=status.restarts,
+            reason=status.reason,
+            log=str(log_path(self.ctx.job, ROUTER_NAME)),
+            metrics_url=head_record.metrics_url if head_record else None,
+            status_url=head_record.status_url if head_record else None,
+        )
+
+    async def stop(self) -> None:
+        """Stop the router within its grace (nothing to do before it starts)."""
+        if self.supervisor is not None:
+            await self.supervisor.stop()
