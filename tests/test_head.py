@@ -1,0 +1,424 @@
+"""The head's decisions on data alone: gate, canary retry, dropping a failed decode, fatal.
+
+No process, socket or job is started: the decisions read a ``JobView`` built here, the canaries
+talk to an ``httpx.MockTransport``, and trio's autojump clock waits out their budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from agent.head.canaries import CANARY_RETRY_S, Canary, CanaryFailed, canary_text, run_canaries
+from agent.head.decisions import (
+    JobFailed,
+    JobView,
+    fatal,
+    gate,
+    serving_state,
+    startup_overrun,
+    to_drop,
+    version_mismatch,
+    waiting_for,
+)
+from agent.head.peers import Peer, Peers
+from agent.head.statuswriter import StatusWriter
+from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names, parse_agent_name
+from agent.job.paths import JobDir
+from agent.job.records import AgentStatus, EngineState, JobAgent, JobStatus, RendezvousRecord
+
+LOG = logging.getLogger("test_head")
+ROUTER_LOG = Path("/j/logs/prefill-0/router.log")
+
+
+def row(name: str, state: str = "healthy", reason: str = "serving") -> JobAgent:
+    """An agent's status.json row as the head would build it."""
+    parsed = parse_agent_name(name)
+    role, index = parsed if parsed else ("router", 0)
+    return JobAgent(
+        name=name,
+        role=role,
+        index=index,
+        node=f"node-{name}",
+        state=state,
+        restarts=0,
+        reason=reason,
+        log=f"/j/logs/{name}/engine.log",
+        metrics_url=None,
+        status_url=None,
+    )
+
+
+def view(
+    states: dict[str, str] | None = None,
+    *,
+    decodes: int = 2,
+    healthy_since: Mapping[str, float | None] | None = None,
+    router: str | None = None,
+    versions: dict[str, str] | None = None,
+    problems: dict[str, str] | None = None,
+) -> JobView:
+    """A job of prefill-0 and ``decodes`` decodes, every one healthy unless ``states`` says."""
+    states = states or {}
+    return JobView(
+        agents={
+            n: row(n, states.get(n, "healthy"), reason=f"{n} reason")
+            for n in agent_names(1, decodes)
+        },
+        healthy_since=healthy_since or {},
+        versions=versions or {},
+        record_problems=problems or {},
+        router=row(ROUTER_NAME, router, reason="router reason") if router else None,
+    )
+
+
+# ---- gate ------------------------------------------------------------------------------------
+
+
+def test_gate_waits_for_every_live_worker() -> None:
+    for name in agent_names(1, 2):
+        for state in ("missing", "starting", "unhealthy", "restarting", "unreachable"):
+            assert gate(view({name: state}), now=100.0) is None, (name, state)
+
+
+def test_gate_returns_when_the_last_worker_turned_healthy() -> None:
+    since = {HEAD_NAME: 10.0, "decode-0": 30.0, "decode-1": 20.0}
+    assert gate(view(healthy_since=since), now=100.0) == 30.0
+
+
+def test_gate_counts_an_unseen_turn_to_healthy_as_now() -> None:
+    since: dict[str, float | None] = {HEAD_NAME: 10.0, "decode-0": None, "decode-1": 20.0}
+    assert gate(view(healthy_since=since), now=100.0) == 100.0
+
+
+def test_a_failed_decode_does_not_block_the_gate() -> None:
+    # decode-1 failed (after having been healthy late): the gate opens on the others' times.
+    since = {HEAD_NAME: 10.0, "decode-0": 30.0, "decode-1": 50.0}
+    assert gate(view({"decode-1": "failed"}, healthy_since=since), now=100.0) == 30.0
+
+
+def test_a_failed_prefill_blocks_the_gate() -> None:
+    assert gate(view({HEAD_NAME: "failed"}), now=100.0) is None
+
+
+def test_waiting_for_names_each_unhealthy_agent_with_its_state() -> None:
+    assert waiting_for(view({"decode-0": "missing", "decode-1": "starting"})) == (
+        "decode-0 (missing), decode-1 (starting)"
+    )
+
+
+def test_startup_overrun_names_each_late_agent_with_reason_and_log() -> None:
+    message = startup_overrun(view({"decode-1": "starting"}), 600.0)
+    assert message == (
+        "still waiting after the startup budget of 600s: decode-1 on node-decode-1 starting: "
+        "decode-1 reason (log: /j/logs/decode-1/engine.log)"
+    )
+
+
+# ---- dropping a failed decode ----------------------------------------------------------------
+
+
+def test_a_failed_decode_is_dropped_once() -> None:
+    failed = view({"decode-1": "failed"})
+    assert to_drop(failed, dropped=()) == ["decode-1"]
+    assert to_drop(failed, dropped={"decode-1": "why"}) == []
+
+
+def test_unhealthy_decodes_are_not_dropped() -> None:
+    states = {"decode-0": "unhealthy", "decode-1": "restarting"}
+    assert to_drop(view(states), dropped=()) == []
+
+
+def test_the_prefill_is_never_dropped() -> None:
+    assert to_drop(view({HEAD_NAME: "failed"}), dropped=()) == []
+    assert to_drop(view({HEAD_NAME: "failed", "decode-0": "failed"}), ()) == ["decode-0"]
+
+
+def test_serving_with_a_dropped_decode_is_degraded() -> None:
+    healthy = view({"decode-1": "failed"}, router="healthy")
+    assert serving_state(healthy, dropped={"decode-1": "why"}) == (
+        "degraded",
+        "decode-1 dropped",
+    )
+    restarting = view({"decode-1": "failed"}, router="restarting")
+    assert serving_state(restarting, dropped={"decode-1": "why"}) == (
+        "degraded",
+        "router (restarting), decode-1 dropped",
+    )
+
+
+def test_serving_is_ready_only_when_everything_is_healthy() -> None:
+    assert serving_state(view(router="healthy"), dropped={}) == (
+        "ready",
+        "every worker and the router healthy",
+    )
+    assert serving_state(view({"decode-0": "unhealthy"}, router="healthy"), dropped={}) == (
+        "degraded",
+        "decode-0",
+    )
+
+
+# ---- fatal -----------------------------------------------------------------------------------
+
+
+def test_a_healthy_job_or_one_failed_decode_is_not_fatal() -> None:
+    assert fatal(view(router="healthy")) is None
+    assert fatal(view({"decode-0": "failed"}, router="healthy")) is None
+
+
+def test_a_failed_prefill_is_fatal() -> None:
+    assert fatal(view({HEAD_NAME: "failed"})) == (
+        "prefill-0 on node-prefill-0 failed: prefill-0 reason (log: /j/logs/prefill-0/engine.log)"
+    )
+
+
+def test_every_decode_failed_is_fatal() -> None:
+    message = fatal(view({"decode-0": "failed", "decode-1": "failed"}))
+    assert message == (
+        "every decode worker failed: "
+        "decode-0 on node-decode-0 failed: decode-0 reason (log: /j/logs/decode-0/engine.log); "
+        "decode-1 on node-decode-1 failed: decode-1 reason (log: /j/logs/decode-1/engine.log)"
+    )
+    assert fatal(view({"decode-0": "failed"}, decodes=1)) is not None
+
+
+def test_a_failed_router_is_fatal() -> None:
+    assert fatal(view(router="failed")) == (
+        "router failed: router reason (log: /j/logs/router/engine.log)"
+    )
+
+
+def test_an_unreadable_record_is_fatal() -> None:
+    problems = {"decode-0": "J/rendezvous/decode-0.json: rendezvous record schema 9"}
+    assert fatal(view(problems=problems)) == problems["decode-0"]
+
+
+def test_a_tilert_version_mismatch_is_fatal() -> None:
+    versions = {HEAD_NAME: "0.1.6", "decode-0": "0.1.6", "decode-1": "0.1.7"}
+    assert fatal(view(versions=versions)) == (
+        "tilert versions differ: prefill-0 has tilert 0.1.6, decode-1 has tilert 0.1.7; "
+        "the control protocol needs the same version on both sides: "
+        "use matching prefill and decode images"
+    )
+
+
+def test_matching_or_unknown_tilert_versions_are_fine() -> None:
+    assert version_mismatch({HEAD_NAME: "0.1.6", "decode-0": "0.1.6"}) is None
+    # Without the head's version there is nothing to compare against.
+    assert version_mismatch({"decode-0": "0.1.6", "decode-1": "0.1.7"}) is None
+
+
+# ---- what the head sees of a peer ------------------------------------------------------------
+
+
+def status(state: EngineState, name: str = "decode-0", reason: str = "serving") -> AgentStatus:
+    parsed = parse_agent_name(name)
+    role, index = parsed if parsed else ("decode", 0)
+    return AgentStatus(
+        state=state,
+        pid=None,
+        ports={},
+        restarts=1,
+        reason=reason,
+        since=0.0,
+        uptime_s=None,
+        name=name,
+        role=role,
+        index=index,
+        node="n",
+    )
+
+
+def record(name: str, tilert: str | None = None) -> RendezvousRecord:
+    return RendezvousRecord(
+        name=name,
+        role="decode",
+        index=0,
+        node=f"node-{name}",
+        address="10.0.0.1",
+        ports={"http": 8200, "ctrl": 8300, "agent": 9200},
+        status_url="http://10.0.0.1:9200/status",
+        metrics_url="http://10.0.0.1:9200/metrics",
+        versions={"tilert": tilert} if tilert else {},
+    )
+
+
+def test_peer_state_tells_missing_lost_and_stopped_apart() -> None:
+    peer = Peer()
+    assert peer.state == "missing"
+    peer.record = record("decode-0")
+    assert peer.state == "starting"
+    peer.observe(status("healthy"), now=5.0)
+    peer.reachable = True
+    assert peer.state == "healthy"
+    peer.reachable = False
+    assert peer.state == "unreachable"
+    peer.observe(status("stopping"), now=6.0)
+    assert peer.state == "stopped"
+
+
+def test_peer_notes_when_it_turned_healthy_not_each_healthy_answer() -> None:
+    peer = Peer(record=record("decode-0"), reachable=True)
+    peer.observe(status("starting"), now=1.0)
+    assert peer.healthy_seen_at is None
+    peer.observe(status("healthy"), now=2.0)
+    peer.observe(status("healthy"), now=3.0)
+    assert peer.healthy_seen_at == 2.0
+    peer.observe(status("restarting"), now=4.0)
+    peer.observe(status("healthy"), now=5.0)
+    assert peer.healthy_seen_at == 5.0
+
+
+def test_peers_rows_feed_the_decisions(tmp_path: Path) -> None:
+    names = list(agent_names(1, 2))
+    peers = Peers(
+        names,
+        job=JobDir(tmp_path),
+        own_status=lambda: status("healthy", HEAD_NAME),
+        log=LOG,
+        on_change=lambda: None,
+    )
+    peers.by_name["decode-0"] = Peer(record=record("decode-0", "0.2"), reachable=True)
+    peers.by_name["decode-0"].observe(status("failed", reason="exit 1"), now=1.0)
+    peers.by_name[HEAD_NAME].record = record(HEAD_NAME, "0.1")
+    assert peers.state(HEAD_NAME) == "healthy"  # read live from the head's own agent
+    assert peers.state("decode-1") == "missing"
+    assert peers.versions() == {HEAD_NAME: "0.1", "decode-0": "0.2"}
+    dropped = peers.entry("decode-0", dropped="decode-0 on n failed")
+    assert (dropped.role, dropped.index, dropped.node, dropped.state) == (
+        "decode",
+        0,
+        "node-decode-0",
+        "failed",
+    )
+    assert dropped.reason == "dropped from the router: decode-0 on n failed"
+    assert peers.entry("decode-1").reason == "no rendezvous record yet"
+    rows = JobView(agents={n: peers.entry(n) for n in names}, versions=peers.versions())
+    assert to_drop(rows, dropped=()) == ["decode-0"]
+    assert fatal(rows) is not None and "tilert versions differ" in (fatal(rows) or "")
+
+
+def test_status_json_is_written_on_change_and_by_the_heartbeat(tmp_path: Path) -> None:
+    job = JobDir(tmp_path)
+    state = JobStatus(state="waiting", model="m")
+    writer = StatusWriter(job, lambda: state)
+    writer.write()
+    assert job.read_status().state == "waiting"
+    job.status.unlink()
+    state.updated_at += 1  # a new time alone is no change
+    writer.write()
+    assert not job.status.exists()
+    writer.write(force=True)  # the heartbeat
+    assert job.status.exists()
+    state.state = "ready"
+    writer.write()
+    assert job.read_status().state == "ready"
+
+
+# ---- canaries --------------------------------------------------------------------------------
+
+
+def stream(*texts: str) -> bytes:
+    chunks = [b'data: {"choices": [{"delta": {"content": "%s"}}]}\n\n' % t.encode() for t in texts]
+    return b"".join(chunks) + b"data: [DONE]\n\n"
+
+
+def canary(timeout_s: float = 30.0) -> Canary:
+    return Canary(
+        router_url="http://router:8000",
+        model="m",
+        prompt="Hello",
+        max_tokens=8,
+        timeout_s=timeout_s,
+    )
+
+
+def test_canary_text_reads_the_event_stream() -> None:
+    assert canary_text('data: {"choices": [{"delta": {"content": "Hi"}}]}') == "Hi"
+    assert canary_text("data: [DONE]") == ""
+    assert canary_text(": keep-alive") == ""
+    assert canary_text("data: not json") == ""
+    with pytest.raises(CanaryFailed, match="error chunk from the router: boom"):
+        canary_text('data: {"error": "boom"}')
+
+
+async def test_a_canary_that_fails_then_answers_within_budget_passes(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    answers = [
+        httpx.Response(503, text="no decode yet"),
+        httpx.Response(200, content=b'data: {"error": "decode-0 not connected"}\n\n'),
+        httpx.Response(200, content=b"data: [DONE]\n\n"),
+        httpx.Response(200, content=stream("Hello", " there")),
+    ]
+    requests: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        return answers[min(len(requests), len(answers)) - 1]
+
+    caplog.set_level(logging.INFO, LOG.name)
+    start = trio.current_time()
+    latencies = await run_canaries(
+        canary(), 1, log=LOG, router_log=ROUTER_LOG, transport=httpx.MockTransport(handler)
+    )
+    assert len(requests) == 4
+    assert requests[0].url == "http://router:8000/v1/chat/completions"
+    assert b'"stream":true' in requests[0].content
+    assert len(latencies) == 1
+    assert trio.current_time() - start == pytest.approx(3 * CANARY_RETRY_S)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "head: canary 1/1 not yet: router answered 503: no decode yet",
+        "head: canary 1/1 not yet: canary got an error chunk from the router: "
+        "decode-0 not connected",
+        "head: canary 1/1 not yet: router streamed no text",
+        "head: canary 1/1 answered 'Hello there'",
+    ]
+
+
+async def test_one_canary_per_decode_each_must_answer(autojump_clock: trio.abc.Clock) -> None:
+    seen = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal seen
+        seen += 1
+        return httpx.Response(200, content=stream("Hi"))
+
+    transport = httpx.MockTransport(handler)
+    latencies = await run_canaries(canary(), 3, log=LOG, router_log=ROUTER_LOG, transport=transport)
+    assert (seen, len(latencies)) == (3, 3)
+
+
+async def test_a_canary_that_never_answers_fails_the_job_after_its_budget(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    attempts = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal attempts
+        attempts += 1
+        raise httpx.ConnectError("connection refused", request=request)
+
+    start = trio.current_time()
+    with pytest.raises(JobFailed) as failed, trio.fail_after(60):
+        await run_canaries(
+            canary(timeout_s=10.0),
+            1,
+            log=LOG,
+            router_log=ROUTER_LOG,
+            transport=httpx.MockTransport(handler),
+        )
+    assert str(failed.value) == (
+        "the router at http://router:8000 did not serve 1 canary chat requests within 10s "
+        "(agent.canary.timeout_s): canary 1: connection refused; "
+        f"see {ROUTER_LOG}"
+    )
+    # Retried every CANARY_RETRY_S until the budget was spent, and not much longer.
+    assert attempts == pytest.approx(10.0 / CANARY_RETRY_S, abs=2)
+    assert 10.0 <= trio.current_time() - start <= 10.0 + 2 * CANARY_RETRY_S
