@@ -110,6 +110,7 @@ class Head:
         )
 
     def _job_status(self) -> JobStatus:
+        view = self._view()
         return JobStatus(
             state=self.state,
             model=self.plan.model,
@@ -117,8 +118,8 @@ class Head:
             slurm_job_id=self.ctx.identity.slurm_job_id,
             local_pid=self.local_pid,
             error=self.error,
-            agents=[self.peers.entry(n, self.dropped.get(n)) for n in self.expected],
-            router=self.router.entry(self.peers.by_name[HEAD_NAME].record),
+            agents=list(view.agents.values()),
+            router=view.router,
         )
 
     def _on_records(self) -> None:
