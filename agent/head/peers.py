@@ -68,7 +68,6 @@ class Peers:
         log: logging.Logger,
         on_change: Callable[[], None],
     ) -> None:
-        self.names = names
         self.by_name: dict[str, Peer] = {name: Peer() for name in names}
         self.problems: dict[str, str] = {}
         self.job = job
