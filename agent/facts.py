@@ -22,6 +22,15 @@ ENGINE_MODULES = {
     "decode": (DECODE_MODULE,),
     "router": (ROUTER_MODULE,),
 }
+# TileRT's weight converter (``python -m MODULE --model_type T --model_dir HF --save_dir OUT
+# [--append_mtp]``): it reads a Hugging Face checkpoint and writes the shards the decode server
+# loads (``--model-weights-dir``), listed in ``WEIGHTS_INDEX_FILE``, the index written last.
+CONVERTER_MODULE = "tilert.models.preprocess.weight_converter"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+# The converter's --model_type for each decode model profile (its ``__main__`` accepts these two).
+# glm5_2 (GLM-5.2/5.3, ROCm) has a converter of its own with other flags
+# (tilert.models.glm_5_2_rocm.weight_converter), which the agent does not drive.
+CONVERTER_MODEL_TYPES = {"glm5": "glm-5", "dsv32": "deepseek-v32"}
 # Distributions whose versions the preflight reports (the tilert versions must match across nodes).
 ENGINE_DISTRIBUTIONS = ("tilert", "vllm")
 
@@ -140,3 +149,14 @@ def human_int(value: Any) -> int | None:
     if suffix.isupper() and "." in number:
         return None
     return int(float(number) * base**power)
+
+
+def human_bytes(value: float) -> str:
+    """A byte count for people: ``512 B``, ``1.5 KiB``, ``12.3 GiB`` (binary units)."""
+    size = float(value)
+    unit = "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"

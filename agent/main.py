@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             "worker(s); check --index / SLURM_PROCID"
         )
     log = setup_agent_logging(log_path(job, identity.name, agent=True), name=identity.name)
+    if not isinstance(plan.convert, msgspec.UnsetType) and plan.convert.only:
+        from agent.convertjob import ConvertJob
+
+        return trio.run(ConvertJob(job=job, plan=plan, identity=identity, log=log).run)
     from agent.nodeagent import NodeAgent
 
     agent = NodeAgent(job=job, plan=plan, identity=identity, log=log)

@@ -23,13 +23,14 @@ from agent.http.asgi import bound_socket, serve
 from agent.http.endpoint import StatusFeed, build_app
 from agent.http.metrics import AgentMetrics, HeadFigures
 from agent.http.reexport import UpstreamMetrics
-from agent.job.logfiles import log_path
+from agent.job.logfiles import convert_log_path, log_path
 from agent.job.names import ROUTER_NAME
 from agent.job.paths import PRIVATE_DIR_MODE, JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, EngineStatus, RendezvousRecord
 from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
 from agent.launch.commands import MANAGED_ENV, arg_value, decode_command, prefill_command
+from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
 from agent.node.logpump import LogSink
 from agent.node.ports import choose_port, choose_ports, is_bindable
@@ -84,6 +85,20 @@ class NodeAgent:
         self.stop_requested = False
         self.started = time.time()
         self.setup_script: Path | None = None
+        # Decode: the weights folder complete (converted once if need be) before the engine.
+        self.weights = (
+            WeightsGate(
+                plan=plan,
+                job=job,
+                identity=identity,
+                launcher=self.launcher,
+                launch_spec=self.launch_spec,
+                log=log,
+                on_change=self.changed,
+            )
+            if identity.role == "decode"
+            else None
+        )
 
     # ---- state for /status and metrics ---------------------------------------------------
 
@@ -96,8 +111,11 @@ class NodeAgent:
         return sups
 
     def _snapshot(self) -> AgentStatus:
+        gate = self.weights.status() if self.weights is not None else None
         if self.engine is not None:
             engine = msgspec.structs.asdict(self.engine.status())
+        elif gate is not None:
+            engine = msgspec.structs.asdict(gate)
         else:
             engine = msgspec.structs.asdict(
                 EngineStatus(
@@ -120,6 +138,7 @@ class NodeAgent:
             index=self.id.index,
             node=self.id.node,
             router=router,
+            convert=self.weights.progress() if self.weights is not None else None,
         )
 
     def changed(self) -> None:
@@ -264,10 +283,8 @@ class NodeAgent:
                 else ["tilert.pd_vllm.decode_server"]
             )
             python = "python3" if self.role.image else sys.executable
+            # The decode's weights folder is the WeightsGate's to check (and convert), after this.
             paths = []
-            weights = arg_value(self.role.args, "--model-weights-dir")
-            if role == "decode" and weights:
-                paths.append(weights)
             model = self.role.program[2] if role == "prefill" and len(self.role.program) > 2 else ""
             if model.startswith("/"):
                 paths.append(model)
@@ -347,7 +364,7 @@ class NodeAgent:
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             if self.head_figures is not None:  # prefill-0, the head agent
                 self.head = Head(self._head_context(self.head_figures))
-            if await self.run_preflight():
+            if await self.run_preflight() and (self.weights is None or await self.weights.ready()):
                 self.publish()  # now with the versions the preflight found
                 self.engine = EngineSupervisor(
                     name=self.id.name,
@@ -374,7 +391,7 @@ class NodeAgent:
                 nursery.cancel_scope.cancel()
         if self.engine is not None and self.engine.state == "failed":
             exit_code = exit_code or 1
-        if self.preflight_failure:
+        if self.preflight_failure or (self.weights is not None and self.weights.failure):
             exit_code = 1
         self.log.info("%s: exiting with code %d", self.id.name, exit_code)
         return exit_code
@@ -421,4 +438,6 @@ class NodeAgent:
         }
         if self.id.is_head:
             files[ROUTER_NAME] = log_path(self.job, ROUTER_NAME)
+        if self.weights is not None:
+            files["convert"] = convert_log_path(self.job, self.id.name)
         return files

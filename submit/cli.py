@@ -1,7 +1,9 @@
 """``tilert-submit``: load + validate a recipe, plan, write the job directory, submit (or not).
 
 ``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock]
-[--job-dir DIR]``, and the job commands ``status J [--json]``, ``logs J [NAME] [-f]``, ``stop J``.
+[--job-dir DIR]``, ``tilert-submit convert RECIPE [same flags]`` (a one-node job converting the
+decode's weights, docs/weights.md), and the job commands ``status J [--json]``, ``logs J [NAME]
+[-f]``, ``stop J``.
 RECIPE is positional, so the job commands are recognised by the first word; a recipe file with
 such a name is given as ``./status``. Bad input exits 2 with a message naming the key or flag,
 a runtime failure 1; never a traceback for either.
@@ -46,6 +48,8 @@ JOB_COMMANDS = {
     "logs": ("submit.logview", "print (or follow) a job's logs"),
     "stop": ("submit.stop", "stop a job: agents drain, then the job ends"),
 }
+# ``tilert-submit convert RECIPE ...``: the same flags as a submission, for a convert-only job.
+CONVERT_COMMAND = "convert"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
         "validate the recipe, plan, write the job directory and submit it to Slurm.",
         epilog="Job commands: "
         + "; ".join(f"{PROG} {name} J ... ({text})" for name, (_, text) in JOB_COMMANDS.items())
-        + ". See docs/cli.md.",
+        + f". Weights ahead of a job: {PROG} {CONVERT_COMMAND} RECIPE ... (a one-node job). "
+        "See docs/cli.md.",
     )
     parser.add_argument("recipe", metavar="RECIPE", help="the recipe YAML file")
     parser.add_argument(
@@ -190,6 +195,7 @@ def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> Non
 
 def run(args: argparse.Namespace) -> int:
     """Load, plan, write the job directory, then dry-run, run locally or submit."""
+    from agent.recipe.convertplan import convert_job_plan
     from agent.recipe.loader import load_recipe
     from agent.recipe.planner import make_plan, secret_values
     from submit.slurm.render import default_agent_command, render_sbatch
@@ -199,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_recipe(Path(args.recipe), overrides=args.overrides, cluster=cluster)
         launcher = "process" if (args.local or args.mock) else None
         plan = make_plan(loaded, mock=args.mock, launcher=launcher)
+        if getattr(args, "convert", False):
+            plan = convert_job_plan(plan)
         if args.local:
             # Every agent runs on this machine: loopback is the address they all reach.
             plan = msgspec.structs.replace(plan, network_interface="lo")
@@ -217,9 +225,10 @@ def run(args: argparse.Namespace) -> int:
     _warn(cluster_warnings, cluster_source)
     _warn(loaded.warnings, loaded.source)
     if args.dry_run:
-        from submit.show import render_plan
+        from submit.show import render_convert_plan, render_plan
 
-        print(render_plan(plan, job, agent_command, local=args.local))
+        render = render_convert_plan if getattr(args, "convert", False) else render_plan
+        print(render(plan, job, agent_command, local=args.local))
         print("Dry run: nothing submitted.")
         return 0
     try:
@@ -233,6 +242,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in JOB_COMMANDS:
         return _job_command(argv[0], argv[1:])
+    if argv and argv[0] == CONVERT_COMMAND:
+        parser = _parser()
+        parser.prog = f"{PROG} {CONVERT_COMMAND}"
+        parser.description = (
+            "Convert the recipe's decode weights (roles.decode.convert) into "
+            "roles.decode.args.model-weights-dir as a one-node job, ahead of the serving job."
+        )
+        parser.epilog = "See docs/weights.md."
+        args = parser.parse_args(argv[1:])
+        args.convert = True
+        return run(args)
     return run(_parser().parse_args(argv))
 
 

@@ -9,11 +9,20 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+import msgspec
+
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, RolePlan
 from agent.job.secrets import MASK
-from agent.launch.commands import DecodeEndpoint, decode_command, prefill_command, router_command
+from agent.launch.commands import (
+    DecodeEndpoint,
+    arg_value,
+    convert_command,
+    decode_command,
+    prefill_command,
+    router_command,
+)
 
 CHOSEN = "<agent>"
 
@@ -102,11 +111,11 @@ def _ports(role: RolePlan) -> str:
     return ", ".join(f"{kind} from {port}" for kind, port in role.port_base.items())
 
 
-def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: bool = False) -> str:
-    """The dry-run printout of ``plan`` (secrets masked; nothing here is submitted)."""
+def _slurm_header(plan: Plan) -> list[str]:
+    """The sbatch header in words."""
     slurm = plan.slurm
     header = [
-        f"{slurm.nodes} nodes",
+        f"{slurm.nodes} node{'s' if slurm.nodes != 1 else ''}",
         "1 task per node",
         f"{slurm.gpus_per_node} GPUs per node" if slurm.gpus_per_node else "no GPUs",
     ]
@@ -120,6 +129,63 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
         if value:
             header.append(f"{label} {value}")
     header.append(f"SIGTERM {slurm.signal_lead_s} s before the time limit")
+    return header
+
+
+def _weights_lines(plan: Plan) -> list[str]:
+    """What the decode agents check before their engines, and how they convert (if they do)."""
+    folder = arg_value(plan.decode.args, "--model-weights-dir")
+    if not folder:
+        return []
+    lines = [
+        "Weights (checked on each decode node before its engine starts; docs/weights.md):",
+        f"  folder   {folder} (roles.decode.args.model-weights-dir)",
+    ]
+    convert = plan.convert
+    if isinstance(convert, msgspec.UnsetType):
+        return [*lines, "  convert  no: an incomplete folder fails the decode at once"]
+    command = convert_command(plan, name="decode-N", save_dir="<hidden sibling>", append_mtp=False)
+    return [
+        *lines,
+        f"  convert  from {convert.source}, once, under a lock, when the folder is incomplete"
+        + ("; --append_mtp onto an existing conversion" if convert.append_mtp else ""),
+        f"    {shlex.join(command.argv)}",
+        f"  budget   {_seconds(convert.budget_s)} (agent.convert_budget_s); a lock not refreshed "
+        f"for {_seconds(convert.lock_stale_s)} is taken over (agent.convert_lock_stale_s)",
+    ]
+
+
+def render_convert_plan(
+    plan: Plan, job: JobDir, agent_command: list[str], *, local: bool = False
+) -> str:
+    """The dry-run printout of a convert job (``tilert-submit convert RECIPE --dry-run``)."""
+    launcher = plan.launcher + (
+        " (--mock: the converter is the project's stand-in)" if plan.mock else ""
+    )
+    lines = [
+        f"Convert job {plan.name}: the decode weights of model {plan.model!r}",
+        f"  launcher:    {launcher}",
+        f"  slurm:       {'not used (--local)' if local else ', '.join(_slurm_header(plan))}",
+        f"  agent:       {'a local process (--local)' if local else shlex.join(agent_command)}"
+        f" as {agent_name('decode', 0)}",
+        f"  image:       {plan.decode.image or '(none)'}"
+        + ("  (not used by the process launcher)" if plan.launcher == "process" else ""),
+        "",
+        *_weights_lines(plan),
+        "",
+        "Files:",
+        f"  {job.recipe}",
+        f"  {job.plan}",
+        f"  {job.sbatch}",
+        f"  {job.status}",
+    ]
+    return "\n".join(lines)
+
+
+def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: bool = False) -> str:
+    """The dry-run printout of ``plan`` (secrets masked; nothing here is submitted)."""
+    slurm = plan.slurm
+    header = _slurm_header(plan)
     images = [
         ("prefill", plan.prefill.image),
         ("decode", plan.decode.image),
@@ -177,6 +243,7 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
         f"  restarts backoff {_seconds(agent.restart_backoff_initial_s)} .. "
         f"{_seconds(agent.restart_backoff_max_s)}; failed after {agent.restart_max} within "
         f"{_seconds(agent.restart_window_s)}",
+        *_weights_lines(plan),
         "Files:",
         f"  {job.recipe}",
         f"  {job.plan}",

@@ -69,6 +69,12 @@ def waiting_for(view: JobView) -> str:
     return ", ".join(f"{n} ({a.state})" for n, a in view.agents.items() if a.state != "healthy")
 
 
+def converting(view: JobView) -> bool:
+    """Whether a worker is converting its weights (not late: the conversion has its own budget,
+    ``agent.convert_budget_s``, which the decode agent enforces)."""
+    return any(a.state == "converting" for a in view.agents.values())
+
+
 def startup_overrun(view: JobView, budget_s: float) -> str:
     """The error once the startup budget is spent: each late agent with its reason and its log."""
     # Users act on these, not on a folder.

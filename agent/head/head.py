@@ -26,6 +26,7 @@ from agent.head.decisions import (
     fatal,
     gate,
     serving_state,
+    converting,
     startup_overrun,
     to_drop,
     waiting_for,
@@ -157,6 +158,9 @@ class Head:
             last = gate(view, time.monotonic())
             if last is not None:
                 break
+            if converting(view):
+                # The startup budget counts from when the last conversion ends.
+                deadline = max(deadline, time.monotonic() + budget)
             if time.monotonic() > deadline:
                 raise JobFailed(startup_overrun(view, budget))
             await self._wait(GATE_POLL_S)

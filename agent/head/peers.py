@@ -131,6 +131,7 @@ class Peers:
             log=str(log_path(self.job, name)),
             metrics_url=peer.record.metrics_url if peer.record else None,
             status_url=peer.record.status_url if peer.record else None,
+            convert=status.convert if status and status.convert else msgspec.UNSET,
         )
 
     # ---- following -------------------------------------------------------------------------

@@ -62,10 +62,12 @@ class StatusFeed:
 
 
 def status_body(status: AgentStatus) -> dict[str, object]:
-    """The ``/status`` JSON: ``router`` only where there is one (prefill-0), as DESIGN.md says."""
+    """The ``/status`` JSON: ``router`` only where there is one (prefill-0), as DESIGN.md says,
+    and ``convert`` only while converting."""
     body = msgspec.structs.asdict(status)  # nested Structs stay Structs: msgspec encodes them
-    if body["router"] is None:
-        del body["router"]
+    for optional in ("router", "convert"):
+        if body[optional] is None:
+            del body[optional]
     return body
 
 

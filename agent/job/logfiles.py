@@ -14,6 +14,10 @@ from agent.job.paths import JobDir
 ENGINE_LOG = "engine.log"
 ROUTER_LOG = "router.log"
 AGENT_LOG = "agent.log"
+# The weight converter's output, in the folder of the decode agent that ran it. As a log source
+# it is named ``<agent>:convert`` (``tilert-submit logs J decode-0:convert``).
+CONVERT_LOG = "convert.log"
+CONVERT_SOURCE_SUFFIX = ":convert"
 
 
 def rotated_files(path: Path) -> list[Path]:
@@ -28,6 +32,8 @@ def rotated_files(path: Path) -> list[Path]:
 
 def log_path(job: JobDir, name: str, *, agent: bool = False) -> Path:
     """The current log file of ``name`` (``prefill-0``, ``decode-1``, ``router``)."""
+    if name.endswith(CONVERT_SOURCE_SUFFIX) and not agent:
+        return convert_log_path(job, name.removesuffix(CONVERT_SOURCE_SUFFIX))
     # The router is supervised by the head agent, so its log lives in the head's folder.
     if name == ROUTER_NAME:
         if agent:
@@ -49,4 +55,13 @@ def log_files(job: JobDir, *, agent: bool = False) -> dict[str, Path]:
     files = {name: log_path(job, name, agent=agent) for name in names}
     if not agent and HEAD_NAME in files:
         files[ROUTER_NAME] = log_path(job, ROUTER_NAME)
+    if not agent:
+        for name in names:
+            if convert_log_path(job, name).exists():
+                files[name + CONVERT_SOURCE_SUFFIX] = convert_log_path(job, name)
     return files
+
+
+def convert_log_path(job: JobDir, name: str) -> Path:
+    """The weight converter's log of agent ``name`` (a decode agent)."""
+    return job.log_dir(name) / CONVERT_LOG

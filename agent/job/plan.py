@@ -18,6 +18,12 @@ PLAN_SCHEMA = 1
 # status, close its logs). Generous: whoever waits stops waiting as soon as the agents are gone.
 AGENT_EXIT_SLACK_S = 10.0
 
+# The conversion's budgets when the recipe sets none (recipe ``agent.convert_budget_s`` and
+# ``agent.convert_lock_stale_s``): one home, read by the recipe defaults and by an agent whose plan
+# has no conversion but that finds someone else's conversion in progress.
+DEFAULT_CONVERT_BUDGET_S = 4 * 3600.0
+DEFAULT_CONVERT_LOCK_STALE_S = 120.0
+
 RoleName = Literal["prefill", "decode"]
 LauncherName = Literal["process", "pyxis"]
 
@@ -83,6 +89,26 @@ class AgentPlan(msgspec.Struct, kw_only=True):
     canary_timeout_s: float
 
 
+class ConvertPlan(msgspec.Struct, kw_only=True):
+    """``roles.decode.convert`` resolved: how an incomplete decode weights folder is made.
+
+    The folder itself is the decode's ``--model-weights-dir`` (one source: ``decode.args``).
+    """
+
+    # The Hugging Face checkpoint the converter reads (as the converter sees it).
+    source: str
+    # The converter's --model_type (from the decode model profile when the recipe leaves it out).
+    model_type: str
+    # Add the MTP layer to an existing conversion instead of converting from scratch.
+    append_mtp: bool
+    # ``[python, "-m", CONVERTER_MODULE]``; under --mock the agent runs the stand-in instead.
+    program: list[str]
+    budget_s: float
+    lock_stale_s: float
+    # A ``tilert-submit convert`` job: convert, then end (no engine, no prefill).
+    only: bool = False
+
+
 class Plan(msgspec.Struct, kw_only=True):
     schema: int = PLAN_SCHEMA
     name: str
@@ -103,6 +129,8 @@ class Plan(msgspec.Struct, kw_only=True):
     router: RouterPlan
     agent: AgentPlan
     slurm: SlurmPlan
+    # Absent (not even null) without roles.decode.convert, so plans without one read as before.
+    convert: ConvertPlan | msgspec.UnsetType = msgspec.UNSET
 
     def role(self, name: str) -> RolePlan:
         """The plan of one role by name."""

@@ -12,8 +12,10 @@ import msgspec
 
 RECORD_SCHEMA = 1
 
+# ``converting``: a decode agent waits for its weights folder to be converted (by itself or by
+# another agent holding the folder's lock) before it starts its engine.
 EngineState = Literal[
-    "starting", "healthy", "unhealthy", "restarting", "failed", "stopping", "stopped"
+    "converting", "starting", "healthy", "unhealthy", "restarting", "failed", "stopping", "stopped"
 ]
 JobState = Literal[
     "pending", "starting", "waiting", "ready", "degraded", "stopping", "stopped", "failed"
@@ -38,6 +40,23 @@ class RendezvousRecord(msgspec.Struct, kw_only=True):
     updated_at: float = msgspec.field(default_factory=time.time)
 
 
+class ConvertProgress(msgspec.Struct, kw_only=True):
+    """A weights conversion seen by a decode agent: its own, or the one it waits for."""
+
+    # The weights folder (as the agent's node sees it).
+    folder: str
+    # Whether this agent runs the converter ("converting") or waits for the holder ("waiting").
+    role: Literal["converting", "waiting"]
+    # The lock holder: agent name, node and job directory.
+    holder: str
+    holder_node: str
+    holder_job: str
+    # Bytes the converter has written so far, and the recent rate (bytes per second).
+    bytes_written: int
+    rate_bytes_s: float
+    started_at: float
+
+
 class EngineStatus(msgspec.Struct, kw_only=True):
     """The supervised state of one engine (the role's engine, or the router in prefill-0)."""
 
@@ -60,6 +79,8 @@ class AgentStatus(EngineStatus, kw_only=True):
     # Increases on every change; long-poll with ``/status?after=<version>``.
     version: int = 0
     router: EngineStatus | None = None
+    # While ``converting``: the conversion's progress.
+    convert: ConvertProgress | None = None
 
 
 class JobAgent(msgspec.Struct, kw_only=True):
@@ -73,6 +94,8 @@ class JobAgent(msgspec.Struct, kw_only=True):
     log: str
     metrics_url: str | None
     status_url: str | None
+    # While the agent is ``converting``: the conversion's progress; absent otherwise.
+    convert: ConvertProgress | msgspec.UnsetType = msgspec.UNSET
 
 
 class JobStatus(msgspec.Struct, kw_only=True):

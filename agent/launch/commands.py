@@ -14,6 +14,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from agent.job.plan import Plan, RolePlan, RouterPlan
 
 # The stand-in that replaces each real program under --mock
@@ -22,6 +24,7 @@ STANDIN_MODULES = {
     "prefill": "agent.standins.prefill",
     "decode": "agent.standins.decode",
     "router": "agent.standins.router",
+    "converter": "agent.standins.converter",
 }
 GPU_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 # Variables the agent itself sets for engines (besides GPU visibility).
@@ -163,4 +166,35 @@ def router_command(
     env = _base_env(plan, router.env, router.secret_env, agent_env, "router")
     for var in GPU_ENV_NAMES:
         env[var] = ""  # the router needs no GPU and must not grab one
+    return Command(argv, env)
+
+
+def convert_command(
+    plan: Plan,
+    *,
+    name: str,
+    save_dir: str,
+    append_mtp: bool,
+    agent_env: Mapping[str, str] = os.environ,
+) -> Command:
+    """``python -m tilert.models.preprocess.weight_converter --model_type T --model_dir SRC
+    --save_dir OUT [--append_mtp]`` with the decode's environment."""
+    convert = plan.convert
+    if isinstance(convert, msgspec.UnsetType):
+        raise ValueError("the plan has no conversion (roles.decode.convert)")
+    program = _standin("converter") if plan.mock else list(convert.program)
+    argv = [
+        *program,
+        "--model_type",
+        convert.model_type,
+        "--model_dir",
+        convert.source,
+        "--save_dir",
+        save_dir,
+    ]
+    if append_mtp:
+        argv.append("--append_mtp")
+    env = _base_env(plan, plan.decode.env, plan.decode.secret_env, agent_env, name)
+    # Its progress lines reach convert.log as they are printed, not when a buffer fills.
+    env["PYTHONUNBUFFERED"] = "1"
     return Command(argv, env)

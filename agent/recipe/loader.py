@@ -270,6 +270,10 @@ def _resolve(
                 gpus=gpus,
                 container=_image(role.container, f"roles.{name}.container", cluster, out),
             )
+            if role.convert is not None and role.convert.source:
+                key = f"roles.{name}.convert.source"
+                source = _model_location(role.convert.source, key, cluster, base_dir, out)
+                role = replace(role, convert=replace(role.convert, source=source))
         roles[name] = role
     if resources.gpus_per_node is None:
         resources = replace(resources, gpus_per_node=node_gpus)

@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from agent.job.plan import DEFAULT_CONVERT_BUDGET_S, DEFAULT_CONVERT_LOCK_STALE_S
+
 # A scalar or structured value as YAML gives it. Engine args keep their YAML type until rendered.
 ArgValue = str | int | float | bool | None | list[Any] | dict[str, Any]
 EnvValue = str | int | float | bool
@@ -32,6 +34,23 @@ class Resources(_Strict):
     gpus_per_node: int | None = None
 
 
+class Convert(_Strict):
+    """``roles.decode.convert``: make the decode's weights folder with TileRT's converter.
+
+    The folder is ``roles.decode.args.model-weights-dir``; agent.recipe.convert_rules checks
+    these keys and docs/weights.md says what the agent does with them.
+    """
+
+    # The Hugging Face checkpoint: a path or a cluster ``model_paths`` alias.
+    source: str | None = None
+    # The converter's --model_type; from the decode model profile when left out.
+    model_type: str | None = None
+    # Add the MTP layer to an existing conversion (the converter's --append_mtp).
+    append_mtp: bool = False
+    # The interpreter that holds the converter (inside the decode image under pyxis).
+    python: str = "python"
+
+
 class Role(_Strict):
     """One engine role (``roles.prefill``, ``roles.decode``): its engine, layout, env and args."""
 
@@ -43,6 +62,8 @@ class Role(_Strict):
     gpus: int | None = None
     env: dict[str, EnvValue] = {}
     args: dict[str, ArgValue] = {}
+    # Decode only: convert the weights folder when it is incomplete (docs/weights.md).
+    convert: Convert | None = None
 
 
 class Roles(_Strict):
@@ -145,6 +166,10 @@ class AgentSection(_Strict):
     )
     canary: Canary = msgspec.field(default_factory=Canary)
     logs: LogSettings = msgspec.field(default_factory=LogSettings)
+    # The weights conversion's own budget, apart from the engine's startup budget, and when a
+    # conversion lock nobody refreshes is taken over (docs/weights.md).
+    convert_budget_s: float = DEFAULT_CONVERT_BUDGET_S
+    convert_lock_stale_s: float = DEFAULT_CONVERT_LOCK_STALE_S
 
 
 class Recipe(_Strict):

@@ -17,6 +17,7 @@ from agent.job.plan import AgentPlan, LauncherName, Plan, RolePlan, RouterPlan, 
 from agent.job.secrets import is_secret_name
 from agent.problems import InputError, error
 from agent.recipe.cluster import ClusterConfig
+from agent.recipe.convertplan import convert_plan
 from agent.recipe.loader import HF_PREFIX, LoadedRecipe
 from agent.recipe.model import (
     DEFAULT_HEALTH_INTERVAL_S,
@@ -272,4 +273,5 @@ def make_plan(loaded: LoadedRecipe, *, mock: bool, launcher: str | None = None) 
             exclusive=cluster.exclusive,
             kill_wait_s=cluster.kill_wait_s,
         ),
+        convert=convert_plan(recipe),
     )

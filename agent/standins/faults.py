@@ -17,6 +17,17 @@ Every switch is off when unset or empty:
 - ``TILERT_MOCK_FAULT_TARGET=NAME``: every switch above applies only to the engine whose
   ``TILERT_AGENT_NAME`` (set by the agent: ``prefill-0``, ``decode-1``, ...) equals NAME, so one
   decode of a job can be made to crash-loop while the others serve.
+
+The weight converter stand-in (``agent.standins.converter``) has switches of its own
+(``ConvertFaults``; the fault target applies to them too):
+
+- ``TILERT_MOCK_CONVERT_SHARDS=N`` (default 4) and ``TILERT_MOCK_CONVERT_SHARD_BYTES=B``
+  (default 65536): how much it writes.
+- ``TILERT_MOCK_CONVERT_DELAY_S=S``: it sleeps S seconds before each shard (a slow conversion).
+- ``TILERT_MOCK_CONVERT_CRASH_AFTER_SHARDS=N``: it dies half way, right after the N-th shard, with
+  ``TILERT_MOCK_EXIT_CODE`` (default 1) and an error on stderr.
+- ``TILERT_MOCK_CONVERT_DISK_BYTES=B``: its ``--save_dir`` sits on a "disk" of B bytes: a write
+  past that fails with ENOSPC (``OSError: [Errno 28] No space left on device``), as on a full disk.
 """
 
 from __future__ import annotations
@@ -163,3 +174,43 @@ def _integer(env: Mapping[str, str], key: str) -> int | None:
 
 def _flag(env: Mapping[str, str], key: str) -> bool:
     return _text(env, key).lower() not in ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class ConvertFaults:
+    """The weight converter stand-in's switches (``TILERT_MOCK_CONVERT_*``, module docstring)."""
+
+    shards: int = 4
+    shard_bytes: int = 64 * 1024
+    delay_s: float = 0.0
+    crash_after_shards: int | None = None
+    disk_bytes: int | None = None
+    exit_code: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ConvertFaults:
+        """The switches in ``env`` (default: this process's), honouring the fault target."""
+        env = os.environ if env is None else env
+        default = cls()
+        # How much is written is not a fault: it applies whatever the target.
+        shards = _integer(env, "CONVERT_SHARDS")
+        size = _integer(env, "CONVERT_SHARD_BYTES")
+        sized = cls(
+            shards=default.shards if shards is None else shards,
+            shard_bytes=default.shard_bytes if size is None else size,
+        )
+        if sized.shards < 1 or sized.shard_bytes < 1:
+            raise FaultConfigError(
+                f"{PREFIX}CONVERT_SHARDS and {PREFIX}CONVERT_SHARD_BYTES must be at least 1"
+            )
+        target = env.get(TARGET_ENV, "").strip()
+        if target and target != env.get(AGENT_NAME_ENV, "").strip():
+            return sized
+        return cls(
+            shards=sized.shards,
+            shard_bytes=sized.shard_bytes,
+            delay_s=_number(env, "CONVERT_DELAY_S") or 0.0,
+            crash_after_shards=_integer(env, "CONVERT_CRASH_AFTER_SHARDS"),
+            disk_bytes=_integer(env, "CONVERT_DISK_BYTES"),
+            exit_code=_integer(env, "EXIT_CODE") if _text(env, "EXIT_CODE") else 1,  # type: ignore[arg-type]
+        )

@@ -68,6 +68,8 @@ class LocalRun:
         self.sinks: dict[str, LogSink] = {}
         self.limit = max(plan.prefill.startup_budget_s, plan.decode.startup_budget_s)
         self.started = time.monotonic()
+        # The agent whose exit ends the run: the head, or decode-0 of a convert job (no prefill).
+        self.lead = HEAD_NAME if plan.prefill.nodes else agent_name("decode", 0)
 
     async def _start(self, nursery: trio.Nursery, role: str, index: int) -> None:
         name = agent_name(role, index)
@@ -101,12 +103,18 @@ class LocalRun:
         code = 0
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                await self._start(nursery, "prefill", 0)
+                for i in range(self.plan.prefill.nodes):
+                    await self._start(nursery, "prefill", i)
                 for i in range(self.plan.decode.workers):
                     await self._start(nursery, "decode", i)
+                what = (
+                    f"waiting for the job to be ready (limit {self.limit:g}s)"
+                    if self.lead == HEAD_NAME
+                    else "converting the weights"
+                )
                 _say(
-                    f"started {len(self.agents)} agents ({', '.join(self.agents)}); "
-                    f"waiting for the job to be ready (limit {self.limit:g}s); Ctrl-C stops it"
+                    f"started {len(self.agents)} agent{'s' if len(self.agents) != 1 else ''} "
+                    f"({', '.join(self.agents)}); {what}; Ctrl-C stops it"
                 )
                 stop = trio.Event()
 
@@ -130,7 +138,7 @@ class LocalRun:
         last_line = ""
         last_print = 0.0
         ready_said = False
-        head = self.agents[HEAD_NAME]
+        head = self.agents[self.lead]
         while not stop.is_set():
             status = _read(self.job)
             elapsed = time.monotonic() - self.started
@@ -144,14 +152,18 @@ class LocalRun:
                 line = f"{status.state}: {_summary(status)}"
                 now = time.monotonic()
                 if line != last_line or (not ready_said and now - last_print > PROGRESS_EVERY_S):
-                    limit = "" if ready_said else f" / limit {self.limit:g}s"
+                    serving = self.lead == HEAD_NAME and not ready_said
+                    limit = f" / limit {self.limit:g}s" if serving else ""
                     _say(f"[{elapsed:6.1f}s{limit}] {line}")
                     last_line, last_print = line, now
             if head.returncode is not None:
                 status = _read(self.job)
                 error = status.error if status and status.error else "see its agent.log"
-                _say(f"the head agent prefill-0 exited with code {head.returncode}: {error}")
-                tail = self.sinks[HEAD_NAME].recent(20)
+                if self.lead != HEAD_NAME and not head.returncode:
+                    return 0  # a convert job that finished
+                who = "the head agent prefill-0" if self.lead == HEAD_NAME else self.lead
+                _say(f"{who} exited with code {head.returncode}: {error}")
+                tail = self.sinks[self.lead].recent(20)
                 if tail:
                     _say("last lines of its stderr:\n  " + "\n  ".join(tail))
                 if head.returncode and status is not None and status.state != "failed":
@@ -159,8 +171,8 @@ class LocalRun:
                     last = tail[-1] if tail else "see its agent.log"
                     status.state = "failed"
                     status.error = (
-                        f"prefill-0 exited with code {head.returncode}: {last} "
-                        f"(log: {self.job.log_dir(HEAD_NAME) / 'agent.log'})"
+                        f"{self.lead} exited with code {head.returncode}: {last} "
+                        f"(log: {self.job.log_dir(self.lead) / 'agent.log'})"
                     )
                     status.router_url = None
                     status.updated_at = time.time()

@@ -170,7 +170,8 @@ def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
         "pids=()",
         "",
     ]
-    for role in (plan.prefill, plan.decode):
+    # A convert job (tilert-submit convert) has no prefill node.
+    for role in (r for r in (plan.prefill, plan.decode) if r.nodes > 0):
         lines += [*_step(role), 'pids+=("$!")', ""]
     lines += [
         "# From here on SIGTERM is the agents' to handle (tilert-submit stop, the time limit):",

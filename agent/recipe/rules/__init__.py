@@ -2,7 +2,8 @@
 
 ``check`` runs srtctl's own rules and the failures srtctl would see only on the nodes
 (``srtctl``), then the prefill/decode agreements that TileRT checks only at the first request
-(``agreements``), reading values through ``values``. It returns every problem, in a fixed order,
+(``agreements``), and whether the weights conversion agrees with the decode (``weights``),
+reading values through ``values``. It returns every problem, in a fixed order,
 so that one run reports all of them; the loader runs it on every recipe, and every agent again on
 its node.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from agent.problems import Problem
 from agent.recipe.model import Recipe
-from agent.recipe.rules import agreements, srtctl
+from agent.recipe.rules import agreements, srtctl, weights
 
 
 def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
@@ -34,4 +35,5 @@ def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
     srtctl.model(recipe, out)
     srtctl.images(recipe, launcher, out)
     srtctl.settings(recipe, out)
+    weights.conversion(recipe, out)
     return out

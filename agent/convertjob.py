@@ -1,0 +1,139 @@
+"""The agent of a ``tilert-submit convert`` job: convert the weights folder, then end.
+
+A convert job's plan holds one decode agent and no prefill (agent.recipe.convertplan). Its agent
+runs the same ``WeightsGate`` a serving decode agent runs before its engine (the same check, the
+same lock, the same converter through the same launcher), writes ``J/status.json`` itself (there
+is no head), and exits: 0 when the folder is complete (``stopped``), 1 when it is not (``failed``),
+0 after a requested stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import msgspec
+import trio
+
+from agent.head.head import STATUS_REFRESH_S
+from agent.job.logfiles import convert_log_path
+from agent.job.paths import JobDir
+from agent.job.plan import Plan
+from agent.job.records import JobAgent, JobState, JobStatus
+from agent.node.conversion import WeightsGate
+from agent.node.identity import Identity
+from agent.nodeagent import NodeAgent
+
+
+class ConvertJob:
+    """One node converting one weights folder for a convert job."""
+
+    def __init__(self, *, job: JobDir, plan: Plan, identity: Identity, log: logging.Logger) -> None:
+        self.job = job
+        self.plan = plan
+        self.id = identity
+        self.log = log
+        # The node agent's launcher and launch specs (mounts, image settings), not its engine.
+        node = NodeAgent(job=job, plan=plan, identity=identity, log=log)
+        self.gate = WeightsGate(
+            plan=plan,
+            job=job,
+            identity=identity,
+            launcher=node.launcher,
+            launch_spec=node.launch_spec,
+            log=log,
+            on_change=self.write_status,
+        )
+        self.state: JobState = "starting"
+        self.agent_state = "starting"
+        self.reason = "checking the weights folder"
+        self.error: str | None = None
+        self._written = b""
+        self._previous = self._read_previous()
+
+    def _read_previous(self) -> JobStatus | None:
+        try:
+            return self.job.read_status()
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    def write_status(self, force: bool = False) -> None:
+        """``status.json``: the job and its one agent, on every change (``force``: heartbeat)."""
+        # The gate's state while it works, and its failure; once stopped, ours.
+        gate = self.gate.status() if self.state == "starting" or self.gate.failure else None
+        state, reason = (gate.state, gate.reason) if gate else (self.agent_state, self.reason)
+        progress = self.gate.progress()
+        agent = JobAgent(
+            name=self.id.name,
+            role=self.id.role,
+            index=self.id.index,
+            node=self.id.node,
+            state=state,
+            restarts=0,
+            reason=reason,
+            log=str(convert_log_path(self.job, self.id.name)),
+            metrics_url=None,
+            status_url=None,
+            convert=progress if progress is not None else msgspec.UNSET,
+        )
+        previous = self._previous
+        status = JobStatus(
+            state=self.state,
+            model=self.plan.model,
+            slurm_job_id=self.id.slurm_job_id,
+            local_pid=previous.local_pid if previous else None,
+            error=self.error,
+            agents=[agent],
+        )
+        content = msgspec.json.encode(msgspec.structs.replace(status, updated_at=0.0))
+        if force or content != self._written:
+            self._written = content
+            self.job.write_status(status)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await trio.sleep(STATUS_REFRESH_S)
+            self.write_status(force=True)
+
+    async def run(self) -> int:
+        """Convert (or find the folder complete); the exit code."""
+        self.write_status()
+        code = 0
+        ok = stopped = False
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._heartbeat)
+
+                async def on_signal() -> None:
+                    nonlocal stopped
+                    async for signum in signals:
+                        self.log.info(
+                            "%s: %s received; stopping the conversion",
+                            self.id.name,
+                            signal.Signals(signum).name,
+                        )
+                        stopped = True
+                        nursery.cancel_scope.cancel()
+                        return
+
+                nursery.start_soon(on_signal)
+                ok = await self.gate.ready()
+                nursery.cancel_scope.cancel()
+        done = self.gate.done
+        if stopped:
+            self.state, self.agent_state = "stopped", "stopped"
+            self.reason = "stopped on request before the weights folder was complete"
+        elif ok and done is not None:
+            self.state, self.agent_state = "stopped", "stopped"
+            self.reason = f"{done.folder} complete: {done.shard_count} shards"
+        elif ok:
+            self.state, self.agent_state = "stopped", "stopped"
+            self.reason = "the decode has no model-weights-dir: nothing to convert"
+        else:
+            code = 1
+            self.state = "failed"
+            self.error = f"{self.id.name} on {self.id.node}: {self.gate.failure}"
+        self.log.info("%s: convert job %s: %s", self.id.name, self.state, self.error or self.reason)
+        self.write_status()
+        self.log.info("%s: exiting with code %d", self.id.name, code)
+        return code

@@ -1,0 +1,706 @@
+"""The gate before a decode engine: its weights folder is complete, converted exactly once.
+
+``WeightsGate.ready`` runs on the decode node after the preflight and before the engine starts:
+
+1. a complete folder (agent.node.weightsfolder) is served as it is, never converted again;
+2. an incomplete one with a conversion in progress (a live lock, agent.node.folderlock) is waited
+   for, showing ``converting`` with the holder's node, bytes written and rate;
+3. an incomplete one without ``roles.decode.convert`` fails at once, saying what is missing and
+   how to convert it;
+4. otherwise this agent takes the lock and converts: TileRT's converter, through the agent's own
+   launcher (as the engine would run), writes into a hidden sibling folder, its output going to
+   ``J/logs/<agent>/convert.log``; on success the agent checks the result, writes the marker and
+   renames the folder into place; on failure it removes its folder and releases the lock, and the
+   error names the log. A stale lock (its holder died) is taken over and the holder's leftovers
+   deleted.
+
+The agent works on the folder as its node sees it; under pyxis the converter and the engine see it
+through the job's container mounts, so the path is mapped back through them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import msgspec
+import trio
+
+from agent.facts import (
+    CONVERTER_MODEL_TYPES,
+    DEFAULT_TILERT_MODEL,
+    WEIGHTS_INDEX_FILE,
+    human_bytes,
+)
+from agent.job.logfiles import convert_log_path
+from agent.job.paths import JobDir
+from agent.job.plan import (
+    DEFAULT_CONVERT_BUDGET_S,
+    DEFAULT_CONVERT_LOCK_STALE_S,
+    ConvertPlan,
+    Plan,
+)
+from agent.job.records import ConvertProgress, EngineState, EngineStatus
+from agent.launch import preflight
+from agent.launch.commands import STANDIN_MODULES, arg_value, convert_command
+from agent.launch.launchers import Engine, Launcher, LaunchSpec
+from agent.node.folderlock import (
+    HeldLock,
+    LockInfo,
+    LockLost,
+    Observed,
+    StaleWatch,
+    new_token,
+    observe,
+    take_over,
+    try_acquire,
+)
+from agent.node.identity import Identity
+from agent.node.logpump import LogSink
+from agent.node.weightsfolder import (
+    MARKER_NAME,
+    ConvertedMarker,
+    Inspection,
+    Siblings,
+    copy_for_append,
+    folder_bytes,
+    inspect,
+    remove_tree,
+    replace_folder,
+    write_marker,
+)
+
+# Builds a LaunchSpec with the job's mounts and settings: (name, argv, env, image).
+SpecBuilder = Callable[[str, list[str], dict[str, str], str | None], LaunchSpec]
+
+# The rate shown is over this window (a converter writes in bursts, one shard at a time).
+RATE_WINDOW_S = 30.0
+# Heartbeats and polls: often enough for the staleness rule, rarely enough for a shared FS.
+MAX_HEARTBEAT_S = 10.0
+MAX_POLL_S = 1.0
+# How long the log pump may take to reach EOF after the converter exited.
+PUMP_DRAIN_S = 2.0
+CONVERT_LOG_TAIL = 5
+HOW_TO_CONVERT = (
+    "add roles.decode.convert (source: the Hugging Face checkpoint) to the recipe and the agent "
+    "converts it before the engine starts, or run `tilert-submit convert RECIPE` ahead of the job "
+    "(docs/weights.md)"
+)
+
+
+class WeightsError(Exception):
+    """The weights folder cannot be served; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class WeightsPaths:
+    """The weights folder as the agent sees it (``host``) and as the engine sees it."""
+
+    host: Path
+    engine: str
+    # Whether the engine also sees the folder's siblings (a conversion writes into one).
+    siblings_visible: bool
+
+    def engine_path(self, sibling: Path) -> str:
+        """A sibling of the folder as the engine (and the converter) see it."""
+        return posixpath.join(posixpath.dirname(self.engine), sibling.name)
+
+
+def weights_paths(folder: str, mounts: Sequence[str], launcher: str) -> WeightsPaths:
+    """Map the engine's ``--model-weights-dir`` to this node's path (pyxis: through the mounts)."""
+    engine = posixpath.normpath(folder)
+    if launcher != "pyxis":
+        return WeightsPaths(Path(engine), engine, True)
+    best: tuple[str, str] | None = None
+    for mount in mounts:
+        host, _, rest = mount.partition(":")
+        inside = posixpath.normpath(rest.partition(":")[0] or host)
+        if (engine == inside or engine.startswith(inside.rstrip("/") + "/")) and (
+            best is None or len(inside) > len(best[1])
+        ):
+            best = (host, inside)
+    if best is None:
+        raise WeightsError(
+            f"the weights folder {folder} (roles.decode.args.model-weights-dir) is not under any "
+            "of the job's container mounts, so the agent cannot check it on the node; mount the "
+            "folder that holds it (container_mounts, or the cluster's default_mounts)"
+        )
+    host, inside = best
+    relative = posixpath.relpath(engine, inside)
+    path = Path(host) if relative == "." else Path(host) / relative
+    return WeightsPaths(path, engine, siblings_visible=engine != inside)
+
+
+class _Rate:
+    """Bytes per second over the last ``RATE_WINDOW_S``."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def add(self, now: float, written: int) -> float:
+        self._samples.append((now, written))
+        while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class WeightsGate:
+    """Checks, waits for or converts a decode agent's weights folder before its engine starts."""
+
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        job: JobDir,
+        identity: Identity,
+        launcher: Launcher,
+        launch_spec: SpecBuilder,
+        log: logging.Logger,
+        on_change: Callable[[], None],
+    ) -> None:
+        self.plan = plan
+        self.job = job
+        self.id = identity
+        self.launcher = launcher
+        self.launch_spec = launch_spec
+        self.log = log
+        self.on_change = on_change
+        self.folder = arg_value(plan.decode.args, "--model-weights-dir")
+        self.convert: ConvertPlan | None = (
+            None if isinstance(plan.convert, msgspec.UnsetType) else plan.convert
+        )
+        self.budget_s = self.convert.budget_s if self.convert else DEFAULT_CONVERT_BUDGET_S
+        self.stale_s = self.convert.lock_stale_s if self.convert else DEFAULT_CONVERT_LOCK_STALE_S
+        self.heartbeat_s = max(0.05, min(MAX_HEARTBEAT_S, self.stale_s / 4))
+        self.poll_s = max(0.05, min(MAX_POLL_S, self.stale_s / 4))
+        self.log_path = convert_log_path(job, identity.name)
+        # What /status shows while the gate is working (None: nothing to show).
+        self.state: EngineState | None = None
+        self.reason = ""
+        self.since = time.time()
+        self.pid: int | None = None
+        self.failure: str | None = None
+        self.done: Inspection | None = None
+        self._progress: ConvertProgress | None = None
+        # What the converter's preflight found: the setup script to source, the tilert version.
+        self._setup_script: Path | None = None
+        self._versions: dict[str, str] = {}
+        # Bytes already in the conversion folder before the converter ran (an --append_mtp copy).
+        self._baseline = 0
+
+    # ---- what /status shows ------------------------------------------------------------------
+
+    def status(self) -> EngineStatus | None:
+        """The agent's state while converting or waiting, or after a failure; else None."""
+        if self.state is None:
+            return None
+        return EngineStatus(
+            state=self.state,
+            pid=self.pid,
+            ports={},
+            restarts=0,
+            reason=self.reason,
+            since=self.since,
+            uptime_s=None,
+        )
+
+    def progress(self) -> ConvertProgress | None:
+        """The conversion this agent runs or waits for, while it does."""
+        return self._progress if self.state == "converting" else None
+
+    def _show(self, state: EngineState | None, reason: str) -> None:
+        if (state, reason) == (self.state, self.reason):
+            return
+        if state != self.state:
+            self.since = time.time()
+        self.state, self.reason = state, reason
+        self.on_change()
+
+    def _fail(self, reason: str) -> None:
+        self.failure = reason
+        self.pid = None
+        self.log.error("%s: weights: %s", self.id.name, reason)
+        self._show("failed", f"weights: {reason}")
+
+    # ---- the gate ----------------------------------------------------------------------------
+
+    async def ready(self) -> bool:
+        """True when the engine may start; False when it must not (the reason is in ``status``)."""
+        if not self.folder:
+            return True
+        try:
+            paths = weights_paths(self.folder, self.plan.mounts, self.plan.launcher)
+            await self._until_complete(paths)
+        except WeightsError as exc:
+            self._fail(str(exc))
+            return False
+        except OSError as exc:
+            self._fail(f"file system error on {self.folder}'s folder: {exc}")
+            return False
+        self.pid = None
+        self._show(None, "")
+        return True
+
+    def _expected_model_type(self) -> str | None:
+        if self.convert is not None:
+            return self.convert.model_type
+        profile = arg_value(self.plan.decode.args, "--model") or DEFAULT_TILERT_MODEL
+        return CONVERTER_MODEL_TYPES.get(profile)
+
+    def _accept(self, found: Inspection) -> None:
+        """A complete folder: check it is the model the decode serves, then say so."""
+        marker = found.marker
+        if marker is None:  # inspect() never calls a folder without a marker complete
+            raise WeightsError(f"{found.folder} has no {MARKER_NAME}")
+        want = self._expected_model_type()
+        if want is not None and marker.model_type != want:
+            raise WeightsError(
+                f"{found.folder} holds a {marker.model_type} conversion (of {marker.source}), but "
+                f"the decode needs {want}; point roles.decode.args.model-weights-dir at another "
+                "folder (the agent never converts a complete folder again)"
+            )
+        if self.convert is not None and marker.source != self.convert.source:
+            self.log.warning(
+                "%s: %s was converted from %s, the recipe names %s; serving it as it is",
+                self.id.name,
+                found.folder,
+                marker.source,
+                self.convert.source,
+            )
+        self.done = found
+        self.log.info(
+            "%s: weights %s complete: %d shards, %s, converted by %s on %s at %s",
+            self.id.name,
+            found.folder,
+            found.shard_count,
+            human_bytes(found.total_bytes),
+            marker.agent,
+            marker.node,
+            marker.converted_at_utc,
+        )
+
+    async def _until_complete(self, paths: WeightsPaths) -> None:
+        siblings = Siblings(paths.host)
+        watch = StaleWatch(self.stale_s)
+        waiting_since: float | None = None
+        checked_converter = False
+        while True:
+            found = await trio.to_thread.run_sync(inspect, paths.host)
+            if found.complete:
+                self._accept(found)
+                return
+            seen = await trio.to_thread.run_sync(observe, siblings.lock)
+            if seen is None:
+                convert = self.convert
+                if convert is None:
+                    raise WeightsError(
+                        f"{paths.host} is not a complete TileRT conversion: {found.summary()}. "
+                        f"To convert it: {HOW_TO_CONVERT}"
+                    )
+                if not checked_converter:
+                    await self._check_converter(convert)
+                    checked_converter = True
+                token = new_token()
+                held = await trio.to_thread.run_sync(
+                    try_acquire, siblings.lock, self._lock_info(token, siblings)
+                )
+                if held is None:
+                    continue  # someone else created it first: wait for them
+                await self._convert_holding(convert, held, paths, siblings, token)
+                return
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                self.log.info(
+                    "%s: %s is incomplete and being converted (lock %s): waiting",
+                    self.id.name,
+                    paths.host,
+                    siblings.lock,
+                )
+            self._waiting(paths, seen)
+            if watch.stale(seen):
+                await self._stale(paths, siblings, seen, found)
+                watch = StaleWatch(self.stale_s)
+                continue
+            if time.monotonic() - waiting_since > self.budget_s + self.stale_s:
+                raise WeightsError(
+                    f"waited {self.budget_s + self.stale_s:g}s (agent.convert_budget_s + "
+                    f"agent.convert_lock_stale_s) for {self._holder(seen)} to convert "
+                    f"{paths.host}; see that agent's convert.log"
+                )
+            await trio.sleep(self.poll_s)
+
+    @staticmethod
+    def _holder(seen: Observed) -> str:
+        info = seen.info
+        if info is None:
+            return "another agent"
+        return f"{info.agent} on {info.node} (job {info.job})"
+
+    def _waiting(self, paths: WeightsPaths, seen: Observed) -> None:
+        info = seen.info
+        if info is not None:
+            self._progress = ConvertProgress(
+                folder=str(paths.host),
+                role="waiting",
+                holder=info.agent,
+                holder_node=info.node,
+                holder_job=info.job,
+                bytes_written=info.bytes_written,
+                rate_bytes_s=info.rate_bytes_s,
+                started_at=info.started_at,
+            )
+        written = (
+            f": {human_bytes(info.bytes_written)} written, {human_bytes(info.rate_bytes_s)}/s"
+            if info is not None
+            else ""
+        )
+        self._show(
+            "converting", f"waiting for {self._holder(seen)} to convert {paths.host}{written}"
+        )
+
+    async def _stale(
+        self, paths: WeightsPaths, siblings: Siblings, seen: Observed, found: Inspection
+    ) -> None:
+        holder = self._holder(seen)
+        if self.convert is None:
+            raise WeightsError(
+                f"{paths.host} is not a complete TileRT conversion ({found.summary()}), and the "
+                f"conversion by {holder} stopped: its lock {siblings.lock} was not refreshed for "
+                f"{self.stale_s:g}s (agent.convert_lock_stale_s). To convert it: {HOW_TO_CONVERT}"
+            )
+        self.log.warning(
+            "%s: the conversion lock %s of %s was not refreshed for %gs "
+            "(agent.convert_lock_stale_s): taking it over",
+            self.id.name,
+            siblings.lock,
+            holder,
+            self.stale_s,
+        )
+        await trio.to_thread.run_sync(take_over, siblings.lock, seen)
+
+    def _lock_info(self, token: str, siblings: Siblings) -> LockInfo:
+        return LockInfo(
+            token=token,
+            agent=self.id.name,
+            node=self.id.node,
+            job=str(self.job.root),
+            pid=os.getpid(),
+            temp=siblings.converting(token).name,
+            started_at=time.time(),
+        )
+
+    # ---- converting --------------------------------------------------------------------------
+
+    def _converter_module(self, convert: ConvertPlan) -> str:
+        return STANDIN_MODULES["converter"] if self.plan.mock else convert.program[-1]
+
+    async def _check_converter(self, convert: ConvertPlan) -> None:
+        """Can this node run the converter on the checkpoint? Seconds, before taking the lock."""
+        self._show("converting", "checking the converter (preflight)")
+        checks = preflight.PreflightChecks(
+            python=sys.executable if self.plan.mock else convert.program[0],
+            modules=[self._converter_module(convert)],
+            distributions=["tilert"],
+            # The stand-in needs no setup; the script belongs to the real image.
+            setup_script=None if self.plan.mock else self.plan.setup_script,
+            configs_dir=self.plan.configs_dir,
+            paths=[convert.source],
+        )
+        base = self.launch_spec(
+            f"{self.id.name}-convert-preflight", [], dict(os.environ), self.plan.decode.image
+        )
+        result = await preflight.run_preflight(self.launcher, base, checks)
+        if not result.ok:
+            raise WeightsError("the converter's preflight failed: " + "; ".join(result.problems))
+        self._setup_script = Path(result.setup_script) if result.setup_script else None
+        self._versions = dict(result.versions)
+
+    async def _convert_holding(
+        self,
+        convert: ConvertPlan,
+        held: HeldLock,
+        paths: WeightsPaths,
+        siblings: Siblings,
+        token: str,
+    ) -> None:
+        """Convert under the lock; the lock is released and our folder gone whatever happens."""
+        temp = siblings.converting(token)
+        lost: list[str] = []
+        failed: WeightsError | OSError | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._heartbeat, held, paths, temp, lost, nursery.cancel_scope)
+                try:
+                    await self._convert(convert, paths, siblings, temp, token)
+                except (WeightsError, OSError) as exc:  # raised here, not as an ExceptionGroup
+                    failed = exc
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(remove_tree, temp)
+                await trio.to_thread.run_sync(held.release)
+        if lost:
+            raise WeightsError(
+                f"stopped converting {paths.host}: {lost[0]}; another agent took the conversion "
+                "over (this agent did not refresh its lock for agent.convert_lock_stale_s)"
+            )
+        if failed is not None:
+            raise failed
+
+    async def _heartbeat(
+        self,
+        held: HeldLock,
+        paths: WeightsPaths,
+        temp: Path,
+        lost: list[str],
+        scope: trio.CancelScope,
+    ) -> None:
+        """Refresh the lock every ``heartbeat_s``; measure the progress every ``poll_s``."""
+        rate = _Rate()
+        beaten = -float("inf")
+        while True:
+            written = await trio.to_thread.run_sync(folder_bytes, temp)
+            written = max(0, written - self._baseline) if self.pid else 0
+            now = time.monotonic()
+            per_s = rate.add(now, written)
+            if now - beaten >= self.heartbeat_s:
+                beaten = now
+                try:
+                    await trio.to_thread.run_sync(
+                        partial(held.beat, bytes_written=written, rate_bytes_s=per_s)
+                    )
+                except LockLost as exc:
+                    lost.append(str(exc))
+                    scope.cancel()
+                    return
+                except OSError as exc:  # a stalled or failing file system: staleness decides
+                    self.log.warning(
+                        "%s: cannot refresh the conversion lock: %s", self.id.name, exc
+                    )
+            self._progress = ConvertProgress(
+                folder=str(paths.host),
+                role="converting",
+                holder=self.id.name,
+                holder_node=self.id.node,
+                holder_job=str(self.job.root),
+                bytes_written=written,
+                rate_bytes_s=per_s,
+                started_at=held.info.started_at,
+            )
+            if self.pid:
+                self._show(
+                    "converting",
+                    f"converting {paths.host}: {human_bytes(written)} written, "
+                    f"{human_bytes(per_s)}/s (log {self.log_path})",
+                )
+            await trio.sleep(min(self.poll_s, self.heartbeat_s))
+
+    async def _convert(
+        self, convert: ConvertPlan, paths: WeightsPaths, siblings: Siblings, temp: Path, token: str
+    ) -> None:
+        found = await trio.to_thread.run_sync(inspect, paths.host)
+        if found.complete:
+            self._accept(found)  # finished by the holder we waited for, just before we locked
+            return
+        self._refuse_unsafe(paths, found)
+        for leftover in await trio.to_thread.run_sync(siblings.leftovers, token):
+            if await self._adopt_finished(leftover, paths, siblings, token, found):
+                return
+            self.log.info(
+                "%s: removing %s (left by a conversion that died)", self.id.name, leftover
+            )
+            await trio.to_thread.run_sync(remove_tree, leftover)
+        append = convert.append_mtp and found.shards_complete
+        await trio.to_thread.run_sync(partial(paths.host.parent.mkdir, parents=True, exist_ok=True))
+        if append:
+            await trio.to_thread.run_sync(copy_for_append, paths.host, temp)
+        else:
+            await trio.to_thread.run_sync(temp.mkdir)
+        self._baseline = await trio.to_thread.run_sync(folder_bytes, temp)
+        code = await self._run_converter(convert, paths, temp, append)
+        if code != 0:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            raise WeightsError(
+                f"the converter {how} converting {paths.host}; nothing was put in place. See "
+                f"{self.log_path}; last lines: {self._log_tail()}"
+            )
+        result = await trio.to_thread.run_sync(partial(inspect, temp, marker_required=False))
+        if result.problems:
+            raise WeightsError(
+                f"the converter exited 0 but its output is incomplete ({result.summary()}); "
+                f"nothing was put in place. See {self.log_path}"
+            )
+        marker = self._marker(convert, result, append)
+        try:
+            await trio.to_thread.run_sync(write_marker, temp, marker)
+            await trio.to_thread.run_sync(
+                replace_folder, temp, paths.host, siblings.replaced(token)
+            )
+        except OSError as exc:
+            raise WeightsError(
+                f"cannot put the conversion in place at {paths.host}: {exc}; nothing was put in "
+                "place"
+            ) from None
+        final = await trio.to_thread.run_sync(inspect, paths.host)
+        if not final.complete:
+            raise WeightsError(
+                f"{paths.host} is incomplete right after the conversion: {final.summary()}"
+            )
+        self.log.info(
+            "%s: converted %s: %d shards, %s",
+            self.id.name,
+            paths.host,
+            final.shard_count,
+            human_bytes(final.total_bytes),
+        )
+        self._accept(final)
+
+    def _refuse_unsafe(self, paths: WeightsPaths, found: Inspection) -> None:
+        """Never replace what is not ours to delete, nor what the converter could not reach."""
+        if found.foreign:
+            shown = ", ".join(found.foreign[:3]) + (" ..." if len(found.foreign) > 3 else "")
+            raise WeightsError(
+                f"{paths.host} is incomplete ({found.summary()}) and holds entries that are not "
+                f"TileRT weights ({shown}); the agent replaces an incomplete folder with the "
+                "conversion and never deletes what it did not write: move them away, or convert "
+                "into another folder"
+            )
+        if paths.host.is_symlink():
+            raise WeightsError(
+                f"{paths.host} is a symbolic link; the agent converts next to the folder and "
+                "renames the result into place: point roles.decode.args.model-weights-dir at the "
+                "real folder"
+            )
+        if not paths.siblings_visible:
+            raise WeightsError(
+                f"the weights folder {paths.engine} is itself a container mount, so the converter "
+                "cannot write next to it: mount its parent folder instead"
+            )
+
+    async def _adopt_finished(
+        self, leftover: Path, paths: WeightsPaths, siblings: Siblings, token: str, now: Inspection
+    ) -> bool:
+        """A dead holder's conversion that finished but was not renamed into place: use it."""
+        if "-converting-" not in leftover.name or (now.exists and not now.empty):
+            return False
+        found = await trio.to_thread.run_sync(inspect, leftover)
+        if not found.complete or found.marker is None:
+            return False
+        if found.marker.model_type != self._expected_model_type():
+            return False
+        self.log.info(
+            "%s: %s holds a finished conversion: renaming it into place", self.id.name, leftover
+        )
+        await trio.to_thread.run_sync(
+            replace_folder, leftover, paths.host, siblings.replaced(token)
+        )
+        final = await trio.to_thread.run_sync(inspect, paths.host)
+        if not final.complete:
+            return False
+        self._accept(final)
+        return True
+
+    def _marker(self, convert: ConvertPlan, result: Inspection, append: bool) -> ConvertedMarker:
+        now = time.time()
+        return ConvertedMarker(
+            converter=self._converter_module(convert),
+            converter_version=self._versions.get("tilert", "unknown"),
+            source=convert.source,
+            model_type=convert.model_type,
+            append_mtp=append,
+            converted_at=now,
+            converted_at_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            index_file=WEIGHTS_INDEX_FILE,
+            index_sha256=result.index_sha256 or "",
+            shards=result.shard_count,
+            total_bytes=result.total_bytes,
+            agent=self.id.name,
+            node=self.id.node,
+            job=str(self.job.root),
+        )
+
+    async def _run_converter(
+        self, convert: ConvertPlan, paths: WeightsPaths, temp: Path, append: bool
+    ) -> int:
+        """Run the converter into ``temp`` within the budget; its exit status."""
+        cmd = convert_command(
+            self.plan, name=self.id.name, save_dir=paths.engine_path(temp), append_mtp=append
+        )
+        spec = self.launch_spec(
+            f"{self.id.name}-convert", cmd.argv, cmd.env, self.plan.decode.image
+        )
+        spec = replace(spec, setup_script=self._setup_script)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        sink = LogSink(
+            self.log_path,
+            max_bytes=self.plan.agent.log_max_bytes,
+            backups=self.plan.agent.log_backups,
+        )
+        try:
+            try:
+                engine = await self.launcher.start(spec)
+            except OSError as exc:
+                raise WeightsError(f"could not start the converter {spec.argv[0]}: {exc}") from None
+            self.pid = engine.pid
+            sink.note(f"=== converter pid {engine.pid}: {' '.join(spec.argv)} ===")
+            self.log.info(
+                "%s: converting %s into %s (pid %s, log %s, budget %gs)",
+                self.id.name,
+                convert.source,
+                temp,
+                engine.pid,
+                self.log_path,
+                self.budget_s,
+            )
+            self._show("converting", f"converting {paths.host}: starting (log {self.log_path})")
+            return await self._wait_converter(engine, sink)
+        finally:
+            self.pid = None
+            sink.close()
+
+    async def _wait_converter(self, engine: Engine, sink: LogSink) -> int:
+        try:
+            with trio.move_on_after(self.budget_s) as budget:
+                async with trio.open_nursery() as nursery:
+                    pumped = trio.Event()
+
+                    async def pump() -> None:
+                        try:
+                            await sink.pump(engine.output)
+                        finally:
+                            pumped.set()
+
+                    nursery.start_soon(pump)
+                    code = await engine.wait()
+                    with trio.move_on_after(PUMP_DRAIN_S):
+                        await pumped.wait()
+                    nursery.cancel_scope.cancel()
+            if budget.cancelled_caught:
+                raise WeightsError(
+                    f"the conversion did not finish within agent.convert_budget_s "
+                    f"({self.budget_s:g}s) and was stopped; nothing was put in place. See "
+                    f"{self.log_path}"
+                )
+            sink.note(f"=== converter pid {engine.pid} ended with status {code} ===")
+            return code
+        finally:
+            with trio.CancelScope(shield=True):
+                await engine.stop(self.plan.decode.stop_grace_s)
+
+    def _log_tail(self) -> str:
+        # The file may lag (its writer runs in a thread); the sink's ring is gone: read the file.
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(none)"
+        lines = [ln for ln in lines if ln.strip() and not ln.startswith("===")]
+        return " | ".join(lines[-CONVERT_LOG_TAIL:]) or "(none)"
