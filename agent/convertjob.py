@@ -125,7 +125,7 @@ class ConvertJob:
             self.reason = "stopped on request before the weights folder was complete"
         elif ok and done is not None:
             self.state, self.agent_state = "stopped", "stopped"
-            self.reason = f"{done.folder} complete: {done.shard_count} shards"
+            self.reason = f"weights complete: {done.shard_count} shards in {done.folder}"
         elif ok:
             self.state, self.agent_state = "stopped", "stopped"
             self.reason = "the decode has no model-weights-dir: nothing to convert"

@@ -310,6 +310,10 @@ class WeightsGate:
                     await self._check_converter(convert)
                     checked_converter = True
                 token = new_token()
+                # The lock lives beside the folder: its parent may not exist yet.
+                await trio.to_thread.run_sync(
+                    partial(paths.host.parent.mkdir, parents=True, exist_ok=True)
+                )
                 held = await trio.to_thread.run_sync(
                     try_acquire, siblings.lock, self._lock_info(token, siblings)
                 )
@@ -520,7 +524,6 @@ class WeightsGate:
             )
             await trio.to_thread.run_sync(remove_tree, leftover)
         append = convert.append_mtp and found.shards_complete
-        await trio.to_thread.run_sync(partial(paths.host.parent.mkdir, parents=True, exist_ok=True))
         if append:
             await trio.to_thread.run_sync(copy_for_append, paths.host, temp)
         else:

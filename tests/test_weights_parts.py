@@ -1,0 +1,425 @@
+"""The weights feature's parts without agents: the recipe keys, the plan, the folder check, the
+lock, the path mapping and the stand-in converter (run as a real process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+
+from agent.job.logfiles import log_files, log_path
+from agent.job.paths import JobDir
+from agent.job.plan import load_plan
+from agent.node.conversion import WeightsError, weights_paths
+from agent.node.folderlock import LockInfo, LockLost, StaleWatch, observe, take_over, try_acquire
+from agent.node.weightsfolder import (
+    MARKER_NAME,
+    ConvertedMarker,
+    Siblings,
+    inspect,
+    replace_folder,
+    sha256_file,
+    write_marker,
+)
+from agent.problems import RecipeError
+from agent.recipe.cluster import ClusterConfig, load_cluster
+from agent.recipe.convertplan import convert_job_plan
+from agent.recipe.loader import load_recipe_text
+from agent.recipe.planner import make_plan
+
+DATA = Path(__file__).parent / "data" / "recipes"
+CLUSTER = load_cluster(DATA / "srtslurm.yaml")
+CONVERTER = [sys.executable, "-m", "agent.standins.converter"]
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def b200(**convert: Any) -> dict[str, Any]:
+    """The b200 recipe with ``roles.decode.convert`` set to ``convert`` (when given)."""
+    data = yaml.safe_load((DATA / "b200-nixl-glm5.yaml").read_text())
+    if convert:
+        data["roles"]["decode"]["convert"] = convert
+    return data
+
+
+def load(data: dict[str, Any], cluster: ClusterConfig | None = CLUSTER) -> Any:
+    text = yaml.safe_dump(data, sort_keys=False)
+    return load_recipe_text(text, source="t.yaml", base_dir=DATA, cluster=cluster)
+
+
+def problems(data: dict[str, Any]) -> dict[str, str]:
+    """``{key path: message}`` of every error loading ``data``."""
+    with pytest.raises(RecipeError) as info:
+        load(data)
+    return {p.path: p.message for p in info.value.problems if p.severity == "error"}
+
+
+def checkpoint(folder: Path) -> Path:
+    """A Hugging Face checkpoint as far as the converter stand-in reads it: its index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "m-1.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def convert(
+    save: Path, src: Path, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the converter stand-in to its end."""
+    argv = [*CONVERTER, "--model_type", "glm-5", "--model_dir", str(src), "--save_dir", str(save)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
+    return subprocess.run(
+        [*argv, *flags], capture_output=True, text=True, env={**clean, **(env or {})}, timeout=60
+    )
+
+
+def mark(folder: Path) -> None:
+    """Write the completion marker for a converted folder, as the agent would."""
+    found = inspect(folder, marker_required=False)
+    assert not found.problems, found.problems
+    write_marker(
+        folder,
+        ConvertedMarker(
+            converter="test",
+            converter_version="0",
+            source="/hf",
+            model_type="glm-5",
+            append_mtp=False,
+            converted_at=time.time(),
+            converted_at_utc="now",
+            index_file="model.safetensors.index.json",
+            index_sha256=found.index_sha256 or "",
+            shards=found.shard_count,
+            total_bytes=found.total_bytes,
+            agent="decode-0",
+            node="n",
+            job="/j",
+        ),
+    )
+
+
+@pytest.fixture
+def converted(tmp_path: Path) -> Path:
+    """A complete folder: converted by the stand-in, marked."""
+    folder = tmp_path / "w"
+    done = convert(folder, checkpoint(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr
+    mark(folder)
+    return folder
+
+
+# ---- recipe keys and the plan -----------------------------------------------------------------
+
+
+def test_convert_keys_load_and_plan() -> None:
+    loaded = load(b200(source="/models/GLM-5.1-FP8"))
+    plan = make_plan(loaded, mock=False)
+    assert not isinstance(plan.convert, msgspec.UnsetType)
+    assert plan.convert.model_type == "glm-5"  # from the decode model profile glm5
+    assert plan.convert.program == ["python", "-m", "tilert.models.preprocess.weight_converter"]
+    assert plan.convert.source == "/models/GLM-5.1-FP8"
+    again = load_plan(msgspec.json.encode(plan))
+    assert again.convert == plan.convert
+
+
+def test_plan_without_convert_has_no_convert_key() -> None:
+    plan = make_plan(load(b200()), mock=False)
+    assert "convert" not in json.loads(msgspec.json.encode(plan))
+
+
+def test_source_alias_resolves_through_model_paths() -> None:
+    cluster = msgspec.structs.replace(CLUSTER, model_paths={"glm5-hf": "/shared/hf/GLM-5"})
+    loaded = load(b200(source="glm5-hf"), cluster)
+    assert loaded.recipe.roles.decode.convert.source == "/shared/hf/GLM-5"
+
+
+@pytest.mark.parametrize(
+    ("convert", "edit", "key", "words"),
+    [
+        ({"source": "/hf", "model_type": "deepseek-v32"}, None, "model_type", "needs 'glm-5'"),
+        ({"source": "/hf", "model_type": "glm5"}, None, "model_type", "no model type"),
+        ({"source": "/hf", "append_mtp": True}, ("with-mtp", None), "append_mtp", "with-mtp"),
+        ({}, None, "source", "no checkpoint"),
+        ({"source": "hf:zai-org/GLM-5"}, None, "source", "not a folder"),
+        ({"source": "/tilert_weights/glm5.1-fp8/hf"}, None, "source", "inside the weights"),
+        ({"source": "/hf", "python": " "}, None, "python", "empty"),
+    ],
+)
+def test_convert_key_problems(
+    convert: dict[str, Any], edit: tuple[str, Any] | None, key: str, words: str
+) -> None:
+    data = b200(**convert) if convert else b200()
+    if not convert:
+        data["roles"]["decode"]["convert"] = {}
+    if edit is not None:
+        data["roles"]["decode"]["args"][edit[0]] = edit[1]
+    found = problems(data)
+    path = f"roles.decode.convert.{key}"
+    assert path in found, found
+    assert words in found[path], found[path]
+
+
+def test_convert_needs_an_absolute_weights_dir() -> None:
+    data = b200(source="/hf")
+    del data["roles"]["decode"]["args"]["model-weights-dir"]
+    assert "roles.decode.args.model-weights-dir" in problems(data)
+    data["roles"]["decode"]["args"]["model-weights-dir"] = "weights/glm5"
+    assert "not an absolute path" in problems(data)["roles.decode.args.model-weights-dir"]
+
+
+def test_glm5_2_profile_is_not_converted_by_the_agent() -> None:
+    data = b200(source="/hf")
+    data["roles"]["decode"]["args"]["model"] = "glm5_2"
+    found = problems(data)
+    assert "glm_5_2_rocm" in found["roles.decode.convert"], found
+
+
+def test_convert_belongs_to_the_decode_and_budgets_are_positive() -> None:
+    data = b200()
+    data["roles"]["prefill"]["convert"] = {"source": "/hf"}
+    data["agent"] = {"convert_budget_s": 0, "convert_lock_stale_s": -1}
+    found = problems(data)
+    assert "roles.prefill.convert" in found
+    assert "agent.convert_budget_s" in found and "agent.convert_lock_stale_s" in found
+
+
+def test_convert_job_plan() -> None:
+    plan = convert_job_plan(make_plan(load(b200(source="/hf")), mock=False))
+    assert (plan.prefill.nodes, plan.decode.nodes, plan.decode.first_node) == (0, 1, 0)
+    assert plan.slurm.nodes == 1 and plan.slurm.gpus_per_node == 0
+    assert plan.name.endswith("-convert")
+    assert not isinstance(plan.convert, msgspec.UnsetType) and plan.convert.only
+    with pytest.raises(RecipeError) as info:
+        convert_job_plan(make_plan(load(b200()), mock=False))
+    assert info.value.problems[0].path == "roles.decode.convert"
+
+
+# ---- the folder check ---------------------------------------------------------------------
+
+
+def test_complete_folder(converted: Path) -> None:
+    found = inspect(converted)
+    assert found.complete, found.problems
+    assert found.shard_count == 4 and found.marker is not None
+    assert found.marker.index_sha256 == sha256_file(converted / "model.safetensors.index.json")
+
+
+def test_without_marker_is_incomplete_even_with_every_shard(converted: Path) -> None:
+    (converted / MARKER_NAME).unlink()
+    found = inspect(converted)
+    assert not found.complete and found.shards_complete
+    assert MARKER_NAME in found.summary()
+
+
+def test_missing_and_cut_shards_are_named(converted: Path) -> None:
+    shards = sorted(converted.glob("model.safetensors-*"))
+    shards[0].unlink()
+    with open(shards[1], "r+b") as f:
+        f.truncate(100)
+    found = inspect(converted)
+    assert not found.complete and not found.shards_complete
+    assert f"{shards[0].name} is missing" in found.summary()
+    assert f"{shards[1].name} is " in found.summary()
+
+
+def test_index_changed_after_the_marker(converted: Path) -> None:
+    index = converted / "model.safetensors.index.json"
+    index.write_text(index.read_text() + " ")
+    assert "SHA-256 differs" in inspect(converted).summary()
+
+
+def test_replace_folder_keeps_old_or_new(tmp_path: Path, converted: Path) -> None:
+    old = tmp_path / "old"
+    (old / "model.safetensors-00001-of-00009.safetensors").parent.mkdir()
+    (old / "model.safetensors-00001-of-00009.safetensors").write_bytes(b"x")
+    replace_folder(converted, old, tmp_path / "aside")
+    assert inspect(old).complete
+    assert not converted.exists() and not (tmp_path / "aside").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    replace_folder(old, empty, tmp_path / "aside")
+    assert inspect(empty).complete
+
+
+def test_foreign_entries_are_reported(converted: Path) -> None:
+    (converted / "notes.txt").write_text("mine")
+    assert inspect(converted).foreign == ["notes.txt"]
+
+
+# ---- the lock -------------------------------------------------------------------------------
+
+
+def info(token: str) -> LockInfo:
+    return LockInfo(
+        token=token, agent="decode-0", node="n", job="/j", pid=1, temp="t", started_at=0.0
+    )
+
+
+def test_lock_is_exclusive_and_released(tmp_path: Path) -> None:
+    path = tmp_path / ".w.tilert-lock"
+    held = try_acquire(path, info("a"))
+    assert held is not None
+    assert try_acquire(path, info("b")) is None
+    seen = observe(path)
+    assert seen is not None and seen.info is not None and seen.info.token == "a"
+    held.release()
+    assert not path.exists()
+    assert observe(path) is None
+
+
+def test_staleness_is_unchanged_content_on_the_waiters_clock(tmp_path: Path) -> None:
+    path = tmp_path / ".w.tilert-lock"
+    held = try_acquire(path, info("a"))
+    assert held is not None
+    watch = StaleWatch(stale_s=10.0)
+    first = observe(path)
+    assert first is not None
+    assert not watch.stale(first, now=100.0)
+    assert not watch.stale(first, now=109.0)
+    held.beat(bytes_written=5, rate_bytes_s=1.0)  # a beat resets the clock
+    beaten = observe(path)
+    assert beaten is not None and beaten.info is not None and beaten.info.bytes_written == 5
+    assert not watch.stale(beaten, now=109.5)
+    assert not watch.stale(beaten, now=119.0)
+    assert watch.stale(beaten, now=119.6)
+    held.release()
+
+
+def test_take_over_removes_only_the_stale_lock(tmp_path: Path) -> None:
+    path = tmp_path / ".w.tilert-lock"
+    held = try_acquire(path, info("a"))
+    assert held is not None
+    stale = observe(path)
+    assert stale is not None
+    held.beat(bytes_written=1, rate_bytes_s=0.0)  # alive after all: not taken over
+    assert not take_over(path, stale)
+    assert path.exists()
+    held.beat(bytes_written=2, rate_bytes_s=0.0)  # still ours
+    fresh = observe(path)
+    assert fresh is not None
+    assert take_over(path, fresh)
+    assert not path.exists()
+    newer = try_acquire(path, info("b"))
+    assert newer is not None
+    with pytest.raises(LockLost):
+        held.beat(bytes_written=3, rate_bytes_s=0.0)
+    held.release()  # not ours any more: the new holder's file stays
+    assert path.exists()
+    newer.release()
+    assert list(tmp_path.iterdir()) == []  # no stale copies left behind
+
+
+def test_siblings_and_leftovers(tmp_path: Path) -> None:
+    siblings = Siblings(tmp_path / "w")
+    siblings.converting("aaa").mkdir()
+    siblings.converting("bbb").mkdir()
+    siblings.replaced("ccc").mkdir()
+    (tmp_path / ".other.tilert-converting-x").mkdir()
+    names = sorted(p.name for p in siblings.leftovers(keep="aaa"))
+    assert names == [".w.tilert-converting-bbb", ".w.tilert-replaced-ccc"]
+    assert siblings.lock.name == ".w.tilert-lock"
+
+
+# ---- where the folder is on the node -------------------------------------------------------
+
+
+def test_weights_paths_through_pyxis_mounts() -> None:
+    mounts = ["/shared/w:/tilert_weights", "/shared/models:/models:ro"]
+    paths = weights_paths("/tilert_weights/glm5", mounts, "pyxis")
+    assert paths.host == Path("/shared/w/glm5") and paths.siblings_visible
+    assert paths.engine_path(Path("/shared/w/.glm5.tilert-converting-1")) == (
+        "/tilert_weights/.glm5.tilert-converting-1"
+    )
+    itself = weights_paths("/tilert_weights", mounts, "pyxis")
+    assert itself.host == Path("/shared/w") and not itself.siblings_visible
+    assert weights_paths("/x/y", [], "process").host == Path("/x/y")
+    with pytest.raises(WeightsError, match="not under any"):
+        weights_paths("/elsewhere/glm5", mounts, "pyxis")
+
+
+# ---- the stand-in converter -----------------------------------------------------------------
+
+
+def test_standin_writes_like_the_converter(tmp_path: Path) -> None:
+    save = tmp_path / "out"
+    done = convert(save, checkpoint(tmp_path / "hf"), env={"TILERT_MOCK_CONVERT_SHARDS": "3"})
+    assert done.returncode == 0, done.stderr
+    names = sorted(p.name for p in save.iterdir())
+    assert names == [
+        "model.safetensors-00001-of-00003.safetensors",
+        "model.safetensors-00002-of-00003.safetensors",
+        "model.safetensors-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ]
+    found = inspect(save, marker_required=False)
+    assert found.shards_complete and found.shard_count == 3
+
+
+def test_standin_refuses_what_the_converter_refuses(tmp_path: Path) -> None:
+    done = convert(tmp_path / "out", tmp_path / "nothing")
+    assert done.returncode == 1 and "Model directory" in done.stderr
+    argv = [*CONVERTER, "--model_type", "glm5", "--model_dir", "x", "--save_dir", "y"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Invalid model type: glm5" in done.stderr
+
+
+def test_standin_append_mtp(converted: Path, tmp_path: Path) -> None:
+    before = inspect(converted, marker_required=False).shard_count
+    done = convert(converted, tmp_path / "hf", "--append_mtp")
+    assert done.returncode == 0, done.stderr
+    after = inspect(converted, marker_required=False)
+    assert after.shards_complete and after.shard_count == before + 1
+    assert (converted / "model_mtp_layer61-00001.safetensors").is_file()
+    assert "SHA-256 differs" in inspect(converted).summary()  # the marker no longer holds
+
+
+def test_standin_crash_half_way_leaves_no_index(tmp_path: Path) -> None:
+    save = tmp_path / "out"
+    env = {"TILERT_MOCK_CONVERT_CRASH_AFTER_SHARDS": "2"}
+    done = convert(save, checkpoint(tmp_path / "hf"), env=env)
+    assert done.returncode == 1, done.stderr
+    assert len(list(save.glob("*.safetensors"))) == 2
+    assert not (save / "model.safetensors.index.json").exists()
+
+
+def test_standin_small_disk_fails_with_enospc(tmp_path: Path) -> None:
+    save = tmp_path / "out"
+    env = {"TILERT_MOCK_CONVERT_DISK_BYTES": "100000"}
+    done = convert(save, checkpoint(tmp_path / "hf"), env=env)
+    assert done.returncode == 1
+    assert "No space left on device" in done.stderr
+    assert sum(p.stat().st_size for p in save.iterdir()) == 100000
+
+
+def test_standin_fault_target(tmp_path: Path) -> None:
+    env = {
+        "TILERT_MOCK_CONVERT_CRASH_AFTER_SHARDS": "1",
+        "TILERT_MOCK_FAULT_TARGET": "decode-1",
+        "TILERT_AGENT_NAME": "decode-0",
+    }
+    done = convert(tmp_path / "out", checkpoint(tmp_path / "hf"), env=env)
+    assert done.returncode == 0, done.stderr
+
+
+# ---- logs ------------------------------------------------------------------------------------
+
+
+def test_convert_log_is_a_log_source(tmp_path: Path) -> None:
+    job = JobDir(tmp_path)
+    (tmp_path / "logs" / "decode-0").mkdir(parents=True)
+    (tmp_path / "logs" / "decode-1").mkdir(parents=True)
+    (tmp_path / "logs" / "decode-0" / "convert.log").write_text("x\n")
+    files = log_files(job)
+    assert files["decode-0:convert"] == tmp_path / "logs" / "decode-0" / "convert.log"
+    assert "decode-1:convert" not in files
+    assert log_path(job, "decode-0:convert") == files["decode-0:convert"]
+    assert "decode-0:convert" not in log_files(job, agent=True)
