@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 
@@ -322,6 +323,62 @@ def test_a_local_job_converting_then_serving_ends_ready(tmp_path: Path) -> None:
         code, left = local.stop(timeout=30)
         assert code == 0 and not left
     assert wait_state(job, "stopped", 5)["state"] == "stopped"
+
+
+def test_a_converter_killed_half_way_fails_the_job_and_the_next_one_converts(
+    tmp_path: Path,
+) -> None:
+    """The issue's check: one conversion for two decodes, then a converter SIGKILLed half way
+    leaves no folder that passes the check (the waiting decode does not convert it either), and
+    the next run converts from scratch."""
+    weights = tmp_path / "shared" / "glm5"
+    hf = checkpoint(tmp_path / "hf")
+    sets, _ = e2e_sets(
+        None,
+        f"roles.decode.args.model-weights-dir={weights}",
+        f"roles.decode.convert={{source: {hf}}}",
+        "roles.decode.env.TILERT_MOCK_CONVERT_DELAY_S=1",
+        "roles.decode.env.TILERT_MOCK_CONVERT_SHARDS=8",
+        "agent.convert_lock_stale_s=2",
+    )
+    job = tmp_path / "job"
+    with LocalJob(job, sets):
+
+        def converter_running(status: dict[str, Any]) -> bool:
+            for entry in status["agents"]:
+                convert = entry.get("convert") or {}
+                if convert.get("role") == "converting" and convert.get("bytes_written", 0) > 0:
+                    return True
+            return False
+
+        seen = wait_status(job, converter_running, "a converter half way", 30, poll_s=0.05)
+        holder = next(
+            a for a in seen["agents"] if (a.get("convert") or {}).get("role") == "converting"
+        )
+        pid = httpx.get(holder["status_url"], timeout=5).json()["pid"]
+        assert "agent.standins.converter" in " ".join(psutil.Process(pid).cmdline())
+        psutil.Process(pid).kill()
+        failed = wait_state(job, "failed", 30)
+    error = failed["error"]
+    assert "convert.log" in error and "killed by signal 9" in error, error
+    other = next(a for a in failed["agents"] if a["name"] not in (holder["name"], "prefill-0"))
+    assert "ended without completing" in other["reason"], other
+    assert conversions(job) == [c for c in conversions(job) if c.startswith(holder["name"])]
+    assert not inspect(weights).complete and not weights.exists()
+    assert siblings(weights) == []
+
+    again = tmp_path / "again"
+    sets, _ = e2e_sets(
+        None,
+        f"roles.decode.args.model-weights-dir={weights}",
+        f"roles.decode.convert={{source: {hf}}}",
+    )
+    with LocalJob(again, sets) as local:
+        local.wait_state("ready", timeout=60)
+        assert len(conversions(again)) == 1
+        assert inspect(weights).complete
+        code, _ = local.stop(timeout=30)
+        assert code == 0
 
 
 def test_convert_job_locally(tmp_path: Path) -> None:

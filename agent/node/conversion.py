@@ -289,16 +289,32 @@ class WeightsGate:
         )
 
     async def _until_complete(self, paths: WeightsPaths) -> None:
+        """Return once the folder is complete (found, waited for, or converted here)."""
         siblings = Siblings(paths.host)
+        marker = paths.host / MARKER_NAME
+        found: Inspection | None = None
         watch = StaleWatch(self.stale_s)
-        waiting_since: float | None = None
+        # The holder's lock this agent has been waiting on, and when it vanished.
+        waited_on: Observed | None = None
+        vanished: float | None = None
+        waiting_since = time.monotonic()
         checked_converter = False
         while True:
-            found = await trio.to_thread.run_sync(inspect, paths.host)
+            # Without a marker nothing changed that matters: no need to read every shard again.
+            if found is None or await trio.to_thread.run_sync(marker.exists):
+                found = await trio.to_thread.run_sync(inspect, paths.host)
             if found.complete:
                 self._accept(found)
                 return
             seen = await trio.to_thread.run_sync(observe, siblings.lock)
+            if seen is None and waited_on is not None:
+                # The holder let go and the folder is still incomplete: its conversion failed or
+                # was stopped. Unless someone is just taking a stale lock over: a moment for them.
+                vanished = vanished or time.monotonic()
+                if time.monotonic() - vanished < self.stale_s / 2:
+                    await trio.sleep(self.poll_s)
+                    continue
+                raise WeightsError(self._holder_failed(paths, waited_on, found))
             if seen is None:
                 convert = self.convert
                 if convert is None:
@@ -321,26 +337,44 @@ class WeightsGate:
                     continue  # someone else created it first: wait for them
                 await self._convert_holding(convert, held, paths, siblings, token)
                 return
-            if waiting_since is None:
-                waiting_since = time.monotonic()
+            if waited_on is None:
                 self.log.info(
-                    "%s: %s is incomplete and being converted (lock %s): waiting",
+                    "%s: %s is incomplete and being converted by %s (lock %s): waiting",
                     self.id.name,
                     paths.host,
+                    self._holder(seen),
                     siblings.lock,
                 )
+            waited_on, vanished = seen, None
             self._waiting(paths, seen)
             if watch.stale(seen):
+                if self.convert is not None and not checked_converter:
+                    await self._check_converter(self.convert)  # before: take over, then lock
+                    checked_converter = True
                 await self._stale(paths, siblings, seen, found)
-                watch = StaleWatch(self.stale_s)
+                watch, waited_on = StaleWatch(self.stale_s), None
                 continue
             if time.monotonic() - waiting_since > self.budget_s + self.stale_s:
                 raise WeightsError(
                     f"waited {self.budget_s + self.stale_s:g}s (agent.convert_budget_s + "
                     f"agent.convert_lock_stale_s) for {self._holder(seen)} to convert "
-                    f"{paths.host}; see that agent's convert.log"
+                    f"{paths.host}; see {self._holder_log(seen)}"
                 )
             await trio.sleep(self.poll_s)
+
+    @staticmethod
+    def _holder_log(seen: Observed) -> str:
+        info = seen.info
+        if info is None:
+            return "the converting agent's convert.log"
+        return str(convert_log_path(JobDir(Path(info.job)), info.agent))
+
+    def _holder_failed(self, paths: WeightsPaths, seen: Observed, found: Inspection) -> str:
+        return (
+            f"the conversion of {paths.host} by {self._holder(seen)} ended without completing it "
+            f"({found.summary()}); see {self._holder_log(seen)}. Nothing was put in place: the "
+            "next job converts it from scratch"
+        )
 
     @staticmethod
     def _holder(seen: Observed) -> str:
