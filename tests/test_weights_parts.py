@@ -423,3 +423,87 @@ def test_convert_log_is_a_log_source(tmp_path: Path) -> None:
     assert "decode-1:convert" not in files
     assert log_path(job, "decode-0:convert") == files["decode-0:convert"]
     assert "decode-0:convert" not in log_files(job, agent=True)
+
+
+# ---- tilert-submit convert: the plan printout, the batch script ------------------------------
+
+DEMO = Path(__file__).resolve().parent.parent / "recipes" / "local-demo.yaml"
+
+
+def test_submit_convert_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from submit.cli import main
+
+    root = tmp_path / "job"
+    sets = [
+        "--set",
+        f"roles.decode.args.model-weights-dir={tmp_path / 'w'}",
+        "--set",
+        f"roles.decode.convert={{source: {tmp_path / 'hf'}}}",
+    ]
+    assert main(["convert", str(DEMO), "--dry-run", "--mock", "--job-dir", str(root), *sets]) == 0
+    out = capsys.readouterr().out
+    assert "Convert job local-demo-convert" in out
+    assert "--model_type glm-5" in out and "agent.standins.converter" in out
+    plan = load_plan((root / "plan.json").read_bytes())
+    assert plan.prefill.nodes == 0 and plan.decode.nodes == 1
+    assert [a["name"] for a in json.loads((root / "status.json").read_text())["agents"]] == [
+        "decode-0"
+    ]
+    script = (root / "sbatch.sh").read_text()
+    assert script.count("\nsrun ") == 1 and "--role decode" in script
+    assert "#SBATCH --nodes=1" in script and "--gpus-per-node" not in script
+    assert "--gres" not in script
+    assert subprocess.run(["bash", "-n", str(root / "sbatch.sh")], check=False).returncode == 0
+
+
+def test_submit_convert_needs_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from submit.cli import main
+
+    assert main(["convert", str(DEMO), "--dry-run", "--job-dir", str(tmp_path / "j")]) == 2
+    assert "roles.decode.convert" in capsys.readouterr().err
+
+
+def test_serving_dry_run_shows_the_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from submit.cli import main
+
+    sets = [
+        "--set",
+        f"roles.decode.args.model-weights-dir={tmp_path / 'w'}",
+        "--set",
+        f"roles.decode.convert={{source: {tmp_path / 'hf'}}}",
+    ]
+    assert main([str(DEMO), "--dry-run", "--mock", "--job-dir", str(tmp_path / "j"), *sets]) == 0
+    out = capsys.readouterr().out
+    assert "Weights (checked on each decode node" in out
+    assert "agent.convert_budget_s" in out
+
+
+# ---- the gate in process: profiles the agent does not check ----------------------------------
+
+
+async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
+    import logging
+
+    from agent.job.paths import JobDir as Job
+    from agent.launch.launchers import LaunchSpec, ProcessLauncher
+    from agent.node.conversion import WeightsGate
+    from agent.node.identity import Identity
+
+    loaded = load(b200())
+    plan = make_plan(loaded, mock=True)
+    args = [*plan.decode.args]
+    args[args.index("--model") + 1] = "glm5_2"
+    plan = msgspec.structs.replace(plan, decode=msgspec.structs.replace(plan.decode, args=args))
+    gate = WeightsGate(
+        plan=plan,
+        job=Job(tmp_path),
+        identity=Identity("decode", 0, "n", "127.0.0.1", None),
+        launcher=ProcessLauncher(),
+        launch_spec=lambda name, argv, env, image: LaunchSpec(name=name, argv=argv, env=env),
+        log=logging.getLogger("test"),
+        on_change=lambda: None,
+    )
+    assert await gate.ready()  # /tilert_weights/... does not exist here: it was not looked at
+    assert gate.status() is None and gate.failure is None

@@ -237,6 +237,17 @@ class WeightsGate:
         """True when the engine may start; False when it must not (the reason is in ``status``)."""
         if not self.folder:
             return True
+        if self.convert is None and self._expected_model_type() is None:
+            # glm5_2's own converter writes another layout (rank folders, tilert_meta.json), which
+            # the decode server checks itself; there is no marker to look for.
+            self.log.info(
+                "%s: weights %s are not checked: the %s profile's converter is not TileRT's "
+                "weight_converter",
+                self.id.name,
+                self.folder,
+                arg_value(self.plan.decode.args, "--model"),
+            )
+            return True
         try:
             paths = weights_paths(self.folder, self.plan.mounts, self.plan.launcher)
             await self._until_complete(paths)
