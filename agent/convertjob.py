@@ -15,7 +15,7 @@ import signal
 import msgspec
 import trio
 
-from agent.head.head import STATUS_REFRESH_S
+from agent.head.statuswriter import StatusWriter, read_local_pid
 from agent.job.logfiles import convert_log_path
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
@@ -42,23 +42,20 @@ class ConvertJob:
             launcher=node.launcher,
             launch_spec=node.launch_spec,
             log=log,
-            on_change=self.write_status,
+            on_change=self._changed,
         )
         self.state: JobState = "starting"
         self.agent_state = "starting"
         self.reason = "checking the weights folder"
         self.error: str | None = None
-        self._written = b""
-        self._previous = self._read_previous()
+        self.local_pid = read_local_pid(job)
+        self.status_file = StatusWriter(job, self._job_status)
 
-    def _read_previous(self) -> JobStatus | None:
-        try:
-            return self.job.read_status()
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-            return None
+    def _changed(self) -> None:
+        self.status_file.write()
 
-    def write_status(self, force: bool = False) -> None:
-        """``status.json``: the job and its one agent, on every change (``force``: heartbeat)."""
+    def _job_status(self) -> JobStatus:
+        """``status.json``: the job and its one agent."""
         # The gate's state while it works, and its failure; once stopped, ours.
         gate = self.gate.status() if self.state == "starting" or self.gate.failure else None
         state, reason = (gate.state, gate.reason) if gate else (self.agent_state, self.reason)
@@ -76,33 +73,23 @@ class ConvertJob:
             status_url=None,
             convert=progress if progress is not None else msgspec.UNSET,
         )
-        previous = self._previous
-        status = JobStatus(
+        return JobStatus(
             state=self.state,
             model=self.plan.model,
             slurm_job_id=self.id.slurm_job_id,
-            local_pid=previous.local_pid if previous else None,
+            local_pid=self.local_pid,
             error=self.error,
             agents=[agent],
         )
-        content = msgspec.json.encode(msgspec.structs.replace(status, updated_at=0.0))
-        if force or content != self._written:
-            self._written = content
-            self.job.write_status(status)
-
-    async def _heartbeat(self) -> None:
-        while True:
-            await trio.sleep(STATUS_REFRESH_S)
-            self.write_status(force=True)
 
     async def run(self) -> int:
         """Convert (or find the folder complete); the exit code."""
-        self.write_status()
+        self.status_file.write()
         code = 0
         ok = stopped = False
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._heartbeat)
+                nursery.start_soon(self.status_file.heartbeat)
 
                 async def on_signal() -> None:
                     nonlocal stopped
@@ -134,6 +121,6 @@ class ConvertJob:
             self.state = "failed"
             self.error = f"{self.id.name} on {self.id.node}: {self.gate.failure}"
         self.log.info("%s: convert job %s: %s", self.id.name, self.state, self.error or self.reason)
-        self.write_status()
+        self.status_file.write()
         self.log.info("%s: exiting with code %d", self.id.name, code)
         return code

@@ -29,7 +29,7 @@ from agent.job.paths import PRIVATE_DIR_MODE, JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, EngineStatus, RendezvousRecord
 from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
-from agent.launch.commands import MANAGED_ENV, arg_value, decode_command, prefill_command
+from agent.launch.commands import MANAGED_ENV, decode_command, prefill_command
 from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
 from agent.node.logpump import LogSink

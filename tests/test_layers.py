@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "agent.http": 4,
     "agent.head": 5,
     "agent.nodeagent": 6,
+    "agent.convertjob": 6,  # the agent of a `tilert-submit convert` job, beside the node agent
     "agent.main": 7,
     "agent": 0,  # the package's own __init__ (version only)
     "submit": 8,

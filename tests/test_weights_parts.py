@@ -29,7 +29,7 @@ from agent.node.weightsfolder import (
     sha256_file,
     write_marker,
 )
-from agent.problems import RecipeError
+from agent.problems import InputError
 from agent.recipe.cluster import ClusterConfig, load_cluster
 from agent.recipe.convertplan import convert_job_plan
 from agent.recipe.loader import load_recipe_text
@@ -58,7 +58,7 @@ def load(data: dict[str, Any], cluster: ClusterConfig | None = CLUSTER) -> Any:
 
 def problems(data: dict[str, Any]) -> dict[str, str]:
     """``{key path: message}`` of every error loading ``data``."""
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         load(data)
     return {p.path: p.message for p in info.value.problems if p.severity == "error"}
 
@@ -198,7 +198,7 @@ def test_convert_job_plan() -> None:
     assert plan.slurm.nodes == 1 and plan.slurm.gpus_per_node == 0
     assert plan.name.endswith("-convert")
     assert not isinstance(plan.convert, msgspec.UnsetType) and plan.convert.only
-    with pytest.raises(RecipeError) as info:
+    with pytest.raises(InputError) as info:
         convert_job_plan(make_plan(load(b200()), mock=False))
     assert info.value.problems[0].path == "roles.decode.convert"
 
@@ -487,7 +487,7 @@ async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
     import logging
 
     from agent.job.paths import JobDir as Job
-    from agent.launch.launchers import LaunchSpec, ProcessLauncher
+    from agent.launch import LaunchSpec, ProcessLauncher
     from agent.node.conversion import WeightsGate
     from agent.node.identity import Identity
 
@@ -507,3 +507,36 @@ async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
     )
     assert await gate.ready()  # /tilert_weights/... does not exist here: it was not looked at
     assert gate.status() is None and gate.failure is None
+
+
+# ---- the head: a converting worker is not late -----------------------------------------------
+
+
+def test_a_converting_worker_is_not_late_and_not_healthy() -> None:
+    from agent.head.decisions import JobView, converting, gate, waiting_for
+    from agent.job.records import JobAgent
+
+    def row(name: str, state: str) -> JobAgent:
+        role, _, index = name.rpartition("-")
+        return JobAgent(
+            name=name,
+            role=role,
+            index=int(index),
+            node="n",
+            state=state,
+            restarts=0,
+            reason="r",
+            log="l",
+            metrics_url=None,
+            status_url=None,
+        )
+
+    busy = JobView(
+        agents={"prefill-0": row("prefill-0", "healthy"), "decode-0": row("decode-0", "converting")}
+    )
+    assert converting(busy) and gate(busy, now=1.0) is None
+    assert "decode-0 (converting)" in waiting_for(busy)
+    done = JobView(
+        agents={"prefill-0": row("prefill-0", "healthy"), "decode-0": row("decode-0", "starting")}
+    )
+    assert not converting(done)

@@ -22,11 +22,11 @@ from agent.head.context import HeadContext
 from agent.head.decisions import (
     JobFailed,
     JobView,
+    converting,
     failure_of,
     fatal,
     gate,
     serving_state,
-    converting,
     startup_overrun,
     to_drop,
     waiting_for,

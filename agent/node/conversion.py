@@ -49,9 +49,8 @@ from agent.job.plan import (
     Plan,
 )
 from agent.job.records import ConvertProgress, EngineState, EngineStatus
-from agent.launch import preflight
+from agent.launch import Launcher, LaunchSpec, ProcessHandle, preflight
 from agent.launch.commands import STANDIN_MODULES, arg_value, convert_command
-from agent.launch.launchers import Engine, Launcher, LaunchSpec
 from agent.node.folderlock import (
     HeldLock,
     LockInfo,
@@ -695,27 +694,27 @@ class WeightsGate:
         )
         try:
             try:
-                engine = await self.launcher.start(spec)
+                converter = await self.launcher.start(spec)
             except OSError as exc:
                 raise WeightsError(f"could not start the converter {spec.argv[0]}: {exc}") from None
-            self.pid = engine.pid
-            sink.note(f"=== converter pid {engine.pid}: {' '.join(spec.argv)} ===")
+            self.pid = converter.pid
+            sink.note(f"=== converter pid {converter.pid}: {' '.join(spec.argv)} ===")
             self.log.info(
                 "%s: converting %s into %s (pid %s, log %s, budget %gs)",
                 self.id.name,
                 convert.source,
                 temp,
-                engine.pid,
+                converter.pid,
                 self.log_path,
                 self.budget_s,
             )
             self._show("converting", f"converting {paths.host}: starting (log {self.log_path})")
-            return await self._wait_converter(engine, sink)
+            return await self._wait_converter(converter, sink)
         finally:
             self.pid = None
             sink.close()
 
-    async def _wait_converter(self, engine: Engine, sink: LogSink) -> int:
+    async def _wait_converter(self, converter: ProcessHandle, sink: LogSink) -> int:
         try:
             with trio.move_on_after(self.budget_s) as budget:
                 async with trio.open_nursery() as nursery:
@@ -723,12 +722,12 @@ class WeightsGate:
 
                     async def pump() -> None:
                         try:
-                            await sink.pump(engine.output)
+                            await sink.pump(converter.output)
                         finally:
                             pumped.set()
 
                     nursery.start_soon(pump)
-                    code = await engine.wait()
+                    code = await converter.wait()
                     with trio.move_on_after(PUMP_DRAIN_S):
                         await pumped.wait()
                     nursery.cancel_scope.cancel()
@@ -738,11 +737,11 @@ class WeightsGate:
                     f"({self.budget_s:g}s) and was stopped; nothing was put in place. See "
                     f"{self.log_path}"
                 )
-            sink.note(f"=== converter pid {engine.pid} ended with status {code} ===")
+            sink.note(f"=== converter pid {converter.pid} ended with status {code} ===")
             return code
         finally:
             with trio.CancelScope(shield=True):
-                await engine.stop(self.plan.decode.stop_grace_s)
+                await converter.stop(self.plan.decode.stop_grace_s)
 
     def _log_tail(self) -> str:
         # The file may lag (its writer runs in a thread); the sink's ring is gone: read the file.

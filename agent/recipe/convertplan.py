@@ -12,9 +12,9 @@ import msgspec
 
 from agent.facts import CONVERTER_MODULE
 from agent.job.plan import ConvertPlan, Plan
-from agent.problems import RecipeError, error
-from agent.recipe.rules.weights import CONVERT, converter_model_type
+from agent.problems import InputError, error
 from agent.recipe.model import Recipe
+from agent.recipe.rules.weights import CONVERT, converter_model_type
 
 # Appended to the recipe name for a convert job (its Slurm job name and job directory).
 CONVERT_JOB_SUFFIX = "-convert"
@@ -39,7 +39,7 @@ def convert_plan(recipe: Recipe) -> ConvertPlan | msgspec.UnsetType:
 def convert_job_plan(plan: Plan) -> Plan:
     """The plan of a convert-only job: decode-0 alone on one node, without GPUs."""
     if isinstance(plan.convert, msgspec.UnsetType):
-        raise RecipeError(
+        raise InputError(
             [
                 error(
                     CONVERT,
