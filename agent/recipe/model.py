@@ -37,7 +37,7 @@ class Resources(_Strict):
 class Convert(_Strict):
     """``roles.decode.convert``: make the decode's weights folder with TileRT's converter.
 
-    The folder is ``roles.decode.args.model-weights-dir``; agent.recipe.convert_rules checks
+    The folder is ``roles.decode.args.model-weights-dir``; agent.recipe.rules.weights checks
     these keys and docs/weights.md says what the agent does with them.
     """
 

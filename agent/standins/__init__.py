@@ -14,6 +14,8 @@ The programs (what ``agent.launch.commands.STANDIN_MODULES`` runs):
   the ``kvlink`` receiver on the ctrl port.
 - ``router``: TileRT's P/D router (``python -m agent.standins.router ...``), for where the real
   one cannot run.
+- ``converter``: TileRT's weight converter (``python -m agent.standins.converter ...``), run by a
+  decode agent that converts its weights folder.
 
 What they share:
 
