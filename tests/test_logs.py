@@ -59,7 +59,7 @@ class SlowSink(LogSink):
 
     delay = 0.5
 
-    def _write_sync(self, blocks: list[bytes]) -> OSError | None:
+    def _write_sync(self, blocks: list[tuple[bytes, float]]) -> OSError | None:
         time.sleep(self.delay)
         return super()._write_sync(blocks)
 

@@ -202,7 +202,7 @@ class Head:
             state=state,
             restarts=status.restarts if status else 0,
             reason=reason,
-            log=str(log_path(self.job, name)),
+            log=str(log_path(self.job, name, plan=self.plan)),
             metrics_url=peer.record.metrics_url if peer.record else None,
             status_url=peer.record.status_url if peer.record else None,
         )
@@ -221,7 +221,7 @@ class Head:
                 state=r.state,
                 restarts=r.restarts,
                 reason=r.reason,
-                log=str(log_path(self.job, ROUTER_NAME)),
+                log=str(log_path(self.job, ROUTER_NAME, plan=self.plan)),
                 metrics_url=me.metrics_url if me else None,
                 status_url=me.status_url if me else None,
             )
@@ -328,7 +328,7 @@ class Head:
     async def _start_router(self, last_healthy_at: float) -> None:
         self.router_decodes = [n for n in self.expected[1:] if n not in self.dropped]
         sink = LogSink(
-            log_path(self.job, ROUTER_NAME),
+            log_path(self.job, ROUTER_NAME, plan=self.plan),
             max_bytes=self.plan.agent.log_max_bytes,
             backups=self.plan.agent.log_backups,
         )
@@ -406,7 +406,7 @@ class Head:
             raise JobFailed(
                 f"the router at {self.router_url} did not serve {count} canary chat requests within "
                 f"{self.plan.agent.canary_timeout_s:g}s (agent.canary.timeout_s): {'; '.join(errors)}; "
-                f"see {log_path(self.job, ROUTER_NAME)}"
+                f"see {log_path(self.job, ROUTER_NAME, plan=self.plan)}"
             )
         if self.agent.head_figures is not None:
             self.agent.head_figures.canary_latency_s = latencies
@@ -430,7 +430,7 @@ class Head:
             )
         if self.router is not None and self.router.state == "failed":
             raise JobFailed(
-                f"router failed: {self.router.reason} (log: {log_path(self.job, ROUTER_NAME)})"
+                f"router failed: {self.router.reason} (log: {log_path(self.job, ROUTER_NAME, plan=self.plan)})"
             )
         if self.record_problems:
             raise JobFailed("; ".join(self.record_problems.values()))
