@@ -85,6 +85,8 @@ class Session:
         if self.interrupted:
             return 130  # Ctrl-C while printing without -f: the shell's convention
         if self.ended is not None:
+            if self.ended.code:
+                say(self.ended.why)
             return self.ended.code
         return 1 if self.unreachable else 0
 
