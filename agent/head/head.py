@@ -429,9 +429,8 @@ class Head:
                 "every decode worker failed: " + "; ".join(map(self._failure_of, failed))
             )
         if self.router is not None and self.router.state == "failed":
-            raise JobFailed(
-                f"router failed: {self.router.reason} (log: {log_path(self.job, ROUTER_NAME, plan=self.plan)})"
-            )
+            router_log = log_path(self.job, ROUTER_NAME, plan=self.plan)
+            raise JobFailed(f"router failed: {self.router.reason} (log: {router_log})")
         if self.record_problems:
             raise JobFailed("; ".join(self.record_problems.values()))
         self._check_versions()
