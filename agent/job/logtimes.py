@@ -115,20 +115,26 @@ class TimesReader:
     """The receive times of one open log file (found by its inode), refreshed as it grows."""
 
     def __init__(self, log: Path, ino: int) -> None:
+        self._log = log
+        self._ino = ino
         # Arrays, not lists: a busy engine's file may hold millions of records.
         self._offsets = array("Q")
         self._times = array("d")
         self._f = _open_index(log, ino)
         self._rest = b""
+        self._closed = False
         self.refresh()
 
     @property
     def found(self) -> bool:
-        """Whether the log file has an index."""
+        """Whether the log file's index has been found."""
         return self._f is not None
 
     def refresh(self) -> None:
         """Read the records appended since the last call."""
+        if self._f is None and not self._closed:
+            # Right after a rotation the writer creates the index just after the log file.
+            self._f = _open_index(self._log, self._ino)
         if self._f is None:
             return
         data = self._rest + self._f.read()
@@ -159,6 +165,7 @@ class TimesReader:
 
     def close(self) -> None:
         """Close the index file."""
+        self._closed = True
         if self._f is not None:
             self._f.close()
             self._f = None
