@@ -20,7 +20,9 @@ import select
 import signal
 import stat
 import sys
+from collections.abc import Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import httpx
 import trio
@@ -41,7 +43,18 @@ END_POLL_S = 0.5
 LAST_READ_S = 5.0
 # An agent that could not be reached is asked again this often while following.
 RETRY_S = 2.0
+# After the end, how long a stream its agent does not end itself may still bring lines.
+REMOTE_LAST_S = 1.0
 DEFAULT_DRAIN_S = 60.0
+
+
+@dataclass
+class _Answer:
+    """How one request to an agent went."""
+
+    streamed: bool = False  # lines came (the next request asks only for new ones)
+    wrong: str | None = None  # the agent could not be reached, or the stream broke
+    missing: str | None = None  # the agent has not started, or the log does not exist yet
 
 
 class Session:
@@ -141,9 +154,11 @@ class Session:
         quiet: bool,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        client = self.client
-        if client is None or source.agent is None:
-            raise RuntimeError("a node-local source needs the HTTP client")
+        """A node-local source through its agent: once without -f; with -f asked again whenever
+        the stream ends or the agent cannot be reached, until the end."""
+        agent = source.agent
+        if agent is None:
+            raise RuntimeError(f"{source.name} is not read through an agent")
         o = self.options
         tail = o.tail
         said: str | None = None
@@ -156,39 +171,28 @@ class Session:
                 task_status.started()
 
         while True:
-            wrong: str | None = None  # what to tell the user, unless the job is winding down
-            try:
-                base = await trio.to_thread.run_sync(remote.agent_url, self.job, source.agent)
-                await remote.stream(
-                    client,
-                    base,
-                    self.token,
-                    source,
-                    o,
-                    tail=tail,
-                    on_lines=lambda lines: self._emit(source.name, lines),
-                    on_live=on_live,
-                )
-                tail = 0  # asked again later: only what is new (the rest was printed)
-                if o.follow:
-                    wrong = "its agent ended the stream"
-            except remote.NoLogYet as exc:
-                # Like a file that is not there yet: said once, then waited for.
-                if not quiet and said is None:
-                    say(
-                        f"{source.name}: no log yet ({exc}){'; waiting for it' if o.follow else ''}"
-                    )
-                    said = str(exc)
-            except remote.Unreachable as exc:
-                wrong = str(exc)
-                if exc.streamed:
-                    tail = 0
-                if not o.follow:
-                    say(f"{source.name}: {wrong}")
-                    self.unreachable.append(source.name)
+            answer = _Answer()
+            async with trio.open_nursery() as guard:
+                # At the end its agent sends the last lines and ends the stream; one whose agent
+                # goes on (a NAME that failed) gets a moment for them, then it is cut.
+                guard.start_soon(self._cut_after_stop, guard.cancel_scope)
+                await self._ask(source, tail, answer, on_live)
+                guard.cancel_scope.cancel()
             on_live()  # the next source's history need not wait for this agent
+            if answer.streamed:
+                tail = 0  # asked again later: only what is new (the rest was printed)
+            if answer.missing is not None and not quiet and said is None:
+                wait = "; waiting for it" if o.follow else ""
+                say(f"{source.name}: no log yet ({answer.missing}){wait}")
+                said = answer.missing
             if not o.follow:
+                if answer.wrong is not None:
+                    say(f"{source.name}: {answer.wrong}")
+                    self.unreachable.append(source.name)
                 return
+            wrong = answer.wrong
+            if wrong is None and answer.missing is None:
+                wrong = "its agent ended the stream"
             with trio.move_on_after(RETRY_S):
                 await self.stop.wait()
             if self.stop.is_set():
@@ -197,10 +201,45 @@ class Session:
             if (
                 wrong is not None
                 and wrong != said
-                and not await trio.to_thread.run_sync(self.end.winding_down, source.agent)
+                and not await trio.to_thread.run_sync(self.end.winding_down, agent)
             ):
                 say(f"{source.name}: {wrong}; asking again every {RETRY_S:g}s")
                 said = wrong
+
+    async def _ask(
+        self, source: Source, tail: int | None, answer: _Answer, on_live: Callable[[], None]
+    ) -> None:
+        """One request to the agent holding ``source``; how it went goes into ``answer``."""
+        client = self.client
+        if client is None or source.agent is None:
+            raise RuntimeError("a node-local source needs the HTTP client")
+
+        def on_lines(lines: list[LogLine]) -> None:
+            answer.streamed = True
+            self._emit(source.name, lines)
+
+        try:
+            base = await trio.to_thread.run_sync(remote.agent_url, self.job, source.agent)
+            await remote.stream(
+                client,
+                base,
+                self.token,
+                source,
+                self.options,
+                tail=tail,
+                on_lines=on_lines,
+                on_live=on_live,
+            )
+        except remote.NoLogYet as exc:
+            answer.missing = str(exc)
+        except remote.Unreachable as exc:
+            answer.wrong = str(exc)
+            answer.streamed = answer.streamed or exc.streamed
+
+    async def _cut_after_stop(self, scope: trio.CancelScope) -> None:
+        await self.stop.wait()
+        await trio.sleep(REMOTE_LAST_S)
+        scope.cancel()
 
     async def _watch_end(self) -> None:
         """Set ``stop`` once the job (or the named agents) ended, after its processes are gone."""

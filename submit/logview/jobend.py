@@ -62,7 +62,7 @@ class JobEnd:
                 done = [end for end in ends if end is not None]
                 return Ended(max(e.code for e in done), "; ".join(e.why for e in done), job=False)
         if status.state in FINAL:
-            why = f"the job is {status.state}" + (f": {status.error}" if status.error else "")
+            why = f"the job {status.state}" + (f": {status.error}" if status.error else "")
             return Ended(FINAL[status.state], why, job=True)
         gone = self.gone(status)
         if gone is not None:
@@ -114,4 +114,4 @@ def _entry(status: JobStatus, name: str) -> JobAgent | None:
 def _agent_end(entry: JobAgent | None) -> Ended | None:
     if entry is None or entry.state not in FINAL:
         return None
-    return Ended(FINAL[entry.state], f"{entry.name} is {entry.state}", job=False)
+    return Ended(FINAL[entry.state], f"{entry.name} {entry.state}", job=False)
