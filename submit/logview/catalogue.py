@@ -117,9 +117,8 @@ class Selection:
             if _is_pattern(word):
                 if not fnmatch.filter(known, word):
                     raise SelectionError(f"no source matches {word!r}; this job has: {which}")
-            elif word not in known and not (word == BENCHMARK_NAME and not agent):
-                hint = f" (the router has no agent.log: see {HEAD_NAME})" if agent else ""
-                raise SelectionError(f"unknown NAME {word!r}{hint}; this job has: {which}")
+            elif word not in known and word != BENCHMARK_NAME:
+                raise SelectionError(f"unknown NAME {word!r}; this job has: {which}")
 
     def names(self) -> list[str]:
         """The selected names now, in display order (patterns matched against what exists)."""
