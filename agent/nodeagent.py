@@ -20,12 +20,12 @@ import trio
 
 from agent.head import Head, HeadContext
 from agent.http.asgi import bound_socket, serve
-from agent.http.endpoint import StatusFeed, build_app
+from agent.http.endpoint import LogStreams, StatusFeed, build_app
 from agent.http.metrics import AgentMetrics, HeadFigures
 from agent.http.reexport import UpstreamMetrics
-from agent.job.logfiles import convert_log_path, log_path
-from agent.job.names import ROUTER_NAME
-from agent.job.paths import PRIVATE_DIR_MODE, JobDir
+from agent.job.logfiles import convert_log_path, log_path, make_log_dir
+from agent.job.names import BENCHMARK_NAME, ROUTER_NAME
+from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, EngineStatus, RendezvousRecord
 from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
@@ -56,6 +56,7 @@ class NodeAgent:
         self.ports: dict[str, int] = {}
         self.versions: dict[str, str] = {}
         self.feed = StatusFeed(self._snapshot)
+        self.log_streams = LogStreams()
         self.engine: EngineSupervisor | None = None
         self.head: Head | None = None  # prefill-0 only
         self.head_figures = HeadFigures() if identity.is_head else None
@@ -67,11 +68,9 @@ class NodeAgent:
             upstream_up=(lambda: self.upstream.up) if identity.role == "prefill" else None,
             head=self.head_figures,
         )
-        log_dir = job.log_dir(identity.name)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(log_dir, PRIVATE_DIR_MODE)
+        make_log_dir(job, identity.name, plan)  # node-local with agent.logs.location: node
         self.sink = LogSink(
-            log_path(job, identity.name),
+            log_path(job, identity.name, plan=plan),
             max_bytes=plan.agent.log_max_bytes,
             backups=plan.agent.log_backups,
         )
@@ -359,6 +358,7 @@ class NodeAgent:
                 metrics_page=self._metrics_page,
                 token=self.job.read_token,
                 log_files=self._log_files,
+                log_streams=self.log_streams,
             )
             await nursery.start(serve, app, sock)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
@@ -403,6 +403,7 @@ class NodeAgent:
         if self.engine is not None:
             await self.engine.stop()
         self.changed()
+        await self.log_streams.close()  # /logs followers get the engines' last lines
 
     async def _watch_signals(self, scope: trio.CancelScope) -> None:
         # Keep the receiver open after the first signal: a second TERM must not fall back to the
@@ -433,11 +434,12 @@ class NodeAgent:
 
     def _log_files(self) -> dict[str, Path]:
         files = {
-            "engine": log_path(self.job, self.id.name),
+            "engine": log_path(self.job, self.id.name, plan=self.plan),
             "agent": log_path(self.job, self.id.name, agent=True),
         }
         if self.id.is_head:
-            files[ROUTER_NAME] = log_path(self.job, ROUTER_NAME)
+            files[ROUTER_NAME] = log_path(self.job, ROUTER_NAME, plan=self.plan)
+            files[BENCHMARK_NAME] = log_path(self.job, BENCHMARK_NAME, plan=self.plan)
         if self.weights is not None:
             files["convert"] = convert_log_path(self.job, self.id.name)
         return files

@@ -40,6 +40,9 @@ class Backend(ABC):
     def is_running(self, status: JobStatus) -> bool | None:
         """Whether the job still runs (or waits to); None when that cannot be told now."""
 
+    # How often a watcher may ask ``is_running`` (asking Slurm is a query to its controller).
+    ask_every_s: float = 0.0
+
     @abstractmethod
     def gone(self, status: JobStatus) -> str:
         """Why a live ``status.json`` is not believed once ``is_running`` said False."""

@@ -112,7 +112,8 @@ def _job_command(name: str, argv: Sequence[str]) -> int:
         parser.add_argument("job_dir", metavar="J", help="the job directory tilert-submit printed")
         if name == "status":
             parser.add_argument("--json", action="store_true", help="print status.json as is")
-    args = parser.parse_args(list(argv))
+    # Intermixed: `logs J -f decode-0 decode-1` as well as `logs J decode-0 decode-1 -f`.
+    args = parser.parse_intermixed_args(list(argv))
     result: int = module.main(args)
     return result
 
@@ -172,7 +173,7 @@ def pending_status(plan: Plan, job: JobDir) -> JobStatus:
             state="pending",
             restarts=0,
             reason="not started",
-            log=str(log_path(job, f"{role.role}-{i}")),
+            log=str(log_path(job, f"{role.role}-{i}", plan=plan)),
             metrics_url=None,
             status_url=None,
         )

@@ -16,7 +16,8 @@ import pytest
 import trio
 
 from agent.job.logfiles import log_files, log_path, rotated_files
-from agent.job.logtail import follow_file
+from agent.job.logtail import LogLine, follow_file, history, open_log
+from agent.job.logtimes import format_time, times_path
 from agent.job.paths import JobDir
 from agent.node.agentlog import setup_agent_logging
 from agent.node.logpump import DROP_NOTICE, LogSink
@@ -59,7 +60,7 @@ class SlowSink(LogSink):
 
     delay = 0.5
 
-    def _write_sync(self, blocks: list[bytes]) -> OSError | None:
+    def _write_sync(self, blocks: list[tuple[bytes, float]]) -> OSError | None:
         time.sleep(self.delay)
         return super()._write_sync(blocks)
 
@@ -304,3 +305,80 @@ def test_log_files_map(tmp_path: Path) -> None:
     assert log_path(job, "decode-2", agent=True) == job.logs / "decode-2" / "agent.log"
     with pytest.raises(ValueError):
         log_path(job, "router", agent=True)
+
+
+# ---- receive times (engine.times) and reading by time -------------------------------------------
+
+
+def read_all(path: Path, **options: object) -> list[LogLine]:
+    """Every line of ``path``'s history (rotated files first) with the given reading options."""
+    follower = open_log(path, **options)  # type: ignore[arg-type]
+    lines = [line for batch in history(follower, rotated=True) for line in batch]
+    return lines + follower.finish()
+
+
+def test_times_paths() -> None:
+    assert times_path(Path("d/engine.log")) == Path("d/engine.times")
+    assert times_path(Path("d/engine.log.12")) == Path("d/engine.times.12")
+    assert times_path(Path("d/router.log")) == Path("d/router.times")
+
+
+async def test_receive_times_follow_their_files_through_rotation(tmp_path: Path) -> None:
+    path = tmp_path / "engine.log"
+    sink = LogSink(path, max_bytes=100, backups=50)
+    t0 = time.time()
+    await pump_bytes(sink, b"".join(b"first %03d\n" % i for i in range(40)))
+    await trio.sleep(0.2)
+    middle = time.time()
+    await trio.sleep(0.05)
+    await pump_bytes(sink, b"".join(b"second %03d\n" % i for i in range(40)))
+    t1 = time.time()
+    # Every log file has its index, naming that very file.
+    files = all_files(path)
+    assert len(files) > 5
+    for f in files:
+        index = times_path(f).read_bytes()
+        assert index[:8] == b"TLTIMES1"
+        assert int.from_bytes(index[8:16], "little") == f.stat().st_ino
+    # The file itself is exactly the engine's bytes.
+    assert b"".join(f.read_bytes() for f in files).count(b"\n") == 80
+    timed = read_all(path, tail_lines=None, since=None, timestamps=True)
+    assert [line.text for line in timed][:2] == ["first 000", "first 001"]
+    assert all(line.time is not None and t0 <= line.time <= t1 for line in timed)
+    first = [line.time for line in timed if line.text.startswith("first")]
+    second = [line.time for line in timed if line.text.startswith("second")]
+    assert max(first) < middle < min(second)  # type: ignore[type-var, operator]
+    # --since: the later lines only, the older rotated files skipped.
+    since = read_all(path, tail_lines=None, since=middle, timestamps=False)
+    assert [line.text for line in since] == [f"second {i:03d}" for i in range(40)]
+    assert read_all(path, tail_lines=None, since=t1 + 60, timestamps=False) == []
+    # --tail and --since together: the last N, none older than since.
+    follower = open_log(path, tail_lines=3, since=t0 - 60, timestamps=False)
+    assert [line.text for line in follower.finish()][-3:] == [
+        "second 037",
+        "second 038",
+        "second 039",
+    ]
+
+
+def test_files_without_an_index_have_no_times(tmp_path: Path) -> None:
+    """A file from before the index (or anybody's file): times unknown, --since keeps it all."""
+    path = tmp_path / "engine.log"
+    path.write_text("a\nb\n")
+    lines = read_all(path, tail_lines=None, since=time.time() - 5, timestamps=True)
+    assert lines == [LogLine(None, "a"), LogLine(None, "b")]
+
+
+def test_agent_log_times_come_from_the_lines(tmp_path: Path) -> None:
+    path = tmp_path / "agent.log"
+    path.write_text(
+        "2026-12-02T11:22:33.123Z decode-0 INFO old\n"
+        "2026-12-02T11:30:00.000Z decode-0 INFO new\n"
+        "no time here\n"
+    )
+    lines = read_all(path, tail_lines=None, since=None, timestamps=True)
+    assert lines[0].time == pytest.approx(1796210553.123)
+    assert format_time(lines[1].time or 0) == "2026-12-02T11:30:00.000Z"
+    assert lines[2] == LogLine(None, "no time here")
+    since = read_all(path, tail_lines=None, since=lines[1].time, timestamps=False)
+    assert [line.text.split()[-1] for line in since] == ["new", "here"]

@@ -241,3 +241,12 @@ def test_local_demo_plan() -> None:
     assert plan.prefill.program[-1] == str(RECIPES / "local-demo-model")
     kv = plan.prefill.args[plan.prefill.args.index("--kv-transfer-config") + 1]
     assert json.loads(kv)["kv_connector_extra_config"]["tilert_max_seq_len"] == 4096
+
+
+def test_node_local_logs_in_the_plan() -> None:
+    """agent.logs.location: node puts the folder in the plan; the default adds nothing to it."""
+    assert "log_node_dir" not in plan_json(load(DEMO))
+    loaded = load(DEMO, overrides=["agent.logs.location=node", "agent.logs.node_dir=/local/x"])
+    plan = load_plan(plan_json(loaded).encode())
+    assert plan.agent.log_node_dir == "/local/x"
+    assert load_plan(plan_json(load(DEMO)).encode()).agent.log_node_dir is None

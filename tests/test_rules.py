@@ -472,3 +472,18 @@ def test_mutations_do_not_share_state() -> None:
     a, b = b200(), copy.deepcopy(b200())
     setter(dargs, "transport", "mooncake")(a)
     assert dargs(b)["transport"] == "nixl"
+
+
+def test_agent_logs_location_and_node_dir() -> None:
+    """agent.logs: location job|node and an absolute node_dir, each error naming its key."""
+    data = b200()
+    data["agent"] = {"logs": {"location": "node", "node_dir": "/local/tilert-logs"}}
+    assert load(data).recipe.agent.logs.location == "node"
+    data["agent"]["logs"] = {"location": "nfs"}
+    exc = failure(data)
+    assert "agent.logs.location" in _paths(exc.problems)
+    assert "'job', 'node'" in str(exc)
+    data["agent"]["logs"] = {"location": "node", "node_dir": "tilert-logs", "max_bytes": 0}
+    exc = failure(data)
+    assert {"agent.logs.node_dir", "agent.logs.max_bytes"} <= set(_paths(exc.problems))
+    assert "not an absolute path" in str(exc)

@@ -55,6 +55,7 @@ class Head:
         self.peers = Peers(
             self.expected,
             job=ctx.job,
+            plan=ctx.plan,
             own_status=ctx.own_status,
             log=ctx.log,
             on_change=self.poke,
@@ -185,7 +186,7 @@ class Head:
             Canary.for_plan(self.plan, self.router.url),
             len(decodes),
             log=self.log,
-            router_log=log_path(self.ctx.job, ROUTER_NAME),
+            router_log=log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan),
         )
         self._set_state("degraded" if self.dropped else "ready", "canaries answered")
         self.log.info(

@@ -93,7 +93,7 @@ class Router:
         plan, ctx = self.ctx.plan, self.ctx
         self.decodes = decodes
         sink = LogSink(
-            log_path(ctx.job, ROUTER_NAME),
+            log_path(ctx.job, ROUTER_NAME, plan=ctx.plan),
             max_bytes=plan.agent.log_max_bytes,
             backups=plan.agent.log_backups,
         )
@@ -139,7 +139,7 @@ class Router:
             state=status.state,
             restarts=status.restarts,
             reason=status.reason,
-            log=str(log_path(self.ctx.job, ROUTER_NAME)),
+            log=str(log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan)),
             metrics_url=head_record.metrics_url if head_record else None,
             status_url=head_record.status_url if head_record else None,
         )

@@ -14,6 +14,8 @@ Role = Literal["prefill", "decode"]
 # Prefill first: the order of every listing (status table, logs, plan printout).
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 ROUTER_NAME = "router"
+# The benchmark the head runs once the job is ready (its log: ``logs J benchmark``).
+BENCHMARK_NAME = "benchmark"
 
 
 def agent_name(role: str, index: int) -> str:

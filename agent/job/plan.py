@@ -72,7 +72,7 @@ class SlurmPlan(msgspec.Struct, kw_only=True):
     kill_wait_s: float
 
 
-class AgentPlan(msgspec.Struct, kw_only=True):
+class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     probe_startup_interval_s: float
     probe_interval_s: float
     probe_timeout_s: float
@@ -87,6 +87,9 @@ class AgentPlan(msgspec.Struct, kw_only=True):
     canary_prompt: str
     canary_max_tokens: int
     canary_timeout_s: float
+    # agent.logs.location: node -> the node-local folder (None: engine logs in J/logs). Last and
+    # omitted when None, so plans of jobs with logs in the job directory read as before.
+    log_node_dir: str | None = None
 
 
 class ConvertPlan(msgspec.Struct, kw_only=True):

@@ -8,7 +8,7 @@ reported together instead of msgspec's first one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -149,6 +149,10 @@ class Canary(_Strict):
 class LogSettings(_Strict):
     max_bytes: int = 64 * 1024 * 1024
     backups: int = 3
+    # Where engine logs go: the job directory (``job``), or each node's own disk (``node``,
+    # in ``node_dir``/<job folder name>/), read through the agents' /logs (docs/logs.md).
+    location: Literal["job", "node"] = "job"
+    node_dir: str = "/tmp/tilert-logs"
 
 
 class AgentSection(_Strict):

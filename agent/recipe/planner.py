@@ -261,6 +261,7 @@ def make_plan(loaded: LoadedRecipe, *, mock: bool, launcher: str | None = None) 
             canary_prompt=agent.canary.prompt,
             canary_max_tokens=agent.canary.max_tokens,
             canary_timeout_s=agent.canary.timeout_s,
+            log_node_dir=agent.logs.node_dir if agent.logs.location == "node" else None,
         ),
         slurm=SlurmPlan(
             account=recipe.slurm.account,

@@ -61,7 +61,8 @@ class LocalBackend(Backend):
 
     def gone(self, status: JobStatus) -> str:
         """The supervisor is gone."""
-        return f"the local supervisor (pid {_pid(status)}) is gone"
+        pid = _pid(status)
+        return f"the local supervisor (pid {pid}) is gone but status.json still says {status.state}"
 
     def summary(self, status: JobStatus) -> str:
         """The supervisor's pid."""

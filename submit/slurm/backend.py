@@ -36,6 +36,8 @@ def _job_id(status: JobStatus) -> str:
 class SlurmBackend(Backend):
     """A job whose agents run as the steps of one Slurm job (``J/sbatch.sh``)."""
 
+    ask_every_s = 5.0
+
     def owns(self, status: JobStatus) -> bool:
         """Whether status.json records a Slurm job id."""
         return bool(status.slurm_job_id)

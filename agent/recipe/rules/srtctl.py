@@ -379,6 +379,18 @@ def settings(recipe: Recipe, out: list[Problem]) -> None:
     ):
         if value <= 0:
             out.append(error(path, "must be positive", "remove it to use the default"))
+    if agent.logs.max_bytes < 1:
+        out.append(error("agent.logs.max_bytes", "must be positive", "e.g. 67108864 (64 MiB)"))
+    if agent.logs.backups < 0:
+        out.append(error("agent.logs.backups", "must be 0 or more", "remove it to keep 3"))
+    if not agent.logs.node_dir.startswith("/"):
+        out.append(
+            error(
+                "agent.logs.node_dir",
+                f"{agent.logs.node_dir!r} is not an absolute path",
+                "name a folder on each node's local disk, e.g. /tmp/tilert-logs",
+            )
+        )
     prefill = recipe.roles.prefill
     if prefill is not None:
         _, _, gpus = role_layout(prefill, gpus_per_node(recipe))
