@@ -22,11 +22,11 @@ from agent.facts import DECODE_KV_LAYOUT, PREFILL_KV_LAYOUT, TILERT_MODELS
 from agent.node.ports import is_bindable
 from agent.standins import kvlink, tokens, wire
 from agent.standins.faults import Faults
+from tests.infra.ports import free_port
 from tests.infra.standin_stack import (
     DEMO_MODEL,
     Proc,
     decode_argv,
-    free_port,
     prefill_argv,
     standin_env,
     wait_http,
