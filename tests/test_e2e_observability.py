@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 import queue
+import secrets
 import shutil
 import signal
 import subprocess
@@ -36,7 +37,8 @@ VLLM_PAGE = DATA / "vllm-0.32-cpu.txt"
 # The TYPE lines of its vllm: families: the prefill's page re-exports the genuine page when its
 # own TYPE lines are these.
 VLLM_TYPES = {ln for ln in VLLM_PAGE.read_text().splitlines() if ln.startswith("# TYPE vllm:")}
-SECRET = "s3cr3t-value"
+# Unique to this run: another run of these tests on the machine has a submitter with its own.
+SECRET = f"s3cr3t-value-{secrets.token_hex(4)}"
 AGENTS = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
 OURS = ("role", "node", "slurm_job_id")
 ENGINE_FAMILIES = (
@@ -102,7 +104,9 @@ def shared_job(
         running.wait_state("ready", timeout=READY_S)
         if upstream_file.read_bytes() != VLLM_PAGE.read_bytes():
             write_atomic(upstream_file, VLLM_PAGE.read_bytes())
-        wait_page(running, "prefill-0", serves_genuine, "re-exporting the genuine vLLM page")
+        wait_page(
+            running, "prefill-0", serves_genuine, "re-exporting the genuine vLLM page", READY_S
+        )
 
     with kit.Shared(start, prepare=prepare, ended=kit.LocalJob.ended) as shared:
         yield shared
@@ -146,10 +150,16 @@ def serves_genuine(text: str) -> bool:
     return upstream_up(text) == 1.0 and served == VLLM_TYPES
 
 
-def wait_page(job: kit.LocalJob, name: str, ok: Callable[[str], bool], what: str) -> str:
+def wait_page(
+    job: kit.LocalJob,
+    name: str,
+    ok: Callable[[str], bool],
+    what: str,
+    timeout: float = CHANGE_TIMEOUT_S,
+) -> str:
     """Agent ``name``'s page once ``ok(page)`` holds (``what`` says what that means)."""
     return kit.wait_for(
-        f"{name}'s page {what}", lambda: page(job, name), CHANGE_TIMEOUT_S, until=ok, interval=0.2
+        f"{name}'s page {what}", lambda: page(job, name), timeout, until=ok, interval=0.2
     )
 
 
