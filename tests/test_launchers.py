@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from agent.launch import (
     LaunchSpec,
@@ -215,7 +216,7 @@ async def test_stop_while_another_task_waits(launcher: ProcessLauncher) -> None:
             results.append(await engine.wait())
 
         nursery.start_soon(waiter)
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the waiter is in engine.wait()
         results.append(await engine.stop(grace_s=5))
     assert results == [-signal.SIGTERM, -signal.SIGTERM]
 
