@@ -4,8 +4,9 @@
 the /metrics page readers, which are imported from ``tests.kit.metrics``. One concept a module:
 
 - ``waiting``: ``wait_for`` (poll a condition, bounded, failing with what it awaited and saw
-  last) and ``within`` (the same for trio code). Every wait in the kit is built on them; no test
-  sleeps for something to happen. Product timeouts in unit tests run on trio's clock instead
+  last) and ``within`` (the same for trio code). Every wait of the kit that fails on a timeout is
+  built on them (``still_alive`` and ``wait_gone`` return what is left instead); no test sleeps
+  for something to happen. Product timeouts in unit tests run on trio's clock instead
   (pytest-trio's ``autojump_clock``).
 - ``commands``: how the project's commands run (``SUBMIT``, ``AGENT``, ``submit_cmd``,
   ``clean_env``), the repository and the demo recipe.
