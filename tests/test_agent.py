@@ -317,7 +317,8 @@ def test_startup_budget_exceeded_fails_naming_the_budget(tmp_path: Path, agents:
 
     def failed_yet(status: dict[str, Any]) -> bool:
         tree_seen.extend(agent.tree())  # the loading engine, to check it is gone afterwards
-        return status["state"] == "failed"
+        state: str = status["state"]
+        return state == "failed"
 
     failed = agent.wait_status("failed", failed_yet, 15)
     assert "startup budget" in failed["reason"] and "1s" in failed["reason"], failed["reason"]
