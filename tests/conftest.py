@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ import pytest
 from tests.infra.prometheus import PrometheusServer, prometheus_binary
 from tests.infra.router_env import router_python as find_router_python
 from tests.infra.slurm import LocalSlurm, SlurmError, missing_binaries
+from tests.kit.shared import CALL_REPORT
 
 SLURM_NODES = 3
 ROUTER_VENV = Path(__file__).resolve().parent.parent / ".cache" / "router-venv"
@@ -37,6 +38,18 @@ def require(ok: bool, reason: str) -> None:
     if under_ci():
         pytest.fail(f"{reason} (CI=true: required; tests/run.sh installs it)", pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item,
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Keep each test's call-phase report, so a fixture's teardown can tell that the test failed
+    (tests/kit/shared.py discards a shared job after a failed test)."""
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_REPORT] = report
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from agent.launch.commands import (
     prefill_command,
     router_command,
 )
-from tests.agentkit import make_job
+from tests.kit import make_job
 
 SECRET = "s3cr3t-value-never-in-argv"
 AGENT_ENV = {"PATH": "/usr/bin", "HF_TOKEN": SECRET, "CUDA_VISIBLE_DEVICES": ""}

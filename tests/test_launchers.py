@@ -13,9 +13,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import trio
+import trio.testing
 
 from agent.launch import (
     LaunchSpec,
@@ -31,28 +31,11 @@ from agent.launch.pyxis import (
     pyxis_container_name,
     pyxis_srun_argv,
 )
+from tests.kit import alive, wait_gone
 
 PY = sys.executable
 BASE_ENV = {"PATH": os.environ.get("PATH", os.defpath)}
 REPO = Path(__file__).resolve().parent.parent
-
-
-def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (orphans may wait for a lazy init to reap)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids still alive after ``timeout`` seconds (polling)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if alive(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.02)
 
 
 def kill_pids(pids: list[int]) -> None:
@@ -233,7 +216,7 @@ async def test_stop_while_another_task_waits(launcher: ProcessLauncher) -> None:
             results.append(await engine.wait())
 
         nursery.start_soon(waiter)
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the waiter is in engine.wait()
         results.append(await engine.stop(grace_s=5))
     assert results == [-signal.SIGTERM, -signal.SIGTERM]
 

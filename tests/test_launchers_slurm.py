@@ -18,6 +18,7 @@ import trio
 from agent.launch import LaunchSpec, PyxisLauncher, PyxisStep
 from agent.launch.pyxis import ENGINE_ID_ENV
 from tests.infra.slurm import LocalSlurm
+from tests.kit import alive, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
 
@@ -35,14 +36,6 @@ GRACEFUL = textwrap.dedent(
     """
 )
 STUBBORN = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(600)"
-
-
-def alive(pid: int) -> bool:
-    """Exists and is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.fixture
@@ -181,15 +174,15 @@ def test_sigkill_of_the_agent_ends_the_step(slurm: LocalSlurm, job: str) -> None
         agent.kill()
         agent.wait()
         # The lifeline watcher sees EOF and scancels the step; PDEATHSIG ends the srun client.
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(alive(p) for p in pids):
-            time.sleep(0.05)
-        assert not [p for p in pids if alive(p)]
+        assert not wait_gone(pids, 5)
         # The step itself is gone from squeue once slurmstepd has wound it up.
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and step in step_ids(slurm, job):
-            time.sleep(0.2)
-        assert step not in step_ids(slurm, job)
+        wait_for(
+            f"step {step} gone from squeue",
+            lambda: step_ids(slurm, job),
+            15,
+            until=lambda steps: step not in steps,
+            interval=0.2,
+        )
     finally:
         agent.kill()
         for p in pids:

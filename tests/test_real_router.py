@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from agent.standins import tokens
+from tests.infra.ports import free_port
 from tests.infra.standin_stack import (
     DEMO_MODEL,
     Proc,
     decode_argv,
-    free_port,
     prefill_argv,
     standin_env,
     wait_http,

@@ -12,6 +12,7 @@ import httpx
 import prometheus_client
 import pytest
 import trio
+import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.http.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
@@ -396,29 +397,6 @@ class Upstream:
         async def broken(request: Request) -> Response:
             return Response(b"engine dead\n", 503)
 
-        @app.route("GET", "/hang-headers")
-        async def hang_headers(request: Request) -> Response:
-            await trio.sleep_forever()
-            raise AssertionError
-
-        @app.route("GET", "/hang-body")
-        async def hang_body(request: Request) -> StreamingResponse:
-            async def chunks() -> AsyncIterator[bytes]:
-                yield self.page[:1000]
-                await trio.sleep_forever()
-                yield b""
-
-            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
-
-        @app.route("GET", "/trickle-forever")
-        async def trickle_forever(request: Request) -> StreamingResponse:
-            async def chunks() -> AsyncIterator[bytes]:
-                while True:  # each read is quick, so only an overall deadline stops this
-                    yield b"# still here\n"
-                    await trio.sleep(0.05)
-
-            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
-
         @app.route("GET", "/trickle")
         async def trickle(request: Request) -> StreamingResponse:
             async def chunks() -> AsyncIterator[bytes]:
@@ -488,6 +466,47 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
+# An upstream that hangs or never finishes, in memory: the tests of the fetch deadline run on
+# trio's MockClock (pytest-trio's ``autojump_clock``), so they wait out no real time.
+STALLED = "http://stalled-upstream.invalid"
+
+
+async def stalled_upstream(request: httpx.Request) -> httpx.Response:
+    """No headers, a stalled body, or a body that never ends; /metrics is the real page."""
+    headers = {"content-type": VLLM_CONTENT_TYPE}
+    if request.url.path == "/hang-headers":
+        await trio.sleep_forever()
+    if request.url.path == "/hang-body":
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield REAL.read_bytes()[:1000]
+            await trio.sleep_forever()
+
+        return httpx.Response(200, headers=headers, content=stalled())
+    if request.url.path == "/trickle-forever":
+
+        async def trickle() -> AsyncIterator[bytes]:
+            while True:  # each read is quick, so only an overall deadline stops this
+                yield b"# still here\n"
+                await trio.sleep(0.05)
+
+        return httpx.Response(200, headers=headers, content=trickle())
+    if request.url.path == "/metrics":
+
+        async def whole() -> AsyncIterator[bytes]:  # streamed, as a server's body is
+            yield REAL.read_bytes()
+
+        return httpx.Response(200, headers=headers, content=whole())
+    return httpx.Response(404)
+
+
+@pytest.fixture
+async def stalled_client() -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client whose upstream (at ``STALLED``) is ``stalled_upstream``, in memory."""
+    async with httpx.AsyncClient(transport=httpx.MockTransport(stalled_upstream)) as c:
+        yield c
+
+
 async def render_timed(metrics: UpstreamMetrics, client: httpx.AsyncClient) -> tuple[str, float]:
     """render() and how long it took (it must never raise)."""
     start = trio.current_time()
@@ -535,23 +554,23 @@ async def test_render_openmetrics_and_http_errors(
 
 @pytest.mark.parametrize("path", ["/hang-headers", "/hang-body", "/trickle-forever"])
 async def test_hanging_or_trickling_upstream_bounded_by_timeout(
-    upstream: Upstream, client: httpx.AsyncClient, path: str
+    autojump_clock: trio.testing.MockClock, stalled_client: httpx.AsyncClient, path: str
 ) -> None:
     """No headers, a stalled body, or a body that never ends: all cut at timeout_s overall."""
-    metrics = UpstreamMetrics(upstream.url(path), OURS, timeout_s=0.5)
-    text, took = await render_timed(metrics, client)
+    metrics = UpstreamMetrics(STALLED + path, OURS, timeout_s=0.5)
+    text, took = await render_timed(metrics, stalled_client)
     assert text == "" and not metrics.up
     assert metrics.last_error and "within 0.5 s" in metrics.last_error
     assert 0.4 < took < 3.0  # a liveness bound, not a performance target
 
 
 async def test_scrape_budget_shortens_the_timeout(
-    upstream: Upstream, client: httpx.AsyncClient
+    autojump_clock: trio.testing.MockClock, stalled_client: httpx.AsyncClient
 ) -> None:
     """The scraper's deadline (budget_s) wins over a longer configured timeout."""
-    metrics = UpstreamMetrics(upstream.url("/hang-headers"), OURS, timeout_s=30)
+    metrics = UpstreamMetrics(STALLED + "/hang-headers", OURS, timeout_s=30)
     with trio.fail_after(10):
-        assert await metrics.render(client, budget_s=0.3) == ""
+        assert await metrics.render(stalled_client, budget_s=0.3) == ""
     assert metrics.last_error and "within 0.3 s" in metrics.last_error
 
 
@@ -625,12 +644,13 @@ async def test_cache_expires_and_upstream_recovers(
     assert upstream.hits == 2
 
 
-async def test_cancellation_propagates(upstream: Upstream, client: httpx.AsyncClient) -> None:
+async def test_cancellation_propagates(
+    autojump_clock: trio.testing.MockClock, stalled_client: httpx.AsyncClient
+) -> None:
     """render() swallows upstream failures but not the caller's own cancellation."""
-    metrics = UpstreamMetrics(upstream.url("/hang-headers"), OURS, timeout_s=30)
+    metrics = UpstreamMetrics(STALLED + "/hang-headers", OURS, timeout_s=30)
     with trio.move_on_after(0.3) as scope:
-        await metrics.render(client)
+        await metrics.render(stalled_client)
     assert scope.cancelled_caught
-    upstream.page = REAL.read_bytes()
-    metrics.url = upstream.url("/metrics")
-    assert await metrics.render(client) != ""  # the lock was released
+    metrics.url = STALLED + "/metrics"
+    assert await metrics.render(stalled_client) != ""  # the lock was released

@@ -9,7 +9,6 @@ import socket
 import struct
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,15 +21,16 @@ from agent.facts import DECODE_KV_LAYOUT, PREFILL_KV_LAYOUT, TILERT_MODELS
 from agent.node.ports import is_bindable
 from agent.standins import kvlink, tokens, wire
 from agent.standins.faults import Faults
+from tests.infra.ports import free_port
 from tests.infra.standin_stack import (
     DEMO_MODEL,
     Proc,
     decode_argv,
-    free_port,
     prefill_argv,
     standin_env,
     wait_http,
 )
+from tests.kit import wait_for
 
 REPLY = tokens.FIRST_TOKEN_TEXT + tokens.CONTINUATION_TEXT
 
@@ -254,10 +254,12 @@ def test_busy_429_and_kv_timeout_504(stack: Stack) -> None:
         )
     )
     waiting.start()
-    deadline = time.monotonic() + 5
-    while httpx.get(f"{stack.decode_url(1)}/decode_status").json()["status"] != "busy":
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for(
+        "decode-1 busy with the first request",
+        lambda: httpx.get(f"{stack.decode_url(1)}/decode_status").json()["status"] == "busy",
+        5,
+        interval=0.02,
+    )
     second = httpx.post(url, json={"rid": "other", "first_token_id": 1}, timeout=10)
     assert second.status_code == 429 and second.json()["error"] == "busy"
     waiting.join(10)
@@ -276,10 +278,11 @@ def test_hang_up_clears_busy_and_cancel(spawn) -> None:
         lines = r.iter_lines()  # keep a reference: a collected iterator closes the response
         assert json.loads(next(lines)) == {"t": [tokens.first_token_id()]}
         assert httpx.get(f"{base}/decode_status").json() == {"status": "busy", "current_rid": "r1"}
-    deadline = time.monotonic() + 2
-    while httpx.get(f"{base}/decode_status").json()["status"] != "idle":
-        assert time.monotonic() < deadline, "client hang-up left the node busy"
-        time.sleep(0.05)
+    wait_for(
+        "the node idle after the client hung up (else the hang-up left it busy)",
+        lambda: httpx.get(f"{base}/decode_status").json()["status"] == "idle",
+        2,
+    )
     assert httpx.post(f"{base}/pd/cancel", json={"rid": "nope"}).status_code == 404
     with httpx.stream("POST", f"{base}/pd/decode", json={**body, "rid": "r2"}, timeout=10) as r:
         lines = r.iter_lines()
@@ -444,7 +447,7 @@ def test_fault_target_selects_one_engine() -> None:
 def test_startup_delay_keeps_port_free(spawn) -> None:
     http, ctrl = free_port(), free_port()
     proc = spawn(decode_argv(http, ctrl), TILERT_MOCK_STARTUP_DELAY_S="1.5")
-    time.sleep(0.5)
+    wait_for("the stand-in to start loading", lambda: "loading TileRT engine" in proc.output(), 10)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{http}/health", timeout=1)
     assert is_bindable(ctrl)

@@ -1,6 +1,6 @@
 """Weights converted once, under a lock, atomically, before anyone serves them (docs/weights.md).
 
-Real ``tilert-agent`` processes (tests/agentkit.py) and local jobs (tests/e2ekit.py) with the
+Real ``tilert-agent`` processes and local jobs (tests/kit: ``AgentProc``, ``LocalJob``) with the
 converter stand-in (``agent.standins.converter``), its switches set through
 ``--set roles.decode.env.TILERT_MOCK_CONVERT_...`` or the agent's environment.
 """
@@ -22,8 +22,18 @@ import psutil
 import pytest
 
 from agent.node.weightsfolder import MARKER_NAME, inspect
-from tests.agentkit import AgentProc, Agents, make_job, running_agents, wait_for
-from tests.e2ekit import LocalJob, agent_entry, e2e_sets, wait_state, wait_status
+from tests.kit import (
+    AgentProc,
+    Agents,
+    LocalJob,
+    agent_entry,
+    isolated_sets,
+    make_job,
+    running_agents,
+    wait_for,
+    wait_state,
+    wait_status,
+)
 
 SLOW = "0.25"  # seconds per shard: a conversion of 4 shards takes about a second
 
@@ -296,7 +306,7 @@ def test_a_too_small_tmpfs_fails_clearly_with_nothing_half_written(
 
 def test_a_local_job_converting_then_serving_ends_ready(tmp_path: Path) -> None:
     weights = tmp_path / "shared" / "glm5"
-    sets, _ = e2e_sets(
+    sets, _ = isolated_sets(
         None,
         f"roles.decode.args.model-weights-dir={weights}",
         f"roles.decode.convert={{source: {checkpoint(tmp_path / 'hf')}}}",
@@ -333,7 +343,7 @@ def test_a_converter_killed_half_way_fails_the_job_and_the_next_one_converts(
     the next run converts from scratch."""
     weights = tmp_path / "shared" / "glm5"
     hf = checkpoint(tmp_path / "hf")
-    sets, _ = e2e_sets(
+    sets, _ = isolated_sets(
         None,
         f"roles.decode.args.model-weights-dir={weights}",
         f"roles.decode.convert={{source: {hf}}}",
@@ -368,7 +378,7 @@ def test_a_converter_killed_half_way_fails_the_job_and_the_next_one_converts(
     assert siblings(weights) == []
 
     again = tmp_path / "again"
-    sets, _ = e2e_sets(
+    sets, _ = isolated_sets(
         None,
         f"roles.decode.args.model-weights-dir={weights}",
         f"roles.decode.convert={{source: {hf}}}",
@@ -387,7 +397,7 @@ def test_convert_job_locally(tmp_path: Path) -> None:
     cluster = tmp_path / "srtslurm.yaml"
     cluster.write_text("network_interface: lo\nlauncher: process\n")
     job = tmp_path / "job"
-    from tests.e2ekit import submit_cmd
+    from tests.kit import submit_cmd
 
     done = submit_cmd(
         "convert",

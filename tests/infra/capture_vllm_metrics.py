@@ -84,13 +84,6 @@ def build_model(directory: Path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
 
 
-def free_port() -> int:
-    """A loopback port the kernel says is free now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def get(url: str, accept: str | None = None, timeout: float = 5.0) -> tuple[int, str, str]:
     """(status, content-type, body) of a GET."""
     request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
@@ -160,7 +153,11 @@ def main() -> int:
         root = Path(tmp)
         model = root / "model"
         build_model(model)
-        port = free_port()
+        # A port the kernel says is free now. Not tests/infra/ports.py: this script runs in
+        # vLLM's own venv, where this project is not installed.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         base = f"http://127.0.0.1:{port}"
         env = dict(
             os.environ,
