@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import e2ekit as kit
-from tests.agentkit import REPO, clean_env
-from tests.logkit import ENGINES, STAMP, Follower, by_source, file_lines, logs
-from tests.obskit import get, one, samples
+from tests import kit
+from tests.kit import REPO, clean_env, get
+from tests.kit.logs import ENGINES, STAMP, Follower, by_source, file_lines, logs
+from tests.kit.metrics import one, samples
 
 READY_S = 40.0
 STOP_S = 30.0
@@ -43,7 +43,7 @@ def followers() -> Iterator[list[Follower]]:
 
 def new_job(tmp_path: Path, *sets: str) -> kit.LocalJob:
     """A local mock job of a test's own (the stand-in router: no router venv needed)."""
-    args, _ = kit.e2e_sets(None, *sets)
+    args, _ = kit.isolated_sets(None, *sets)
     return kit.LocalJob(tmp_path / "J", args, env=clean_env())
 
 

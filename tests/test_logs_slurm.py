@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import e2ekit as kit
+from tests import kit
 from tests.infra.slurm import LocalSlurm
-from tests.logkit import ENGINES, STAMP, Follower, by_source, file_lines, logs
+from tests.kit.logs import ENGINES, STAMP, Follower, by_source, file_lines, logs
 from tests.test_e2e_slurm import READY_S, SlurmJob
 
 pytestmark = [pytest.mark.slurm, pytest.mark.router]
@@ -27,7 +27,7 @@ def test_node_local_logs_through_the_agents_on_slurm(
     slurm: LocalSlurm, slurm_cluster_file: Path, router_python: Path, tmp_path: Path
 ) -> None:
     nodes = tmp_path / "node-disk"
-    sets, _ = kit.e2e_sets(
+    sets, _ = kit.isolated_sets(
         router_python, "agent.logs.location=node", f"agent.logs.node_dir={nodes}"
     )
     with SlurmJob(slurm, tmp_path / "job", slurm_cluster_file, sets) as job:

@@ -23,6 +23,8 @@ the /metrics page readers, which are imported from ``tests.kit.metrics``. One co
 - ``shared``: ``Shared``, a job or agent the tests of a module share without depending on each
   other's order.
 - ``metrics``: reading a /metrics page (samples, families, one series).
+- ``logs``: `tilert-submit logs` as a user runs it (followers, per-source lines); imported from
+  ``tests.kit.logs``.
 
 Free ports come from ``tests/infra/ports.py`` (``free_port``, ``free_ports``), the only place
 that picks them.

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from tests import e2ekit as kit
-from tests.agentkit import REPO, clean_env
+from tests import kit
+from tests.kit import REPO, clean_env
 
 # --timestamps' form: ISO 8601, UTC, milliseconds.
 STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
