@@ -233,7 +233,8 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
         f"  router   {plan.router.port} (fixed: agent.router_port)",
         "Budgets:",
         f"  startup  prefill {_seconds(plan.prefill.startup_budget_s)}, decode "
-        f"{_seconds(plan.decode.startup_budget_s)}, router {_seconds(plan.router.startup_budget_s)}",
+        f"{_seconds(plan.decode.startup_budget_s)}, "
+        f"router {_seconds(plan.router.startup_budget_s)}",
         f"  stop     prefill {_seconds(plan.prefill.stop_grace_s)}, decode "
         f"{_seconds(plan.decode.stop_grace_s)}, router {_seconds(plan.router.stop_grace_s)} "
         f"(fit in KillWait {_seconds(slurm.kill_wait_s)})",

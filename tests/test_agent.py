@@ -1,4 +1,5 @@
-"""``tilert-agent`` as a real process on 127.0.0.1: record, /status, restarts, stops, faults, endpoint.
+"""``tilert-agent`` as a real process on 127.0.0.1: record, /status, restarts, stops, faults,
+endpoint.
 
 Every agent runs on a job directory made by ``tilert-submit recipes/local-demo.yaml --mock
 --dry-run`` (``make_job``, tests/kit/jobs.py), with the stand-in decode as its engine and fault
@@ -205,7 +206,8 @@ def test_logs_need_the_bearer_token(steady: AgentProc) -> None:
     assert engine.status_code == 200
     assert "generation 1 started" in engine.text
     agent = httpx.get(steady.url("/logs?name=agent"), headers=auth, timeout=5)
-    assert agent.status_code == 200 and "healthy" in agent.text
+    assert agent.status_code == 200
+    assert "healthy" in agent.text
     for name in ("router", "../token", "nope"):  # decode-0 has no router log
         assert (
             httpx.get(steady.url(f"/logs?name={name}"), headers=auth, timeout=5).status_code == 404
@@ -223,7 +225,8 @@ def test_sigkill_of_agent_long_after_spawn_takes_the_engine(steady_to_kill: Agen
         time.sleep(10.5 - age)  # the scenario is the engine's age, not an event to wait for
     assert engine.is_running(), "the engine died on its own >10 s after spawn (PDEATHSIG trap)"
     tree = steady.remember_tree()
-    assert engine in tree and len(tree) >= 3, tree  # agent, engine, lifeline watcher
+    assert engine in tree, tree
+    assert len(tree) >= 3, tree  # agent, engine, lifeline watcher
     os.kill(steady.pid, signal.SIGKILL)
     assert not still_alive(tree[1:], 1.0), "engine tree outlived a SIGKILLed agent by >1 s"
 
@@ -321,10 +324,12 @@ def test_startup_budget_exceeded_fails_naming_the_budget(tmp_path: Path, agents:
         return state == "failed"
 
     failed = agent.wait_status("failed", failed_yet, 15)
-    assert "startup budget" in failed["reason"] and "1s" in failed["reason"], failed["reason"]
+    assert "startup budget" in failed["reason"], failed["reason"]
+    assert "1s" in failed["reason"], failed["reason"]
     assert "agent.startup_budget_s" in failed["reason"]
     engines = [p for p in tree_seen if p.pid != agent.pid]
-    assert engines and not still_alive(engines, 3.0), "the loading engine outlived its budget"
+    assert engines, "the loading engine outlived its budget"
+    assert not still_alive(engines, 3.0), "the loading engine outlived its budget"
     agent.signal(signal.SIGTERM)
     assert agent.wait(10) == 1
 
@@ -399,7 +404,8 @@ def run_agent(job: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_missing_plan_exits_2(tmp_path: Path) -> None:
     done = run_agent(tmp_path)
     assert done.returncode == 2
-    assert "no plan.json" in done.stderr and "tilert-submit" in done.stderr
+    assert "no plan.json" in done.stderr
+    assert "tilert-submit" in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -408,7 +414,8 @@ def test_corrupt_plan_exits_2(tmp_path: Path) -> None:
     (job / "plan.json").write_text('{"schema": 1, "name": ')
     done = run_agent(job)
     assert done.returncode == 2
-    assert "plan.json" in done.stderr and "unusable plan" in done.stderr
+    assert "plan.json" in done.stderr
+    assert "unusable plan" in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -416,7 +423,8 @@ def test_index_beyond_the_plan_exits_2(tmp_path: Path) -> None:
     job = make_job(tmp_path)
     done = run_agent(job, "--index", "2")  # the demo has decode-0 and decode-1
     assert done.returncode == 2
-    assert "index 2" in done.stderr and "2 decode worker" in done.stderr
+    assert "index 2" in done.stderr
+    assert "2 decode worker" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (job / "rendezvous" / "decode-2.json").exists()
 

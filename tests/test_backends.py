@@ -129,7 +129,8 @@ def child() -> Iterator[Child]:
             "time.sleep(60)\n"
         )
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "up\n"
         procs.append(proc)
         return proc
 
@@ -151,7 +152,8 @@ def test_local_is_running_follows_the_process(child: Child) -> None:
         time.sleep(0.05)
     assert backend.is_running(status) is False
     proc.wait()
-    assert backend.is_running(status) is False and not pid_alive(proc.pid)
+    assert backend.is_running(status) is False
+    assert not pid_alive(proc.pid)
 
 
 def test_local_stop_terms_the_supervisor(
@@ -164,7 +166,8 @@ def test_local_stop_terms_the_supervisor(
     capsys.readouterr()
     assert main(["stop", str(job.root)]) == 0
     out = capsys.readouterr().out
-    assert f"SIGTERM to its supervisor pid {proc.pid}" in out and "stopped" in out
+    assert f"SIGTERM to its supervisor pid {proc.pid}" in out
+    assert "stopped" in out
     assert proc.wait(timeout=5) == -signal.SIGTERM
 
 
@@ -245,7 +248,8 @@ def test_slurm_stop_terms_every_task(
     capsys.readouterr()
     assert main(["stop", str(job.root)]) == 0
     out = capsys.readouterr().out
-    assert "stopping Slurm job 42: scancel --signal=TERM" in out and "Slurm job 42 ended" in out
+    assert "stopping Slurm job 42: scancel --signal=TERM" in out
+    assert "Slurm job 42 ended" in out
     assert (fake_slurm / "scancel.log").read_text() == "--signal=TERM 42\n"
 
 

@@ -1,4 +1,5 @@
-"""End to end, ``tilert-submit --local --mock`` with the REAL TileRT router (GitHub "Cluster bring-up").
+"""End to end, ``tilert-submit --local --mock`` with the REAL TileRT router (GitHub "Cluster
+bring-up").
 
 The tests that need a running demo job (1 prefill + 2 decode) share one (``demo``: ready before
 each test; started again after a test that stopped it or failed), so each passes alone and in any
@@ -83,12 +84,14 @@ def test_status_command(demo: kit.LocalJob) -> None:
     """``tilert-submit status J`` and ``--json`` read the running job."""
     done = kit.submit_cmd("status", str(demo.job))
     assert done.returncode == 0, done.stderr
-    assert "job: ready" in done.stdout and "decode-1" in done.stdout
+    assert "job: ready" in done.stdout
+    assert "decode-1" in done.stdout
     assert "STALE" not in done.stdout
     done = kit.submit_cmd("status", str(demo.job), "--json")
     assert done.returncode == 0, done.stderr
     view = json.loads(done.stdout)
-    assert view["stale"] is False and view["status"]["state"] == "ready"
+    assert view["stale"] is False
+    assert view["status"]["state"] == "ready"
 
 
 def test_stop_leaves_nothing(demo_to_stop: kit.LocalJob) -> None:

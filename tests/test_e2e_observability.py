@@ -189,7 +189,8 @@ def promtool() -> None:
 # ---- 1. promtool ------------------------------------------------------------------------------
 
 
-def test_promtool_finds_no_parse_error_on_any_page(job: kit.LocalJob, promtool: None) -> None:
+@pytest.mark.usefixtures("promtool")
+def test_promtool_finds_no_parse_error_on_any_page(job: kit.LocalJob) -> None:
     """Every metrics_url in status.json parses for promtool."""
     urls = metrics_urls(job)
     assert set(urls) == set(AGENTS)
@@ -228,7 +229,8 @@ def test_genuine_vllm_page_is_reexported_whole(job: kit.LocalJob) -> None:
     # No job/instance label anywhere, our labels everywhere.
     for key in served:
         labels = dict(key[1])
-        assert "job" not in labels and "instance" not in labels, key
+        assert "job" not in labels, key
+        assert "instance" not in labels, key
         assert {k: labels.get(k) for k in OURS} == ours, key
     # Upstream process_/python_/http_ families are dropped: no family or sample name twice.
     declared = families(text)
@@ -239,8 +241,9 @@ def test_genuine_vllm_page_is_reexported_whole(job: kit.LocalJob) -> None:
 # ---- 3. hostile upstream pages ----------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("promtool")
 def test_hostile_upstream_pages_keep_the_agents_own_page(
-    job: kit.LocalJob, upstream_file: Path, promtool: None
+    job: kit.LocalJob, upstream_file: Path
 ) -> None:
     """Bad page or 500: /metrics still 200 with every tilert_agent_* series, upstream_up 0."""
     good = page(job, "prefill-0")
@@ -287,8 +290,9 @@ vllm:test_clashing_page_marker 1
 """
 
 
+@pytest.mark.usefixtures("promtool")
 def test_upstream_families_named_like_ours_are_dropped(
-    job: kit.LocalJob, upstream_file: Path, promtool: None
+    job: kit.LocalJob, upstream_file: Path
 ) -> None:
     """An upstream family with one of our names (even one the head serves only later) is dropped."""
     try:
@@ -333,7 +337,8 @@ def test_agent_series_on_every_agent(job: kit.LocalJob) -> None:
         state = {
             s.labels["state"]: s.value for s in find(got, "tilert_agent_engine_state", **engine)
         }
-        assert state[status["state"]] == 1.0 and sum(state.values()) == 1.0, (name, state)
+        assert state[status["state"]] == 1.0, (name, state)
+        assert sum(state.values()) == 1.0, (name, state)
         assert one(got, "tilert_agent_engine_up", **engine).value == 1.0
         assert one(got, "tilert_agent_engine_restarts_total", **engine).value == status["restarts"]
         assert one(got, "tilert_agent_probe_latency_seconds_count", **engine).value >= 1
@@ -349,7 +354,8 @@ def test_agent_series_on_every_agent(job: kit.LocalJob) -> None:
         assert one(got, "tilert_agent_engine_processes", **engine).value >= 1
         lines = one(got, "tilert_agent_log_lines_total", **engine, outcome="written").value
         size = one(got, "tilert_agent_log_bytes_total", **engine, outcome="written").value
-        assert lines >= 1 and size >= lines, (name, lines, size)
+        assert lines >= 1, (name, lines, size)
+        assert size >= lines, (name, lines, size)
         assert one(got, "tilert_agent_log_lines_total", **engine, outcome="dropped").value == 0
         assert one(got, "tilert_agent_log_bytes_total", **engine, outcome="dropped").value == 0
         is_head = name == "prefill-0"
@@ -361,7 +367,8 @@ def test_agent_series_on_every_agent(job: kit.LocalJob) -> None:
             assert one(got, "tilert_agent_engine_up", **router).value == 1.0
             assert one(got, "tilert_agent_engine_resident_memory_bytes", **router).value > 0
             jobs = {s.labels["state"]: s.value for s in find(got, "tilert_agent_job_state")}
-            assert jobs["ready"] == 1.0 and sum(jobs.values()) == 1.0, jobs
+            assert jobs["ready"] == 1.0, jobs
+            assert sum(jobs.values()) == 1.0, jobs
             assert 0 <= one(got, "tilert_agent_gate_latency_seconds").value < 60
             assert 0 < one(got, "tilert_agent_canary_latency_seconds").value < 60
         else:
@@ -382,15 +389,19 @@ def test_prometheus_scrapes_every_agent(
     running = prom.wait_for('vllm:num_requests_running{role="prefill"}', timeout=20)
     assert len(running) == 1
     labels = running[0]["metric"]
-    assert labels["node"] == nodes["prefill-0"] and labels["slurm_job_id"] == "local"
-    assert labels["agent"] == "prefill-0" and labels["engine"] == "0"
+    assert labels["node"] == nodes["prefill-0"]
+    assert labels["slurm_job_id"] == "local"
+    assert labels["agent"] == "prefill-0"
+    assert labels["engine"] == "0"
     engine_up = prom.wait_for(
         'tilert_agent_engine_up{component="engine"}', lambda r: len(r) == 3, 20
     )
     for series in engine_up:
         m = series["metric"]
-        assert m["role"] == AGENTS[m["agent"]] and m["node"] == nodes[m["agent"]], m
-        assert m["slurm_job_id"] == "local" and series["value"][1] == "1", series
+        assert m["role"] == AGENTS[m["agent"]], m
+        assert m["node"] == nodes[m["agent"]], m
+        assert m["slurm_job_id"] == "local", series
+        assert series["value"][1] == "1", series
     everything = prom.query('{job="tilert"}')
     assert len(everything) > 300
     exported = [
@@ -417,9 +428,11 @@ def test_logs_route_needs_the_token(job: kit.LocalJob) -> None:
         assert resp.status_code == 200, resp.text
         engine_log = (job.job / "logs" / name / "engine.log").read_text(errors="replace")
         lines = resp.text.splitlines()
-        assert lines and all(line in engine_log for line in lines), (name, lines[:3])
+        assert lines, (name, lines[:3])
+        assert all(line in engine_log for line in lines), (name, lines[:3])
         tail = get(f"{base}/logs", params={"tail": "2"}, headers=auth).text.splitlines()
-        assert len(tail) == 2 and all(line in engine_log for line in tail), tail
+        assert len(tail) == 2, tail
+        assert all(line in engine_log for line in tail), tail
 
 
 def test_logs_route_serves_only_its_fixed_names(job: kit.LocalJob) -> None:
@@ -455,7 +468,8 @@ def test_logs_route_serves_only_its_fixed_names(job: kit.LocalJob) -> None:
     decode = job.agent("decode-0")["status_url"].removesuffix("/status")
     assert get(f"{decode}/logs", params={"name": "router"}, headers=auth).status_code == 404
     resp = get(f"{base}/logs/../token", headers=auth)
-    assert resp.status_code == 404 and token not in resp.text
+    assert resp.status_code == 404
+    assert token not in resp.text
 
 
 def test_secret_reaches_the_engine_and_nothing_else(job: kit.LocalJob) -> None:
@@ -465,7 +479,8 @@ def test_secret_reaches_the_engine_and_nothing_else(job: kit.LocalJob) -> None:
         base = job.agent(name)["status_url"].removesuffix("/status")
         for route in ("/metrics", "/status", "/healthz"):
             text = get(base + route).text
-            assert SECRET not in text and token not in text, (name, route)
+            assert SECRET not in text, (name, route)
+            assert token not in text, (name, route)
     for path in job.job.rglob("*"):
         if path.is_file() and path.name != "token":
             assert SECRET.encode() not in path.read_bytes(), path
@@ -535,7 +550,8 @@ def test_logs_command_prints_every_engine_with_prefixes(job: kit.LocalJob) -> No
     assert list(every) == [*AGENTS, "router"]
     for name in AGENTS:
         on_disk = (job.job / "logs" / name / "engine.log").read_text(errors="replace")
-        assert every[name] and all(line in on_disk for line in every[name]), name
+        assert every[name], name
+        assert all(line in on_disk for line in every[name]), name
     only = _prefixed(_logs(job, "decode-1"))
     assert list(only) == ["decode-1"]
     assert only["decode-1"][:3] == every["decode-1"][:3]
@@ -613,7 +629,8 @@ def test_restart_counter_after_sigkill(job: kit.LocalJob) -> None:
     """SIGKILL decode-1's engine: it comes back healthy and restarts_total becomes 1."""
     status_url = job.agent("decode-1")["status_url"]
     before = get(status_url).json()
-    assert before["state"] == "healthy" and before["restarts"] == 0
+    assert before["state"] == "healthy"
+    assert before["restarts"] == 0
     os.kill(before["pid"], signal.SIGKILL)
     after = kit.wait_for(
         "decode-1 healthy again after one restart",
@@ -622,7 +639,8 @@ def test_restart_counter_after_sigkill(job: kit.LocalJob) -> None:
         until=lambda s: s["state"] == "healthy" and s["restarts"] == 1,
         interval=0.1,
     )
-    assert after["pid"] != before["pid"] and after["ports"] == before["ports"]
+    assert after["pid"] != before["pid"]
+    assert after["ports"] == before["ports"]
     engine = {"component": "engine", "role": "decode"}
     got = samples(page(job, "decode-1"))
     assert one(got, "tilert_agent_engine_restarts_total", **engine).value == 1.0

@@ -1,4 +1,5 @@
-"""End to end on the real local 3-node Slurm, with the REAL TileRT router (GitHub "Cluster bring-up").
+"""End to end on the real local 3-node Slurm, with the REAL TileRT router (GitHub "Cluster
+bring-up").
 
 ``tilert-submit RECIPE --mock --cluster <the fixture's cluster file>`` runs sbatch; the agents run
 on node1..node3 through the script's srun steps (process launcher, loopback). The tests that need a
@@ -114,7 +115,8 @@ def demo_to_stop(shared_demo: kit.Shared[SlurmJob]) -> Iterator[SlurmJob]:
 def test_ready_contract(demo: SlurmJob) -> None:
     """Ready with router_url; agents on node1..node3 with DESIGN.md's fields; targets.json."""
     status = kit.check_ready_contract(demo.job)
-    assert status["slurm_job_id"] == demo.id and status["local_pid"] is None
+    assert status["slurm_job_id"] == demo.id
+    assert status["local_pid"] is None
     nodes = [kit.agent_entry(status, n)["node"] for n in kit.AGENTS]
     assert sorted(nodes) == ["node1", "node2", "node3"], nodes
     # Metrics carry the Slurm job id (the targets file adds none).
@@ -141,13 +143,16 @@ def test_status_command(demo: SlurmJob) -> None:
     """``status J`` and ``--json`` on a running Slurm job."""
     done = demo.cmd("status", str(demo.job))
     assert done.returncode == 0, done.stderr
-    assert "job: ready" in done.stdout and f"slurm job: {demo.id}" in done.stdout
+    assert "job: ready" in done.stdout
+    assert f"slurm job: {demo.id}" in done.stdout
     view = json.loads(demo.cmd("status", str(demo.job), "--json").stdout)
-    assert view["stale"] is False and view["status"]["slurm_job_id"] == demo.id
+    assert view["stale"] is False
+    assert view["status"]["slurm_job_id"] == demo.id
 
 
 def test_stop_drains_within_kill_wait(demo_to_stop: SlurmJob) -> None:
-    """``stop J``: scancel --signal=TERM; everything gone within KillWait, job ended, ``stopped``."""
+    """``stop J``: scancel --signal=TERM; everything gone within KillWait, job ended,
+    ``stopped``."""
     # 3 agents, 3 engines, the router, ...
     ports, procs = kit.running_processes(demo_to_stop.job, at_least=7)
     done = demo_to_stop.cmd("stop", str(demo_to_stop.job))
@@ -227,7 +232,7 @@ while True:
 """
 
 
-async def test_pyxis_nested_overlap_step(slurm: LocalSlurm, tmp_path: Path) -> None:
+async def test_pyxis_nested_overlap_step(slurm: LocalSlurm) -> None:
     """An engine as ``srun --overlap`` inside a running job: found, then stopped by TERM."""
     holder = slurm.sbatch("#!/bin/sh\nsleep 120\n", "-N1", "-w", "node2")
     slurm.wait_job_state(holder, ("RUNNING",), timeout=30)
@@ -237,12 +242,12 @@ async def test_pyxis_nested_overlap_step(slurm: LocalSlurm, tmp_path: Path) -> N
     engine = await launcher.start(spec)
     output = b""
     try:
-        assert engine.step is not None and engine.step.startswith(f"{holder}.")
+        assert engine.step is not None
+        assert engine.step.startswith(f"{holder}.")
         with kit.within(20, "the engine's 'engine up' line, then its pid"):
             while b"engine up" not in output:
                 output += await engine.output.receive_some(4096)
-            while engine.pid is None:
-                await trio.sleep(0.1)
+        await kit.until(lambda: engine.pid is not None, "the launcher to find the engine's pid", 20)
         proc = psutil.Process(engine.pid)
         assert proc.cmdline()[:2] == [sys.executable, "-c"], proc.cmdline()
         assert str(engine.pid) in output.decode()

@@ -300,7 +300,8 @@ def test_peers_rows_feed_the_decisions(tmp_path: Path) -> None:
     assert peers.entry("decode-1").reason == "no rendezvous record yet"
     rows = JobView(agents={n: peers.entry(n) for n in names}, versions=peers.versions())
     assert to_drop(rows, dropped=()) == ["decode-0"]
-    assert fatal(rows) is not None and "tilert versions differ" in (fatal(rows) or "")
+    assert fatal(rows) is not None
+    assert "tilert versions differ" in (fatal(rows) or "")
 
 
 def test_status_json_is_written_on_change_and_by_the_heartbeat(tmp_path: Path) -> None:
@@ -348,7 +349,8 @@ def test_canary_text_reads_the_event_stream() -> None:
 
 
 async def test_a_canary_that_fails_then_answers_within_budget_passes(
-    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     answers = [
         httpx.Response(503, text="no decode yet"),
@@ -382,10 +384,10 @@ async def test_a_canary_that_fails_then_answers_within_budget_passes(
     ]
 
 
-async def test_one_canary_per_decode_each_must_answer(autojump_clock: trio.abc.Clock) -> None:
+async def test_one_canary_per_decode_each_must_answer(autojump_clock: trio.abc.Clock) -> None:  # noqa: ARG001 (requesting it puts the test on trio's clock)
     seen = 0
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(_request: httpx.Request) -> httpx.Response:
         nonlocal seen
         seen += 1
         return httpx.Response(200, content=stream("Hi"))
@@ -396,7 +398,7 @@ async def test_one_canary_per_decode_each_must_answer(autojump_clock: trio.abc.C
 
 
 async def test_a_canary_that_never_answers_fails_the_job_after_its_budget(
-    autojump_clock: trio.abc.Clock,
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
 ) -> None:
     attempts = 0
 

@@ -200,7 +200,11 @@ async def test_stop_terms_then_kills_the_whole_group(launcher: ProcessLauncher) 
 
 
 async def test_stop_graceful_exit_within_grace(launcher: ProcessLauncher) -> None:
-    code = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\nprint('up', flush=True)\ntime.sleep(600)"
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        "print('up', flush=True)\ntime.sleep(600)"
+    )
     engine = await launcher.start(spec([PY, "-c", code]))
     assert await read_line(engine) == b"up"
     with trio.fail_after(20):
@@ -274,7 +278,8 @@ def test_refuses_to_fork_from_another_thread() -> None:
     thread = threading.Thread(target=in_thread)
     thread.start()
     thread.join()
-    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert len(errors) == 1
+    assert isinstance(errors[0], RuntimeError)
     assert "main" in str(errors[0])
 
 
@@ -329,7 +334,8 @@ def start_agent(pids: list[int]) -> tuple[subprocess.Popen[bytes], int, int]:
 
 def test_sigkill_of_the_agent_leaves_no_engine(agent_process: list[int]) -> None:
     agent, engine, grandchild = start_agent(agent_process)
-    assert alive(engine) and alive(grandchild)
+    assert alive(engine)
+    assert alive(grandchild)
     agent.kill()
     agent.wait()
     assert wait_gone([engine, grandchild], 1.0) == []
@@ -341,7 +347,8 @@ def test_sigkill_of_the_agent_after_ten_seconds(agent_process: list[int]) -> Non
     agent, engine, grandchild = start_agent(agent_process)
     time.sleep(10.8)
     assert agent.poll() is None
-    assert alive(engine) and alive(grandchild), "the engine died while the agent lived"
+    assert alive(engine), "the engine died while the agent lived"
+    assert alive(grandchild), "the engine died while the agent lived"
     agent.kill()
     agent.wait()
     assert wait_gone([engine, grandchild], 1.0) == []
@@ -412,7 +419,8 @@ def test_pyxis_argv_without_container_and_with_setup_script() -> None:
     )
     argv = pyxis_srun_argv(s, "9", "n1", "ignored")
     assert not [a for a in argv if a.startswith(("--container", "--no-container"))]
-    assert "--chdir=/w" in argv and "--job-name=tilert-router" in argv
+    assert "--chdir=/w" in argv
+    assert "--job-name=tilert-router" in argv
     tail = argv[argv.index("--export=ALL") + 2 :]
     assert argv[argv.index("--export=ALL") + 1] == "--chdir=/w"
     assert tail[0:2] == ["bash", "-c"]
@@ -428,6 +436,7 @@ def test_preflight_shares_its_engines_container() -> None:
 def test_make_launcher() -> None:
     assert make_launcher("process", slurm_job_id=None, node=None).name == "process"
     pyxis = make_launcher("pyxis", slurm_job_id="12", node="node1")
-    assert isinstance(pyxis, PyxisLauncher) and (pyxis.job_id, pyxis.node) == ("12", "node1")
+    assert isinstance(pyxis, PyxisLauncher)
+    assert (pyxis.job_id, pyxis.node) == ("12", "node1")
     with pytest.raises(ValueError, match="SLURM_JOB_ID"):
         make_launcher("pyxis", slurm_job_id=None, node="node1")

@@ -1,4 +1,5 @@
-"""agent.logs: engine log capture (never blocks, splits, rotates), agent.log, follow_file, log_files."""
+"""agent.logs: engine log capture (never blocks, splits, rotates), agent.log, follow_file,
+log_files."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,12 +23,13 @@ from agent.job.logtimes import format_time, times_path
 from agent.job.paths import JobDir
 from agent.node.agentlog import setup_agent_logging
 from agent.node.logpump import DROP_NOTICE, LogSink
+from tests import kit
 
 PY = sys.executable
 
 
 @contextlib.asynccontextmanager
-async def child(code: str):
+async def child(code: str) -> AsyncIterator[trio.Process]:
     """A Python child whose stdout is a pipe; its whole group is killed on the way out."""
     proc = await trio.lowlevel.open_process(
         [PY, "-c", code], stdout=subprocess.PIPE, start_new_session=True
@@ -173,7 +176,8 @@ async def test_recent_ring_and_notes(tmp_path: Path) -> None:
     assert len(sink.recent(50)) == 10
     assert sink.recent(0) == []
     text = path.read_text().splitlines()
-    assert text[0].startswith("=== engine started") and text[-1].startswith("=== engine exited")
+    assert text[0].startswith("=== engine started")
+    assert text[-1].startswith("=== engine exited")
     assert sink.lines_written == 100  # notes are not engine output
 
 
@@ -185,9 +189,7 @@ async def test_note_while_pumping_keeps_order(tmp_path: Path) -> None:
         assert proc.stdout is not None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sink.pump, proc.stdout)
-            with trio.fail_after(10):
-                while sink.recent(1) != ["before"]:
-                    await trio.sleep(0.01)
+            await kit.until(lambda: sink.recent(1) == ["before"], "the line 'before' in the ring")
             sink.note("--- note ---")
     assert path.read_text() == "before\n--- note ---\nafter\n"
 
@@ -202,8 +204,7 @@ async def test_cancelled_pump_still_writes_what_it_read(tmp_path: Path) -> None:
         with trio.move_on_after(10) as scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sink.pump, proc.stdout)
-                while not sink.recent(1):
-                    await trio.sleep(0.01)
+                await kit.until(lambda: bool(sink.recent(1)), "the first line in the ring")
                 nursery.cancel_scope.cancel()
         assert not scope.cancelled_caught
     assert path.read_text() == "x" * 100 + "\n"
@@ -262,8 +263,7 @@ async def test_follow_file_waits_for_the_file_and_survives_rotation(tmp_path: Pa
         nursery.start_soon(collect)
         with trio.fail_after(20):
             await trio.run_process([PY, "-c", writer])
-            while len(seen) < len(expected):
-                await trio.sleep(0.05)
+            await kit.until(lambda: len(seen) >= len(expected), "every line followed", 20)
         stop.set()
     assert seen == expected
     assert len(rotated_files(path)) == 3
@@ -282,12 +282,10 @@ async def test_follow_file_tail_then_new_lines(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(collect)
         with trio.fail_after(10):
-            while seen != ["old 8", "old 9"]:
-                await trio.sleep(0.02)
+            await kit.until(lambda: seen == ["old 8", "old 9"], "the last two complete lines")
             with path.open("a") as f:
                 f.write(" line\nnew\nunfinished")
-            while len(seen) < 4:
-                await trio.sleep(0.02)
+            await kit.until(lambda: len(seen) >= 4, "the two new lines")
         stop.set()
     assert seen == ["old 8", "old 9", "partial line", "new", "unfinished"]
 
@@ -303,7 +301,7 @@ def test_log_files_map(tmp_path: Path) -> None:
     assert log_files(job)["decode-2"] == job.logs / "decode-2" / "engine.log"
     assert list(log_files(job, agent=True)) == ["prefill-0", "decode-2", "decode-10"]
     assert log_path(job, "decode-2", agent=True) == job.logs / "decode-2" / "agent.log"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"no agent\.log of its own"):
         log_path(job, "router", agent=True)
 
 

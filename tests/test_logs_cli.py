@@ -73,7 +73,7 @@ def test_since_a_duration_and_an_iso_time(running: kit.LocalJob) -> None:
     mark = datetime.now(UTC)
     time.sleep(0.05)
     chat(running)
-    kit.wait_status(running.job, lambda s: len(file_lines(engine)) > len(before), "logged", 10)
+    kit.wait_status(running.job, lambda _s: len(file_lines(engine)) > len(before), "logged", 10)
     time.sleep(0.3)  # the request's last lines
     after = file_lines(engine)
     new = after[len(before) :]
@@ -90,7 +90,8 @@ def test_since_a_duration_and_an_iso_time(running: kit.LocalJob) -> None:
     assert logs(running.job, "decode-0", "--since", local).stdout == since.stdout
     assert logs(running.job, "--since", "2999-01-01").stdout == ""
     bad = logs(running.job, "--since", "yesterday")
-    assert bad.returncode == 2 and "--since 'yesterday'" in bad.stderr
+    assert bad.returncode == 2
+    assert "--since 'yesterday'" in bad.stderr
 
 
 def test_several_names_and_patterns(running: kit.LocalJob) -> None:
@@ -109,11 +110,14 @@ def test_several_names_and_patterns(running: kit.LocalJob) -> None:
         assert lines == file_lines(path)[: len(lines)], name
     nothing = logs(running.job, "encode-*")
     assert nothing.returncode == 2
-    assert "no source matches 'encode-*'" in nothing.stderr and "decode-1" in nothing.stderr
+    assert "no source matches 'encode-*'" in nothing.stderr
+    assert "decode-1" in nothing.stderr
     # The benchmark is a name before it has a folder: said clearly, not an error.
     bench = logs(running.job, "benchmark")
-    assert bench.returncode == 0 and bench.stdout == ""
-    assert "benchmark: no log yet" in bench.stderr and "no benchmark" in bench.stderr
+    assert bench.returncode == 0
+    assert bench.stdout == ""
+    assert "benchmark: no log yet" in bench.stderr
+    assert "no benchmark" in bench.stderr
 
 
 def test_timestamps_are_the_receive_times(running: kit.LocalJob) -> None:
@@ -130,7 +134,8 @@ def test_timestamps_are_the_receive_times(running: kit.LocalJob) -> None:
         assert rest == bare.partition(" | ")[2]
         times.append(datetime.fromisoformat(stamp).timestamp())
     assert times == sorted(times)
-    assert start <= times[0] and times[-1] <= time.time() + 1
+    assert start <= times[0]
+    assert times[-1] <= time.time() + 1
     # The agents' own logs: the time their lines start with.
     agent = logs(running.job, "decode-1", "--agent", "-t", "--tail", "1").stdout
     stamp, _, rest = agent.partition(" | ")[2].partition(" ")
@@ -160,7 +165,8 @@ def test_logs_endpoint_options(running: kit.LocalJob) -> None:
         assert get(f"{base}/logs", params=bad, headers=auth).status_code == 400, bad
     head = running.agent("prefill-0")["status_url"].removesuffix("/status")
     missing = get(f"{head}/logs", params={"name": "benchmark"}, headers=auth)
-    assert missing.status_code == 404 and "does not exist yet" in missing.text
+    assert missing.status_code == 404
+    assert "does not exist yet" in missing.text
 
 
 # ---- terminals and pipes -----------------------------------------------------------------------
@@ -198,7 +204,9 @@ def test_colour_on_a_terminal_only(running: kit.LocalJob) -> None:
     assert "\033[" not in on_a_terminal([*args, "--no-color"])
     assert "\033[" not in on_a_terminal(args, NO_COLOR="1")
     piped = logs(running.job, "--tail", "2")
-    assert piped.returncode == 0 and piped.stdout and "\033" not in piped.stdout
+    assert piped.returncode == 0
+    assert piped.stdout
+    assert "\033" not in piped.stdout
 
 
 @pytest.mark.parametrize("follow", [False, True], ids=["history", "follow"])
@@ -263,7 +271,7 @@ def test_follow_ends_0_after_stop_with_the_restart_line(
 def test_follow_ends_1_when_the_job_fails(tmp_path: Path, followers: list[Follower]) -> None:
     """A prefill crash loop fails the job: ``logs J -f`` shows it and ends with 1."""
     with new_job(tmp_path, *kit.PREFILL_CRASH_LOOP) as job:
-        kit.wait_status(job.job, lambda s: True, "status.json written", 10)
+        kit.wait_status(job.job, lambda _s: True, "status.json written", 10)
         follower = Follower(job.job)
         followers.append(follower)
         assert follower.wait(READY_S + END_S) == 1, follower.err()
@@ -298,9 +306,11 @@ def test_node_local_logs_through_the_agents(tmp_path: Path, followers: list[Foll
         shown = by_source(done.stdout.splitlines())
         assert list(shown) == ENGINES
         for name, path in files.items():
-            assert shown[name] and shown[name] == file_lines(path)[: len(shown[name])], name
+            assert shown[name], name
+            assert shown[name] == file_lines(path)[: len(shown[name])], name
         stamped = logs(job.job, "decode-1", "-t", "--tail", "2").stdout.splitlines()
-        assert len(stamped) == 2 and all(STAMP.match(x.split(" ")[2]) for x in stamped)
+        assert len(stamped) == 2
+        assert all(STAMP.match(x.split(" ")[2]) for x in stamped)
         # The sink's counters count the same way (the file is elsewhere, that is all).
         page = samples(get(job.agent("decode-0")["metrics_url"]).text)
         written = one(page, "tilert_agent_log_lines_total", component="engine", outcome="written")

@@ -50,7 +50,8 @@ def test_node_local_logs_through_the_agents_on_slurm(
         shown = by_source(done.stdout.splitlines())
         assert list(shown) == ENGINES
         for name, path in files.items():
-            assert shown[name] and shown[name] == file_lines(path)[: len(shown[name])], name
+            assert shown[name], name
+            assert shown[name] == file_lines(path)[: len(shown[name])], name
         stamped = logs(job.job, "decode-*", "-t", "--tail", "1", env=slurm.env).stdout
         assert [x.partition(" | ")[0].strip() for x in stamped.splitlines()] == [
             "decode-0",

@@ -92,7 +92,8 @@ def test_not_a_job_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "does not exist" in capsys.readouterr().err
     assert run(tmp_path) == 2
     err = capsys.readouterr().err
-    assert "is not a job directory" in err and "Traceback" not in err
+    assert "is not a job directory" in err
+    assert "Traceback" not in err
 
 
 def test_empty_job_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,7 +101,8 @@ def test_empty_job_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     job.create()
     assert run(job.root) == 0
     out = capsys.readouterr()
-    assert out.out == "" and "no logs yet" in out.err
+    assert out.out == ""
+    assert "no logs yet" in out.err
 
 
 class Captured:
@@ -127,7 +129,8 @@ def test_colour_prefix_and_timestamps() -> None:
     printer = Printer(stamped, ["a"], colour=False, timestamps=True)  # type: ignore[arg-type]
     printer.emit("a", [LogLine(1796230000.5, "x"), LogLine(None, "y")])
     assert plain.text == "a  | x\n"
-    assert coloured.text.startswith("\033[") and coloured.text.endswith("bb |\033[0m x\n")
+    assert coloured.text.startswith("\033[")
+    assert coloured.text.endswith("bb |\033[0m x\n")
     assert stamped.text == "a | 2026-12-02T16:46:40.500Z x\na | -                        y\n"
 
 
@@ -179,7 +182,8 @@ def test_names_patterns_and_benchmark(job: JobDir, capsys: pytest.CaptureFixture
     assert run(job.root, "benchmark") == 0
     out = capsys.readouterr()
     assert out.out == ""
-    assert "benchmark: no log yet" in out.err and "logs/benchmark/benchmark.log" in out.err
+    assert "benchmark: no log yet" in out.err
+    assert "logs/benchmark/benchmark.log" in out.err
     bench = job.log_dir("benchmark")
     bench.mkdir()
     (bench / "benchmark.log").write_text("b1\n")
@@ -271,7 +275,8 @@ def test_console_script(job: JobDir) -> None:
     )
     assert (done.returncode, done.stdout) == (0, b"router | r1\n")
     done = subprocess.run([str(script), "logs", str(job.root), "nope"], capture_output=True)
-    assert done.returncode == 2 and b"prefill-0, decode-0, router" in done.stderr
+    assert done.returncode == 2
+    assert b"prefill-0, decode-0, router" in done.stderr
 
 
 # ---- -f ends with the job ----------------------------------------------------------------------
@@ -333,7 +338,8 @@ def test_follow_ends_0_once_stopped_and_the_supervisor_is_gone(
         f.write("last words\n")  # written while the job drains: printed before the end
     sup.kill()
     assert proc.wait(10) == 0
-    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout is not None
+    assert proc.stderr is not None
     assert b"prefill-0 | last words\n" in proc.stdout.read()
     assert proc.stderr.read() == b""
 
@@ -363,7 +369,8 @@ def test_follow_of_names_ends_when_they_end(
     failed = viewer(job, procs, "decode-0")
     both = viewer(job, procs, "decode-*", "prefill-0")
     assert failed.wait(10) == 1
-    assert failed.stdout is not None and b"decode-0 | d4-partial\n" in failed.stdout.read()
+    assert failed.stdout is not None
+    assert b"decode-0 | d4-partial\n" in failed.stdout.read()
     assert both.poll() is None
     write_status(job, "degraded", sup.pid, prefill_0="stopped", decode_0="failed")
     assert both.wait(10) == 1
@@ -388,7 +395,8 @@ def test_follow_into_a_closed_pipe_ends_quietly(
         assert pipe.readline() == b"router | r1\n"
     # The reader is gone and the log never grows: the follower notices by itself.
     assert proc.wait(10) == 0
-    assert proc.stderr is not None and proc.stderr.read() == b""
+    assert proc.stderr is not None
+    assert proc.stderr.read() == b""
 
 
 def test_follow_waits_for_a_named_log_and_says_so(
@@ -397,7 +405,8 @@ def test_follow_waits_for_a_named_log_and_says_so(
     proc = viewer(job, procs, "benchmark")
     assert proc.stderr is not None
     said = proc.stderr.readline().decode()  # before the benchmark has a folder
-    assert "benchmark: no log yet" in said and "waiting for it" in said
+    assert "benchmark: no log yet" in said
+    assert "waiting for it" in said
     bench = job.log_dir("benchmark")
     bench.mkdir()
     (bench / "benchmark.log").write_text("bench line\n")

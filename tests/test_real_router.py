@@ -1,4 +1,5 @@
-"""The REAL TileRT router (tilert 0.1.6.post3, Python 3.12 venv) on the stand-ins: 1 prefill + 2 decode.
+"""The REAL TileRT router (tilert 0.1.6.post3, Python 3.12 venv) on the stand-ins: 1 prefill + 2
+decode.
 
 The router is started by hand with the unchanged production command, no GPU visible, and the demo
 tokenizer (recipes/local-demo-model) as --model-path.
@@ -94,7 +95,9 @@ def stream_chat(url: str) -> str:
 
 def test_router_started_with_the_real_code(real_router: RealRouterStack) -> None:
     log = real_router.router.output()
-    assert "router on :" in log and "2 decode node(s)" in log and "(stand-in)" not in log
+    assert "router on :" in log
+    assert "2 decode node(s)" in log
+    assert "(stand-in)" not in log
     assert httpx.get(f"{real_router.url}/health").json() == {"status": "ok", "decode_free": 2}
 
 
@@ -123,7 +126,8 @@ def test_non_streaming_completion(real_router: RealRouterStack) -> None:
     r = httpx.post(f"{real_router.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    assert choice["text"] == REPLY[:8] and choice["finish_reason"] == "length"
+    assert choice["text"] == REPLY[:8]
+    assert choice["finish_reason"] == "length"
     chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(f"{real_router.url}/v1/chat/completions", json=chat, timeout=60)
     assert r.json()["choices"][0]["message"]["content"] == REPLY

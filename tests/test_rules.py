@@ -25,7 +25,7 @@ EXTRA = f"{KV}.kv_connector_extra_config"
 Mutation = Callable[[dict[str, Any]], None]
 
 
-def b200() -> dict[str, Any]:
+def b200() -> Any:
     return yaml.safe_load((DATA / "b200-nixl-glm5.yaml").read_text())
 
 
@@ -40,15 +40,15 @@ def failure(data: dict[str, Any], cluster: ClusterConfig | None = CLUSTER) -> In
     return info.value
 
 
-def prefill(d: dict[str, Any]) -> dict[str, Any]:
+def prefill(d: dict[str, Any]) -> Any:
     return d["roles"]["prefill"]
 
 
-def decode(d: dict[str, Any]) -> dict[str, Any]:
+def decode(d: dict[str, Any]) -> Any:
     return d["roles"]["decode"]
 
 
-def connector(d: dict[str, Any]) -> dict[str, Any]:
+def connector(d: dict[str, Any]) -> Any:
     """Turn the JSON string into a mapping (both forms are accepted) and return it."""
     import json
 
@@ -80,43 +80,43 @@ def both(*mutations: Mutation) -> Mutation:
     return mutate
 
 
-def frontend(d: dict[str, Any]) -> dict[str, Any]:
+def frontend(d: dict[str, Any]) -> Any:
     return d["frontend"]
 
 
-def fargs(d: dict[str, Any]) -> dict[str, Any]:
+def fargs(d: dict[str, Any]) -> Any:
     return d["frontend"]["args"]
 
 
-def pargs(d: dict[str, Any]) -> dict[str, Any]:
+def pargs(d: dict[str, Any]) -> Any:
     return prefill(d)["args"]
 
 
-def dargs(d: dict[str, Any]) -> dict[str, Any]:
+def dargs(d: dict[str, Any]) -> Any:
     return decode(d)["args"]
 
 
-def penv(d: dict[str, Any]) -> dict[str, Any]:
+def penv(d: dict[str, Any]) -> Any:
     return prefill(d).setdefault("env", {})
 
 
-def denv(d: dict[str, Any]) -> dict[str, Any]:
+def denv(d: dict[str, Any]) -> Any:
     return decode(d).setdefault("env", {})
 
 
-def extra(d: dict[str, Any]) -> dict[str, Any]:
+def extra(d: dict[str, Any]) -> Any:
     return connector(d)["kv_connector_extra_config"]
 
 
-def model(d: dict[str, Any]) -> dict[str, Any]:
+def model(d: dict[str, Any]) -> Any:
     return d["model"]
 
 
-def top(d: dict[str, Any]) -> dict[str, Any]:
+def top(d: dict[str, Any]) -> Any:
     return d
 
 
-def roles(d: dict[str, Any]) -> dict[str, Any]:
+def roles(d: dict[str, Any]) -> Any:
     return d["roles"]
 
 

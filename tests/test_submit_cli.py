@@ -1,4 +1,5 @@
-"""tilert-submit: the job directory, --dry-run, --set, bad input, and submit via a stand-in sbatch."""
+"""tilert-submit: the job directory, --dry-run, --set, bad input, and submit via a stand-in
+sbatch."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def test_dry_run_lays_out_the_job_directory(
     job = JobDir(root)
     status = job.read_status()
     assert status.state == "pending"
-    assert status.slurm_job_id is None and status.router_url is None
+    assert status.slurm_job_id is None
+    assert status.router_url is None
     plan = load_plan(job.plan.read_bytes())
     assert status.model == plan.model
     assert [a.name for a in status.agents] == [
@@ -105,7 +107,8 @@ def test_dry_run_local_mock_demo(tmp_path: Path, capsys: pytest.CaptureFixture[s
     captured = capsys.readouterr()
     assert captured.err == ""  # the demo validates with no warning
     plan = load_plan((root / "plan.json").read_bytes())
-    assert plan.mock and plan.launcher == "process"
+    assert plan.mock
+    assert plan.launcher == "process"
     assert plan.network_interface == "lo"  # --local: everything on loopback
     assert "agent.standins.prefill" in captured.out
 
@@ -117,11 +120,13 @@ def test_default_job_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert root.parent == tmp_path / "tilert-jobs"
     assert root.name.startswith("local-demo-")
     stamp = root.name.removeprefix("local-demo-")
-    assert len(stamp) == len("20260101-120000") and stamp[8] == "-"
+    assert len(stamp) == len("20260101-120000")
+    assert stamp[8] == "-"
     # A second run in the same second gets its own directory.
     assert main([str(DEMO), "--dry-run"]) == 0
     second = Path(capsys.readouterr().out.splitlines()[0].removeprefix("Job directory: "))
-    assert second != root and second.parent == root.parent
+    assert second != root
+    assert second.parent == root.parent
 
 
 def test_set_round_trip(tmp_path: Path) -> None:
@@ -147,7 +152,8 @@ def test_set_round_trip(tmp_path: Path) -> None:
     assert plan.decode.args[-2:] == ["--pd-buffer-device", "cpu"]
     assert "DEMO_API_KEY" in plan.prefill.secret_env
     recipe_text = (root / "recipe.yaml").read_text()
-    assert "MY_FLAG" in recipe_text and "8123" in recipe_text
+    assert "MY_FLAG" in recipe_text
+    assert "8123" in recipe_text
     # Secrets are masked in everything written.
     for path in root.rglob("*"):
         if path.is_file():
@@ -198,7 +204,8 @@ def test_bad_recipe_exits_2_with_every_problem(
     bad.write_text(DEMO.read_text().replace("name: local-demo", "name: 'x$(touch y)'"))
     assert main([str(bad), "--dry-run", "--job-dir", str(tmp_path / "J")]) == 2
     err = capsys.readouterr().err
-    assert "name" in err and "Traceback" not in err
+    assert "name" in err
+    assert "Traceback" not in err
     assert not (tmp_path / "J").exists()
 
 
@@ -207,7 +214,8 @@ def test_warnings_go_to_stderr_and_exit_0(
 ) -> None:
     assert main(args_for("b200", tmp_path / "J", "--dry-run")) == 0
     captured = capsys.readouterr()
-    assert "warning" in captured.err and "model.path" in captured.err
+    assert "warning" in captured.err
+    assert "model.path" in captured.err
     assert captured.out.startswith("Job directory: ")
     assert "warning:" not in captured.out
 
@@ -261,7 +269,8 @@ def test_submit_records_the_slurm_job_id(
     assert f"  tilert-submit logs {root} -f" in out
     assert f"  tilert-submit stop {root}" in out
     status = JobDir(root).read_status()
-    assert status.slurm_job_id == "777" and status.state == "pending"
+    assert status.slurm_job_id == "777"
+    assert status.state == "pending"
     argv_seen = (log / "sbatch.argv").read_text().splitlines()
     assert argv_seen == ["--parsable", "--export=ALL", str(root / "sbatch.sh")]
     # The recipe's secret reached sbatch through its environment, and no file holds it.
@@ -280,9 +289,12 @@ def test_submit_without_slurm_exits_1_and_says_so(
     root = tmp_path / "J"
     assert main([str(DEMO), "--job-dir", str(root)]) == 1
     err = capsys.readouterr().err
-    assert "sbatch is not on PATH" in err and "--local" in err
+    assert "sbatch is not on PATH" in err
+    assert "--local" in err
     status = JobDir(root).read_status()
-    assert status.state == "failed" and status.error and "sbatch" in status.error
+    assert status.state == "failed"
+    assert status.error
+    assert "sbatch" in status.error
 
 
 def test_sbatch_refusal_is_reported(

@@ -26,7 +26,8 @@ class JobFailed(Exception):
 class JobView:
     """What the head knows at one moment, as plain data: the input of every decision."""
 
-    # Every agent the job expects (the head first), as status.json shows it: state, node, reason, log.
+    # Every agent the job expects (the head first), as status.json shows it: state, node, reason,
+    # log.
     agents: Mapping[str, JobAgent]
     # The monotonic time the head saw each agent turn healthy.
     healthy_since: Mapping[str, float | None] = field(default_factory=dict)
@@ -90,7 +91,8 @@ def to_drop(view: JobView, dropped: Collection[str]) -> list[str]:
 
 
 def version_mismatch(versions: Mapping[str, str]) -> str | None:
-    """Why the agents' tilert versions cannot work together, or None (the head's is the reference)."""
+    """Why the agents' tilert versions cannot work together, or None (the head's is the
+    reference)."""
     prefill = versions.get(HEAD_NAME)
     if not prefill:
         return None

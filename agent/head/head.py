@@ -190,7 +190,8 @@ class Head:
         )
         self._set_state("degraded" if self.dropped else "ready", "canaries answered")
         self.log.info(
-            "READY: %s serving model %r at %s (%d decode node(s)); try: curl -sN %s/v1/chat/completions "
+            "READY: %s serving model %r at %s (%d decode node(s)); "
+            "try: curl -sN %s/v1/chat/completions "
             '-H \'Content-Type: application/json\' -d \'{"model": "%s", "stream": true, '
             '"messages": [{"role": "user", "content": "Hello"}]}\'',
             self.plan.name,

@@ -1,4 +1,5 @@
-"""What the head knows of every agent: its record (where it is) and its live ``/status`` (how it is).
+"""What the head knows of every agent: its record (where it is) and its live ``/status`` (how it
+is).
 
 Records come from the rendezvous folder; states travel over each peer's long-polled ``/status``,
 not through the shared file system (which caches attributes for seconds). Every answer wakes the
@@ -38,7 +39,8 @@ class Peer:
 
     @property
     def state(self) -> str:
-        """Its state for the job: its own, or ``missing``, ``starting``, ``unreachable``, ``stopped``."""
+        """Its state for the job: its own, or ``missing``, ``starting``, ``unreachable``,
+        ``stopped``."""
         if self.record is None:
             return "missing"
         if self.status is None:

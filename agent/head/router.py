@@ -127,7 +127,8 @@ class Router:
         return self.supervisor.status() if self.supervisor is not None else None
 
     def entry(self, head_record: RendezvousRecord | None) -> JobAgent | None:
-        """The router's row in status.json (its URLs are the head agent's); None before it starts."""
+        """The router's row in status.json (its URLs are the head agent's); None before it
+        starts."""
         status = self.status()
         if status is None:
             return None

@@ -50,7 +50,8 @@ class StatusWriter:
             self.write(force=True)
 
     def write_targets(self, records: Mapping[str, RendezvousRecord]) -> None:
-        """targets.json: one ``host:port`` per agent that published its record, labelled ``agent``."""
+        """targets.json: one ``host:port`` per agent that published its record, labelled
+        ``agent``."""
         targets = []
         for name, record in records.items():
             hostport = record.metrics_url.split("//", 1)[1].split("/", 1)[0]

@@ -117,7 +117,8 @@ def _number(request: Request, key: str, default: float) -> float:
 
 
 def _count(request: Request, key: str, default: int) -> int:
-    """A non-negative integer query parameter (``tail=nan`` or ``tail=-1`` is the client's error)."""
+    """A non-negative integer query parameter (``tail=nan`` or ``tail=-1`` is the client's
+    error)."""
     value = request.query.get(key)
     if value is None:
         return default
@@ -165,7 +166,7 @@ def build_app(
     app = App()
 
     @app.route("GET", "/healthz")
-    async def healthz(request: Request) -> Response | StreamingResponse:
+    async def healthz(_request: Request) -> Response | StreamingResponse:
         return text_response("ok\n")
 
     @app.route("GET", "/status")

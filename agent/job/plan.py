@@ -1,4 +1,5 @@
-"""The launch plan (``J/plan.json``): what every agent needs to start its engine, and nothing secret.
+"""The launch plan (``J/plan.json``): what every agent needs to start its engine, and nothing
+secret.
 
 The submitter's planner (``agent.planner``) writes it; every agent reads it. Commands are kept as
 ``program`` + ``args`` *without* the arguments the agent manages (hosts, ports, ``--engine``,

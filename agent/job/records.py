@@ -23,7 +23,8 @@ JobState = Literal[
 
 
 class RendezvousRecord(msgspec.Struct, kw_only=True):
-    """``J/rendezvous/<name>.json``: who is where. Written on port choice and on every port change."""
+    """``J/rendezvous/<name>.json``: who is where. Written on port choice and on every port
+    change."""
 
     schema: int = RECORD_SCHEMA
     name: str
@@ -99,7 +100,8 @@ class JobAgent(msgspec.Struct, kw_only=True):
 
 
 class JobStatus(msgspec.Struct, kw_only=True):
-    """``J/status.json``: the submitter writes ``pending``; the head agent every change and every 5 s."""
+    """``J/status.json``: the submitter writes ``pending``; the head agent every change and every 5
+    s."""
 
     state: JobState
     model: str

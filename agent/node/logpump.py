@@ -13,6 +13,7 @@ The time each batch was read from the pipe goes into the log file's side index (
 line arrived while the file keeps exactly the engine's bytes.
 """
 
+import errno
 import logging
 import logging.handlers
 import os
@@ -310,10 +311,12 @@ class LogSink:
 
     def _write_all(self, data: bytes) -> None:
         """``os.write`` until every byte is written."""
-        assert self._fd is not None
+        fd = self._fd
+        if fd is None:  # _write_block opens the file first; a closed sink writes nothing
+            raise OSError(errno.EBADF, "the log file is closed", str(self.path))
         view = memoryview(data)
         while view:
-            done = os.write(self._fd, view)
+            done = os.write(fd, view)
             view = view[done:]
         self._size += len(data)
 

@@ -323,7 +323,10 @@ class EngineSupervisor:
         if code is not None and code < 0:
             return f"engine pid {engine.pid} {_ended(code)}"
         if code == 0:
-            return f"engine pid {engine.pid} exited with code 0 (an engine must not exit while serving)"
+            return (
+                f"engine pid {engine.pid} exited with code 0 "
+                "(an engine must not exit while serving)"
+            )
         return f"engine pid {engine.pid} exited with code {code}"
 
     async def _watch(

@@ -208,16 +208,16 @@ class PrefillServer:
         app = App()
 
         @app.route("GET", "/health")
-        async def health(request: Request) -> Response:
+        async def health(_request: Request) -> Response:
             await self.faults.hold_health()
             return Response(b"", 200, "application/octet-stream")
 
         @app.route("GET", "/version")
-        async def version(request: Request) -> Response:
+        async def version(_request: Request) -> Response:
             return json_response({"version": VERSION})
 
         @app.route("GET", "/v1/models")
-        async def models(request: Request) -> Response:
+        async def models(_request: Request) -> Response:
             data = [
                 {
                     "id": name,
@@ -233,7 +233,7 @@ class PrefillServer:
             return json_response({"object": "list", "data": data})
 
         @app.route("GET", "/metrics")
-        async def metrics(request: Request) -> Response:
+        async def metrics(_request: Request) -> Response:
             path = self.faults.metrics_file
             if path is None:
                 return Response(self.metrics.page(), 200, METRICS_CONTENT_TYPE)

@@ -113,6 +113,7 @@ def _error_text(body: str) -> str:
         message = msgspec.json.decode(body)
     except msgspec.DecodeError:
         return body
-    if isinstance(message, dict) and isinstance(message.get("error"), str):
-        return message["error"]
+    error = message.get("error") if isinstance(message, dict) else None
+    if isinstance(error, str):
+        return error
     return body

@@ -42,7 +42,7 @@ class SlurmBackend(Backend):
         """Whether status.json records a Slurm job id."""
         return bool(status.slurm_job_id)
 
-    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
+    def submit(self, job: JobDir, _plan: Plan, secrets: Mapping[str, str]) -> int:
         """sbatch ``J/sbatch.sh`` and record the job id in status.json (or the failure)."""
         # Secrets written in the recipe travel in sbatch's process environment (exported to the
         # agents), never in a file or argv; the recipe's value wins over the submitting shell's.

@@ -41,7 +41,8 @@ CHATML = (
 
 
 def build_model(directory: Path) -> None:
-    """A random 2-layer Llama (about 2.4 MB) and a ~1000-token BPE trained on the stdlib's .py files."""
+    """A random 2-layer Llama (about 2.4 MB) and a ~1000-token BPE trained on the stdlib's .py
+    files."""
     import tokenizers  # the vLLM venv's own, imported here so --help works without it
     import torch
     import transformers

@@ -81,7 +81,7 @@ from tests.kit.scenarios import (
     check_stopped,
 )
 from tests.kit.shared import Shared
-from tests.kit.waiting import wait_for, within
+from tests.kit.waiting import until, wait_for, within
 
 __all__ = [
     "AGENT",
@@ -135,6 +135,7 @@ __all__ = [
     "running_processes",
     "still_alive",
     "submit_cmd",
+    "until",
     "wait_for",
     "wait_gone",
     "wait_state",

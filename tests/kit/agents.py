@@ -160,7 +160,8 @@ class Agents:
         self.started: list[AgentProc] = []
 
     def start(self, job: Path, role: str = "decode", index: int = 0, **env: str) -> AgentProc:
-        """``tilert-agent --role ROLE --index N --job-dir JOB`` with a clean environment + ``env``."""
+        """``tilert-agent --role ROLE --index N --job-dir JOB`` with a clean environment +
+        ``env``."""
         agent = AgentProc(job, role, index, clean_env(**env))
         self.started.append(agent)
         return agent

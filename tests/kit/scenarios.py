@@ -48,7 +48,8 @@ def check_ready_contract(job: Path) -> dict[str, Any]:
     """Ready per DESIGN.md: status.json's fields, every agent healthy, targets.json naming each
     agent's metrics address with only the ``agent`` label, the real router; the status."""
     status = current_status(job)
-    assert status["state"] == "ready" and status["error"] is None, status
+    assert status["state"] == "ready", status
+    assert status["error"] is None, status
     assert status["router_url"].startswith("http://127.0.0.1:")
     assert status["model"] == MODEL
     names = [a["name"] for a in status["agents"]]
@@ -56,7 +57,9 @@ def check_ready_contract(job: Path) -> dict[str, Any]:
     for entry in status["agents"]:
         assert set(entry) >= AGENT_FIELDS, entry
         assert entry["state"] == "healthy", entry
-        assert entry["node"] and entry["status_url"] and entry["metrics_url"]
+        assert entry["node"]
+        assert entry["status_url"]
+        assert entry["metrics_url"]
         assert Path(entry["log"]).is_file(), entry
     targets = json.loads((job / "prometheus" / "targets.json").read_text())
     assert sorted(t["labels"]["agent"] for t in targets) == sorted(names), targets
@@ -89,7 +92,8 @@ def check_gate_latency(job: Path, where: str) -> None:
     prefill = agent_entry(current_status(job), "prefill-0")
     gate = metric_value(prefill["metrics_url"], "tilert_agent_gate_latency_seconds")
     print(f"\n{where} gate latency: metric {gate} s; log: {line.split('head: ', 1)[-1]}")
-    assert gate is not None and 0 <= gate < 60
+    assert gate is not None
+    assert 0 <= gate < 60
 
 
 def check_engine_sigkill_recovers(job: Path) -> None:
@@ -100,7 +104,8 @@ def check_engine_sigkill_recovers(job: Path) -> None:
     record_before = record(job, "decode-0")
     head = agent_status(agent_entry(status, "prefill-0")["status_url"])
     router_pid, router_restarts = head["router"]["pid"], head["router"]["restarts"]
-    assert before["state"] == "healthy" and before["pid"]
+    assert before["state"] == "healthy"
+    assert before["pid"]
     assert psutil.Process(before["pid"]).cmdline()[2] == "agent.standins.decode"
 
     seen: list[str] = []
@@ -172,7 +177,8 @@ def check_decode_dropped(job: Path, timeout: float) -> dict[str, Any]:
         timeout,
     )
     d1 = agent_entry(status, "decode-1")
-    assert d1["log"].endswith("logs/decode-1/engine.log") and Path(d1["log"]).is_file(), d1
+    assert d1["log"].endswith("logs/decode-1/engine.log"), d1
+    assert Path(d1["log"]).is_file(), d1
     assert "gave up" in d1["reason"], d1
     assert "restart" in d1["reason"] or "exited" in d1["reason"], d1
     assert agent_entry(status, "decode-0")["state"] == "healthy"

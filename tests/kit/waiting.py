@@ -63,3 +63,13 @@ def within(seconds: float, what: str) -> Iterator[None]:
             yield
     except trio.TooSlowError:
         raise AssertionError(f"timed out after {seconds:g}s waiting for {what}") from None
+
+
+async def until(
+    condition: Callable[[], object], what: str, limit_s: float = 10.0, poll_s: float = 0.02
+) -> None:
+    """Wait in trio code until ``condition()`` is true, polling it (it reads something outside
+    trio: a supervisor's state, a process, a file); fails naming ``what`` after ``limit_s``."""
+    with within(limit_s, what):
+        while not condition():  # noqa: ASYNC110 (nothing to wait on: the condition is polled)
+            await trio.sleep(poll_s)
