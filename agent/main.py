@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; exit 0 on a requested stop, 1 when the job failed, 2 on bad input."""
     # How to see where it is stuck: kill -USR1 <pid> prints every thread's stack on stderr
     # (docs/agent.md).
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = _parser().parse_args(argv)
     job = JobDir(Path(args.job_dir).resolve())
     if not job.plan.is_file():

@@ -250,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ``tilert-submit``."""
     # How to see where it is stuck: kill -USR1 <pid> prints every thread's stack (docs/cli.md).
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    # On fd 2 itself: sys.stderr may be a stand-in without a descriptor (a caller's capture).
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in JOB_COMMANDS:
         return _job_command(argv[0], argv[1:])

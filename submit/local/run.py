@@ -302,7 +302,7 @@ def _held(signum: int, frame: object) -> None:
 
 def run_local(job: JobDir, plan: Plan) -> int:
     """Run a job's agents locally until ready, then until SIGINT/SIGTERM; the exit code."""
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Not SIG_IGN, which would discard a signal held since LocalBackend.claim. Not the defaults
     # either: trio redelivers a signal its receiver got but nobody read when the receiver closes,
     # and the default action would end this process with 143 before its last line.
