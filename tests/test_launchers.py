@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import trio
 import trio.testing

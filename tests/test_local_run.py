@@ -1,6 +1,6 @@
 """The ``--local`` supervisor under faults of its own: stalls, its limit, signals, stops, secrets.
 
-Each test runs ``tilert-submit --local --mock`` as a user does (tests/e2ekit.py) with the router
+Each test runs ``tilert-submit --local --mock`` as a user does (tests/kit) with the router
 stand-in, and checks what the user sees: the exit code, the last line, status.json, no process
 left, no traceback. Faults inside a Python process (a stall in a fork hook, an engine that ignores
 SIGTERM) are planted with a ``sitecustomize`` module on PYTHONPATH, which every Python process of
@@ -23,8 +23,7 @@ import pytest
 
 from agent.job.plan import load_plan
 from submit.local.run import AGENT_START_S, submit_limit
-from tests import e2ekit as kit
-from tests.agentkit import REPO
+from tests import kit
 
 READY_S = 60.0
 
@@ -34,7 +33,7 @@ def planted(tmp_path: Path, body: str) -> dict[str, str]:
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent(body))
-    path = os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(site), str(kit.REPO), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path}
 
 
@@ -68,14 +67,9 @@ def test_a_child_stalled_before_exec_does_not_hold_the_submitter(tmp_path: Path)
         os.register_at_fork(after_in_child=_stall)
         """,
     )
-    sets, _ = kit.e2e_sets(None)
+    sets, _ = kit.isolated_sets(None)
     with kit.LocalJob(tmp_path / "job", sets, env=env) as job:
-        kit.wait_status(
-            job.job,
-            lambda s: (job.job / "logs" / "prefill-0").is_dir(),
-            "with prefill-0's log folder",
-            30,
-        )
+        kit.wait_for("prefill-0's log folder", (job.job / "logs" / "prefill-0").is_dir, 30)
         time.sleep(0.5)
         job.remember_tree()
         job.proc.send_signal(signal.SIGTERM)
@@ -89,7 +83,7 @@ def test_a_child_stalled_before_exec_does_not_hold_the_submitter(tmp_path: Path)
 def test_the_submitters_limit_fails_a_job_that_never_gets_ready(tmp_path: Path) -> None:
     """A head agent that never runs (SIGSTOPped): tilert-submit stops every agent once its own
     limit passed and exits 1 naming it; status.json says failed with the reason."""
-    sets, _ = kit.e2e_sets(
+    sets, _ = kit.isolated_sets(
         None,
         "agent.startup_budget_s={prefill: 1, decode: 1, router: 1}",
         "agent.canary.timeout_s=1",
@@ -130,7 +124,7 @@ def test_a_second_signal_during_a_slow_stop_ends_it_at_once(
     """Ctrl-C (or SIGTERM) twice: the second, a while after the first, SIGKILLs every agent's
     group; tilert-submit exits 128+N at once with its last line and no traceback."""
     env = planted(tmp_path, IGNORE_TERM_IN_DECODE_0)
-    sets, _ = kit.e2e_sets(None, "agent.stop_grace_s={prefill: 60, decode: 60, router: 5}")
+    sets, _ = kit.isolated_sets(None, "agent.stop_grace_s={prefill: 60, decode: 60, router: 5}")
     with kit.LocalJob(tmp_path / "job", sets, env=env) as job:
         job.wait_state("ready", timeout=READY_S)
         _, procs = kit.running_processes(job.job, at_least=6)
@@ -155,7 +149,7 @@ def test_a_second_signal_during_a_slow_stop_ends_it_at_once(
 def test_sigusr1_shows_where_the_submitter_and_an_agent_are(tmp_path: Path) -> None:
     """faulthandler: SIGUSR1 prints every thread's stack (the submitter's on its stderr, an
     agent's in its agent.stderr.log) and changes nothing else."""
-    sets, _ = kit.e2e_sets(None)
+    sets, _ = kit.isolated_sets(None)
     with kit.LocalJob(tmp_path / "job", sets) as job:
         head = started_pid(job, "prefill-0")
         job.wait_state("ready", timeout=READY_S)
@@ -164,10 +158,9 @@ def test_sigusr1_shows_where_the_submitter_and_an_agent_are(tmp_path: Path) -> N
         out = job.wait_output("most recent call first", 5)
         assert "submit/local/run.py" in out, out
         stderr_log = job.job / "logs" / "prefill-0" / "agent.stderr.log"
-        kit.wait_status(
-            job.job,
-            lambda s: "most recent call first" in stderr_log.read_text(errors="replace"),
-            "with the head's stack dump in agent.stderr.log",
+        kit.wait_for(
+            "the head's stack dump in agent.stderr.log",
+            lambda: "most recent call first" in stderr_log.read_text(errors="replace"),
             5,
         )
         assert "agent/" in stderr_log.read_text()
@@ -183,16 +176,17 @@ def test_sigusr1_shows_where_the_submitter_and_an_agent_are(tmp_path: Path) -> N
 
 def test_two_stops_at_once_and_a_third_end_the_job_with_exit_0(tmp_path: Path) -> None:
     """Two ``stop`` commands at once, a third a moment later: one stop, exit 0, the last line."""
-    sets, _ = kit.e2e_sets(None)
+    sets, _ = kit.isolated_sets(None)
     with kit.LocalJob(tmp_path / "job", sets) as job:
         job.wait_state("ready", timeout=READY_S)
         job.remember_tree()
         stop = [*kit.SUBMIT, "stop", str(job.job)]
         stops = [
-            subprocess.Popen(stop, cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(2)
+            subprocess.Popen(stop, cwd=kit.REPO, stdout=subprocess.PIPE, text=True)
+            for _ in range(2)
         ]
         time.sleep(0.3)
-        stops.append(subprocess.Popen(stop, cwd=REPO, stdout=subprocess.PIPE, text=True))
+        stops.append(subprocess.Popen(stop, cwd=kit.REPO, stdout=subprocess.PIPE, text=True))
         for proc in stops:
             out, _ = proc.communicate(timeout=60)
             assert proc.returncode == 0, out
@@ -207,7 +201,7 @@ def test_two_stops_at_once_and_a_third_end_the_job_with_exit_0(tmp_path: Path) -
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.1, 0.3])
 def test_a_stop_right_after_the_start_leaves_the_job_stopped(tmp_path: Path, delay: float) -> None:
     """``stop`` the moment status.json exists (and a little later): never ``pending`` for good."""
-    sets, _ = kit.e2e_sets(None)
+    sets, _ = kit.isolated_sets(None)
     with kit.LocalJob(tmp_path / "job", sets) as job:
         kit.wait_status(job.job, lambda s: True, "written", 30, poll_s=0.001)
         time.sleep(delay)
@@ -259,7 +253,7 @@ def test_secrets_stay_out_of_argv_files_pages_and_logs(tmp_path: Path) -> None:
     secret_file = tmp_path / "api-key"
     secret_file.write_text(from_file + "\n")
     secret_file.chmod(0o600)
-    sets, router_port = kit.e2e_sets(
+    sets, router_port = kit.isolated_sets(
         None,
         "roles.decode.env.HF_TOKEN=@env:MY_HF_TOKEN",
         f"roles.prefill.env.API_KEY=@file:{secret_file}",
@@ -325,7 +319,7 @@ def test_secrets_stay_out_of_argv_files_pages_and_logs(tmp_path: Path) -> None:
 )
 def test_every_socket_of_a_local_job_listens_on_loopback(tmp_path: Path) -> None:
     """docs/cli.md: under --local everything binds and advertises 127.0.0.1."""
-    sets, _ = kit.e2e_sets(None)
+    sets, _ = kit.isolated_sets(None)
     with kit.LocalJob(tmp_path / "job", sets) as job:
         job.wait_state("ready", timeout=READY_S)
         procs = kit.job_processes(job.job, kit.job_ports(job.job))
