@@ -12,8 +12,10 @@ a runtime failure 1; never a traceback for either.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -29,7 +31,7 @@ from agent.job.plan import Plan
 from agent.job.records import JobAgent, JobStatus
 from agent.problems import InputError, Problem, error, render_problems
 from submit import PROG
-from submit.backend import BackendError
+from submit.backend import Backend, BackendError
 from submit.choice import backend_for
 
 # The recipe layer (YAML, rules, planner) is imported where a recipe is read: the job commands
@@ -183,15 +185,21 @@ def pending_status(plan: Plan, job: JobDir) -> JobStatus:
     return JobStatus(state="pending", model=plan.model, agents=agents)
 
 
-def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> None:
-    """Lay out the job directory and write recipe.yaml, plan.json, sbatch.sh, status.json."""
+def write_job(
+    job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str, backend: Backend | None = None
+) -> None:
+    """Lay out the job directory and write recipe.yaml, plan.json, sbatch.sh, status.json
+    (``backend``, the one that will run the job, notes what it knows in that first status)."""
     from agent.recipe.loader import resolved_yaml
 
     job.create()
     write_atomic(job.recipe, resolved_yaml(loaded).encode(), mode=0o644)
     write_atomic(job.plan, msgspec.json.format(msgspec.json.encode(plan)) + b"\n", mode=0o644)
     write_atomic(job.sbatch, script.encode(), mode=0o755)
-    job.write_status(pending_status(plan, job))
+    status = pending_status(plan, job)
+    if backend is not None:
+        backend.claim(status)
+    job.write_status(status)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,15 +225,16 @@ def run(args: argparse.Namespace) -> int:
     except InputError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
+    backend = None if args.dry_run else backend_for(local=args.local)
     try:
-        write_job(job, loaded, plan, script)
+        write_job(job, loaded, plan, script, backend)
     except OSError as exc:
         return _fail(f"--job-dir {job.root}: cannot write the job directory: {exc.strerror or exc}")
     # The first line names the job directory (scripts and people rely on it).
     print(f"Job directory: {job.root}", flush=True)
     _warn(cluster_warnings, cluster_source)
     _warn(loaded.warnings, loaded.source)
-    if args.dry_run:
+    if backend is None:  # the dry run
         from submit.show import render_convert_plan, render_plan
 
         render = render_convert_plan if getattr(args, "convert", False) else render_plan
@@ -233,13 +242,16 @@ def run(args: argparse.Namespace) -> int:
         print("Dry run: nothing submitted.")
         return 0
     try:
-        return backend_for(local=args.local).submit(job, plan, secret_values(loaded.recipe))
+        return backend.submit(job, plan, secret_values(loaded.recipe))
     except BackendError as exc:
         return _fail(str(exc), EXIT_RUNTIME)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ``tilert-submit``."""
+    # How to see where it is stuck: kill -USR1 <pid> prints every thread's stack (docs/cli.md).
+    # On fd 2 itself: sys.stderr may be a stand-in without a descriptor (a caller's capture).
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in JOB_COMMANDS:
         return _job_command(argv[0], argv[1:])

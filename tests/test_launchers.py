@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import trio
 import trio.testing
@@ -23,6 +24,7 @@ from agent.launch import (
     ProcessLauncher,
     PyxisLauncher,
     RunTimeout,
+    child,
     make_launcher,
 )
 from agent.launch.pyxis import (
@@ -131,9 +133,81 @@ async def test_cwd(launcher: ProcessLauncher, tmp_path: Path) -> None:
     assert (await read_all(engine)).decode().strip() == str(tmp_path)
 
 
-async def test_missing_program_is_oserror(launcher: ProcessLauncher) -> None:
+async def test_environment_keeps_a_given_pwd(launcher: ProcessLauncher, tmp_path: Path) -> None:
+    # The shell in the start chain sets PWD to the working directory; the program gets the given.
+    env = {"PATH": BASE_ENV["PATH"], "PWD": "/as/given", "SHLVL": "7"}
+    engine = await launcher.start(spec(["env"], env=env, cwd=tmp_path))
+    out = (await read_all(engine)).decode()
+    assert sorted(out.splitlines()) == sorted(f"{k}={v}" for k, v in env.items())
+
+
+async def test_missing_program_is_oserror(launcher: ProcessLauncher, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         await launcher.start(spec(["/nonexistent/engine"]))
+    with pytest.raises(FileNotFoundError):
+        await launcher.start(spec(["no-such-engine-on-path"]))
+    (tmp_path / "engine").write_text("#!/bin/sh\n")  # not executable
+    with pytest.raises(PermissionError):
+        await launcher.start(spec([str(tmp_path / "engine")]))
+    with pytest.raises(PermissionError):
+        await launcher.start(spec(["./engine"], cwd=tmp_path))
+
+
+async def test_without_setpriv_the_lifeline_alone_guards(
+    launcher: ProcessLauncher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # util-linux before 2.33 (RHEL 8) has no setpriv --pdeathsig: the program starts unwrapped.
+    monkeypatch.setattr(child, "_wrapper_tools", lambda: None)
+    engine = await launcher.start(spec(["sh", "-c", "echo $PPID"]))
+    assert int(await read_line(engine)) == os.getpid()
+    assert await engine.wait() == 0
+
+
+def test_no_python_runs_in_the_child() -> None:
+    """bringup-hang.md: with a preexec_fn a child that stalled before exec held the trio thread
+    (deaf to signals) for as long as it stalled; an after-fork hook stands in for the stall."""
+    code = textwrap.dedent(
+        """
+        import os, time, trio
+        os.register_at_fork(after_in_child=lambda: time.sleep(5))
+        from agent.launch import LaunchSpec, ProcessLauncher
+
+        async def main():
+            t0 = time.monotonic()
+            engine = await ProcessLauncher().start(
+                LaunchSpec(name="t", argv=["true"], env={"PATH": os.environ["PATH"]})
+            )
+            print(time.monotonic() - t0, flush=True)
+            await engine.wait()
+
+        trio.run(main)
+        """
+    )
+    done = subprocess.run(
+        [PY, "-c", code],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) < 1.0, done.stdout
+
+
+def test_a_child_whose_parent_is_not_the_agent_never_runs() -> None:
+    # The agent died before the prctl (so no PDEATHSIG will ever fire): the chain stops before the
+    # program. Here the chain's parent is a shell in between, not this (the expected) process.
+    prefix = child.die_with_parent_prefix(dict(BASE_ENV))
+    if not prefix:
+        pytest.skip("setpriv --pdeathsig is not available here")
+    done = subprocess.run(
+        ["/bin/sh", "-c", '"$@"; echo "exit $?"', "sh", *prefix, "sh", "-c", "echo ran"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert done.stdout == "exit 1\n", done
 
 
 async def test_setup_script_is_sourced_and_pid_kept(
@@ -339,6 +413,19 @@ def test_sigkill_of_the_agent_leaves_no_engine(agent_process: list[int]) -> None
     agent.kill()
     agent.wait()
     assert wait_gone([engine, grandchild], 1.0) == []
+
+
+def test_pdeathsig_kills_the_engine_when_its_lifeline_is_gone(agent_process: list[int]) -> None:
+    agent, engine, grandchild = start_agent(agent_process)
+    watchers = [p for p in psutil.Process(agent.pid).children() if "tilert-lifeline" in p.cmdline()]
+    assert len(watchers) == 1
+    watchers[0].kill()
+    assert wait_gone([watchers[0].pid], 5.0) == []  # a zombie of the agent's: not alive
+    agent.kill()
+    agent.wait()
+    # The leader dies by its PDEATHSIG; its grandchild had only the lifeline.
+    assert wait_gone([engine], 1.0) == []
+    assert alive(grandchild)
 
 
 def test_sigkill_of_the_agent_after_ten_seconds(agent_process: list[int]) -> None:

@@ -33,7 +33,7 @@ from agent.head.decisions import (
 )
 from agent.head.peers import Peers
 from agent.head.router import Router
-from agent.head.statuswriter import StatusWriter, read_local_pid
+from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
 from agent.job.records import EngineStatus, JobState, JobStatus
@@ -66,7 +66,8 @@ class Head:
         self.state: JobState = "starting"
         self.error: str | None = None
         self.router_url: str | None = None  # shown while the router is ours to serve
-        self.local_pid = read_local_pid(ctx.job)
+        # Carried into every status.json: `stop` checks the supervisor by them.
+        self.local_pid, self.local_started_at = read_local_supervisor(ctx.job)
         self.status_file = StatusWriter(ctx.job, self._job_status)
         self._poke = trio.Event()
         self._stop = trio.Event()
@@ -119,6 +120,7 @@ class Head:
             router_url=self.router_url,
             slurm_job_id=self.ctx.identity.slurm_job_id,
             local_pid=self.local_pid,
+            local_started_at=self.local_started_at,
             error=self.error,
             agents=list(view.agents.values()),
             router=view.router,

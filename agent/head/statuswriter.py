@@ -19,12 +19,13 @@ from agent.job.records import JobStatus, RendezvousRecord
 STATUS_REFRESH_S = 5.0
 
 
-def read_local_pid(job: JobDir) -> int | None:
-    """The ``--local`` supervisor's pid, which it recorded before it started any agent."""
+def read_local_supervisor(job: JobDir) -> tuple[int | None, float | None]:
+    """The ``--local`` supervisor's pid and start time, recorded before it started any agent."""
     try:
-        return job.read_status().local_pid
+        status = job.read_status()
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
+        return None, None
+    return status.local_pid, status.local_started_at
 
 
 class StatusWriter:

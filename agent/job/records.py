@@ -108,6 +108,9 @@ class JobStatus(msgspec.Struct, kw_only=True):
     router_url: str | None = None
     slurm_job_id: str | None = None
     local_pid: int | None = None
+    # The ``--local`` supervisor's start time (psutil ``create_time``): ``stop`` signals
+    # ``local_pid`` only while it still names the process that started then.
+    local_started_at: float | None = None
     updated_at: float = msgspec.field(default_factory=time.time)
     error: str | None = None
     agents: list[JobAgent] = []

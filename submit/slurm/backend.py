@@ -82,7 +82,7 @@ class SlurmBackend(Backend):
         """The Slurm job is not running."""
         return f"Slurm job {_job_id(status)} is not running (status.json: {status.state})"
 
-    def stop(self, status: JobStatus, limit: float) -> int:
+    def stop(self, _job: JobDir, status: JobStatus, limit: float) -> int:
         """TERM every task of the job, wait for it to end, scancel it for good after ``limit``."""
         job_id = _job_id(status)
         try:
