@@ -39,7 +39,7 @@ from tests.kit import (
     wait_for,
 )
 
-# DESIGN.md "Agent /status" (docs/agent.md adds the long-poll ``version``); prefill-0 adds router.
+# docs/agent.md's /status (with the long-poll ``version``); prefill-0 adds router.
 STATUS_FIELDS = {
     "name",
     "role",

@@ -58,7 +58,8 @@ def demo_to_stop(shared_demo: kit.Shared[kit.LocalJob]) -> Iterator[kit.LocalJob
 
 
 def test_ready_contract(demo: kit.LocalJob) -> None:
-    """status.json ready with router_url and DESIGN.md's fields; targets.json lists every agent."""
+    """status.json ready with router_url and the documented fields; targets.json lists every
+    agent."""
     status = kit.check_ready_contract(demo.job)
     assert status["slurm_job_id"] is None
     assert status["local_pid"] == demo.proc.pid

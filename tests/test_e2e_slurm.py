@@ -113,7 +113,7 @@ def demo_to_stop(shared_demo: kit.Shared[SlurmJob]) -> Iterator[SlurmJob]:
 
 
 def test_ready_contract(demo: SlurmJob) -> None:
-    """Ready with router_url; agents on node1..node3 with DESIGN.md's fields; targets.json."""
+    """Ready with router_url; agents on node1..node3 with the documented fields; targets.json."""
     status = kit.check_ready_contract(demo.job)
     assert status["slurm_job_id"] == demo.id
     assert status["local_pid"] is None

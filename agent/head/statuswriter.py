@@ -56,6 +56,6 @@ class StatusWriter:
         targets = []
         for name, record in records.items():
             hostport = record.metrics_url.split("//", 1)[1].split("/", 1)[0]
-            # No role/node/slurm_job_id here: the pages carry them (DESIGN.md).
+            # No role/node/slurm_job_id here: the pages carry them (docs/design.md, Observability).
             targets.append({"targets": [hostport], "labels": {"agent": name}})
         write_atomic(self.job.targets, msgspec.json.encode(targets) + b"\n", mode=0o644)

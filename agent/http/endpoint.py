@@ -97,7 +97,7 @@ class LogStreams:
 
 
 def status_body(status: AgentStatus) -> dict[str, object]:
-    """The ``/status`` JSON: ``router`` only where there is one (prefill-0), as DESIGN.md says,
+    """The ``/status`` JSON: ``router`` only where there is one (prefill-0), as docs/agent.md says,
     and ``convert`` only while converting."""
     body = msgspec.structs.asdict(status)  # nested Structs stay Structs: msgspec encodes them
     for optional in ("router", "convert"):

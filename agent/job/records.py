@@ -1,6 +1,6 @@
 """Formats that cross processes and nodes: rendezvous records, agent ``/status``, ``status.json``.
 
-The field names are DESIGN.md's contracts; other people's tools read these files.
+The field names are contracts (docs/agent.md); other people's tools read these files.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One engine's life: start, prove ready, watch, restart with backoff, give up, stop.
 
-States are DESIGN.md's ``/status`` vocabulary::
+States are the ``/status`` vocabulary of docs/agent.md::
 
     starting --(startup probe ok)--> healthy --(N probe failures)--> unhealthy --+
        |  ^                            |                                        |

@@ -45,7 +45,7 @@ MODEL = "demo-model"
 
 
 def check_ready_contract(job: Path) -> dict[str, Any]:
-    """Ready per DESIGN.md: status.json's fields, every agent healthy, targets.json naming each
+    """Ready per docs/agent.md: status.json's fields, every agent healthy, targets.json naming each
     agent's metrics address with only the ``agent`` label, the real router; the status."""
     status = current_status(job)
     assert status["state"] == "ready", status
