@@ -1,6 +1,6 @@
 """``tilert-submit``: load + validate a recipe, plan, write the job directory, submit (or not).
 
-``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock]
+``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock [ROLES]]
 [--job-dir DIR]``, and the job commands ``status J [--json]``, ``logs J [NAME] [-f]``, ``stop J``.
 RECIPE is positional, so the job commands are recognised by the first word; a recipe file with
 such a name is given as ``./status``. Bad input exits 2 with a message naming the key or flag,
@@ -23,7 +23,7 @@ import msgspec
 from agent.job.atomicfile import write_atomic
 from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
-from agent.job.plan import Plan
+from agent.job.plan import Plan, StandinName, parse_standins
 from agent.job.records import JobAgent, JobStatus
 from agent.problems import InputError, Problem, error, render_problems
 from submit import PROG
@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
         + "; ".join(f"{PROG} {name} J ... ({text})" for name, (_, text) in JOB_COMMANDS.items())
         + ". See docs/cli.md.",
     )
-    parser.add_argument("recipe", metavar="RECIPE", help="the recipe YAML file")
+    # Optional for argparse only: `--mock RECIPE` (the old spelling) hands the recipe to --mock.
+    parser.add_argument("recipe", metavar="RECIPE", nargs="?", help="the recipe YAML file")
     parser.add_argument(
         "--cluster",
         metavar="FILE",
@@ -85,8 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--mock",
-        action="store_true",
-        help="replace the GPU engines by the project's stand-ins (process launcher)",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="ROLES",
+        help="replace engines by the project's stand-ins (process launcher): every engine, or "
+        "only the ROLES named, comma-separated among prefill, decode, router "
+        "(e.g. --mock decode: a real vLLM beside stand-in decodes)",
     )
     parser.add_argument(
         "--job-dir",
@@ -197,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
         loaded = load_recipe(Path(args.recipe), overrides=args.overrides, cluster=cluster)
-        launcher = "process" if (args.local or args.mock) else None
+        launcher = "process" if args.local else None
         plan = make_plan(loaded, mock=args.mock, launcher=launcher)
         if args.local:
             # Every agent runs on this machine: loopback is the address they all reach.
@@ -233,7 +239,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in JOB_COMMANDS:
         return _job_command(argv[0], argv[1:])
-    return run(_parser().parse_args(argv))
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.mock = _standins(args)
+    except ValueError as exc:
+        parser.error(f"argument --mock: {exc}")
+    if args.recipe is None:
+        parser.error("the following arguments are required: RECIPE")
+    return run(args)
+
+
+def _standins(args: argparse.Namespace) -> list[StandinName]:
+    """--mock's roles ([] without --mock); ``--mock RECIPE`` means every role and that recipe."""
+    if args.mock is None:
+        return []
+    try:
+        return parse_standins(args.mock)
+    except ValueError:
+        if args.recipe is None and args.mock.strip():
+            args.recipe = args.mock
+            return parse_standins("all")
+        raise
 
 
 if __name__ == "__main__":

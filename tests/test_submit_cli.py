@@ -90,7 +90,7 @@ def test_dry_run_lays_out_the_job_directory(
     ] + [f"decode-{i}" for i in range(plan.decode.nodes)]
     assert str(root) in job.sbatch.read_text()
     # The agents re-load J/recipe.yaml without the cluster file and get the same launch plan.
-    again = make_plan(load_recipe(job.recipe), mock=plan.mock)
+    again = make_plan(load_recipe(job.recipe), mock=plan.standins)
     for role in ("prefill", "decode"):
         assert again.role(role).program == plan.role(role).program
         assert again.role(role).args == plan.role(role).args
@@ -105,7 +105,7 @@ def test_dry_run_local_mock_demo(tmp_path: Path, capsys: pytest.CaptureFixture[s
     captured = capsys.readouterr()
     assert captured.err == ""  # the demo validates with no warning
     plan = load_plan((root / "plan.json").read_bytes())
-    assert plan.mock and plan.launcher == "process"
+    assert plan.standins == ["prefill", "decode", "router"] and plan.launcher == "process"
     assert plan.network_interface == "lo"  # --local: everything on loopback
     assert "agent.standins.prefill" in captured.out
 
