@@ -180,7 +180,9 @@ def pending_status(plan: Plan, job: JobDir) -> JobStatus:
         for role in (plan.prefill, plan.decode)
         for i in range(role.nodes)
     ]
-    return JobStatus(state="pending", model=plan.model, agents=agents)
+    # The router's stand-in is decided on the node (only where the real router cannot run).
+    standins: list[str] = [name for name in plan.standins if name != "router"]
+    return JobStatus(state="pending", model=plan.model, agents=agents, standins=standins)
 
 
 def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> None:

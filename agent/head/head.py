@@ -130,6 +130,7 @@ class Head:
             error=self.error,
             agents=list(view.agents.values()),
             router=view.router,
+            standins=[n for n in self.plan.standins if n != ROUTER_NAME or self.router.standin],
         )
 
     def _on_records(self) -> None:
