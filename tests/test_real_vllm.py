@@ -6,7 +6,8 @@ One job serves the module, in order: readiness (connection refused, then 200), t
 re-exported ``vllm:`` metrics, then the kills: EngineCore (degraded, restart on the same port,
 canary, ready), the API process, and last SIGTERM (every vLLM process gone within the grace,
 nothing of the job left in the system temp folder). A second job is SIGKILLed in the middle of
-vLLM's start: the whole vLLM tree goes with its agent. A vLLM start takes 80-160 s on two busy
+vLLM's start: the whole vLLM tree goes with its agent. Last, once on the local Slurm (also marked
+``slurm``): ready, a chat, an EngineCore kill, stop. A vLLM start takes 80-160 s on two busy
 cores, so the module takes a few of them (``pytest -m real_vllm`` runs it alone).
 """
 
@@ -27,8 +28,18 @@ import pytest
 
 from agent.standins import tokens
 from tests.agentkit import REPO, still_alive
-from tests.e2ekit import LocalJob, agent_entry, chat, e2e_sets, log_tails, record, wait_status
+from tests.e2ekit import (
+    LocalJob,
+    agent_entry,
+    chat,
+    e2e_sets,
+    log_tails,
+    record,
+    submit_cmd,
+    wait_status,
+)
 from tests.infra.prometheus import promtool_binary, promtool_check_metrics
+from tests.infra.slurm import ENDED_STATES, LocalSlurm
 from tests.infra.vllm_env import shim_dir, tiny_model, venv_python
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.router]
@@ -328,3 +339,51 @@ def test_a_sigkilled_prefill_agent_takes_the_whole_vllm_tree(
         )
         os.kill(agent_pid, signal.SIGKILL)
         assert not still_alive(tree, 10), tree
+
+
+# ---- once on the local Slurm ------------------------------------------------------------------
+
+
+@pytest.mark.slurm
+def test_on_the_local_slurm_ready_chat_engine_core_kill_and_stop(
+    slurm: LocalSlurm, router_python: Path, vllm_venv: Path, tmp_path: Path
+) -> None:
+    """sbatch through ``tilert-submit --cluster``: vLLM started as the module it is (``python -m
+    vllm.entrypoints.openai.api_server --model``), stand-in decodes on the other nodes."""
+    cluster = slurm.write_cluster_file(tmp_path / "srtslurm.yaml")
+    command = f"[{venv_python(vllm_venv)}, -m, vllm.entrypoints.openai.api_server, --model]"
+    sets, _ = e2e_sets(router_python, *vllm_sets(vllm_venv, prefill_command=command))
+    job = tmp_path / "job"
+    args = ["--mock", "decode", "--cluster", str(cluster), "--job-dir", str(job), *sets]
+    done = submit_cmd(str(RECIPE), *args, env=slurm.env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    slurm_id = json.loads((job / "status.json").read_text())["slurm_job_id"]
+    try:
+        status = wait_status(job, lambda s: s["state"] == "ready", "ready", START_S, poll_s=0.5)
+        assert status["standins"] == ["decode"]
+        text = chat(status["router_url"], MODEL, "Hello", timeout=120)
+        assert tokens.CONTINUATION_TEXT in text, text
+        port = record(job, "prefill-0")["ports"]["http"]
+        old = prefill_tree(job)
+        engine_core(job).kill()
+        assert not still_alive(old, 30), old
+        wait_status(job, lambda s: s["state"] == "degraded", "degraded", 30)
+        wait_status(
+            job,
+            lambda s: (
+                s["state"] == "ready" and "canaries answered after the restart" in head_log(job)
+            ),
+            "ready again after a canary",
+            RESTART_S,
+            poll_s=0.5,
+        )
+        assert record(job, "prefill-0")["ports"]["http"] == port
+        tree = prefill_tree(job)
+        stopped = submit_cmd("stop", str(job), env=slurm.env)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert not still_alive(tree, slurm.kill_wait_s), tree
+        assert slurm.wait_job_end(slurm_id, timeout=60) == "COMPLETED"
+    finally:
+        if slurm.job_state(slurm_id) not in (None, *ENDED_STATES):
+            slurm.scancel(slurm_id)
+            slurm.wait_job_end(slurm_id, timeout=slurm.kill_wait_s + 15)
