@@ -30,7 +30,7 @@ from agent.job.records import AgentStatus, EngineStatus, RendezvousRecord
 from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
 from agent.launch.commands import MANAGED_ENV, Command, decode_command, prefill_command
 from agent.launch.enginechecks import connector_choice, engine_checks, with_standin_connector
-from agent.launch.scratch import Scratch, scratch_root
+from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.identity import Identity
 from agent.node.logpump import LogSink
 from agent.node.ports import choose_port, choose_ports, is_bindable
@@ -278,6 +278,8 @@ class NodeAgent:
         result = await preflight.run_preflight(self.launcher, base, checks)
         connector = connector_choice(self.plan, env, result)
         problems = [*result.problems, *([connector.problem] if connector.problem else [])]
+        if self.id.role == "prefill" and not self.plan.standin("prefill"):
+            problems += [p for p in [socket_path_problem(env)] if p]
         if problems:
             self.preflight_failure = "preflight failed: " + "; ".join(problems)
             self.log.error("%s: %s", self.id.name, self.preflight_failure)

@@ -23,7 +23,7 @@ from agent.launch.enginechecks import (
 )
 from agent.launch.interpreter import is_python, python_of
 from agent.launch.preflight import PreflightResult
-from agent.launch.scratch import SCRATCH_ENV, Scratch, scratch_root
+from agent.launch.scratch import SCRATCH_ENV, Scratch, scratch_root, socket_path_problem
 from agent.standins.vllm_connector import CONNECTOR_PATH
 from tests.agentkit import make_job
 
@@ -185,7 +185,7 @@ def test_every_engine_gets_its_own_scratch_and_the_recipe_wins(plan: Plan, tmp_p
 def test_scratch_lives_under_the_system_temp_and_is_removed(tmp_path: Path) -> None:
     job = JobDir(tmp_path / "jobs" / "demo-1")
     root = scratch_root(job, None, temp_dir=str(tmp_path / "systemp"))
-    assert root.parent == tmp_path / "systemp" and root.name.startswith("tilert-demo-1-")
+    assert root.parent == tmp_path / "systemp" and len(root.name) == len("tilert-") + 10
     assert scratch_root(job, "job") == job.root / "scratch"
     assert scratch_root(job, "/local/ssd").parent == Path("/local/ssd")
     mine, other = Scratch(root, "prefill-0"), Scratch(root, "decode-0")
@@ -196,3 +196,9 @@ def test_scratch_lives_under_the_system_temp_and_is_removed(tmp_path: Path) -> N
     assert not mine.path.exists() and root.exists()  # decode-0 still uses the job's root
     other.remove()
     assert not root.exists() and list((tmp_path / "systemp").iterdir()) == []
+
+
+def test_a_tmpdir_too_long_for_vllms_sockets_is_refused() -> None:
+    assert socket_path_problem({"TMPDIR": "/tmp/tilert-0123456789/prefill-0/engine/tmp"}) is None
+    problem = socket_path_problem({"TMPDIR": "/x" * 40})
+    assert problem and "agent.scratch_dir" in problem and "107" in problem

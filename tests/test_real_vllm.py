@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -149,12 +151,23 @@ class VllmJob:
 
 
 @pytest.fixture(scope="module")
+def short_temp() -> Iterator[Path]:
+    """A system temp folder for the jobs: short, as vLLM's socket paths must be (< 108 chars)."""
+    path = Path(tempfile.mkdtemp(prefix="tv-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
 def vllm_job(
-    router_python: Path, vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory
+    router_python: Path,
+    vllm_venv: Path,
+    short_temp: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[VllmJob]:
     """The module's job, ready; stopped (or killed) after the last test."""
     tmp = tmp_path_factory.mktemp("real-vllm")
-    temp_dir = tmp / "system-temp"
+    temp_dir = short_temp / "J"
     readiness = Readiness()
     with start_job(tmp, router_python, vllm_venv, "J", temp_dir) as job:
 
@@ -317,9 +330,9 @@ def test_sigterm_stops_every_vllm_process_within_the_grace_and_leaves_no_temp(
 
 
 def test_a_sigkilled_prefill_agent_takes_the_whole_vllm_tree(
-    router_python: Path, vllm_venv: Path, tmp_path: Path
+    router_python: Path, vllm_venv: Path, short_temp: Path, tmp_path: Path
 ) -> None:
-    with start_job(tmp_path, router_python, vllm_venv, "K", tmp_path / "temp") as job:
+    with start_job(tmp_path, router_python, vllm_venv, "K", short_temp / "K") as job:
         deadline = time.monotonic() + START_S
         tree: list[psutil.Process] = []
         while len(tree) < 2:

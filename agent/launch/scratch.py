@@ -8,6 +8,7 @@ removes the root when it stops (docs/agent.md, "Scratch space").
 
 The root (``agent.scratch_dir``): by default a per-job folder under the node's system temp folder,
 ``job`` for the job directory, or a node-local path. A variable the recipe sets for the role wins.
+Paths are kept short: vLLM's socket files must fit in a Unix socket path (``socket_path_problem``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ SCRATCH_ENV = {
     "CUDA_CACHE_PATH": "cache/nv",
 }
 SCRATCH_MODE = 0o700
+# vLLM names its ZMQ sockets ``$TMPDIR/<uuid4>`` (37 more characters), and a Unix socket path
+# holds at most 107: a deeper TMPDIR makes vLLM fail at startup with a ZMQError.
+SOCKET_PATH_MAX = 107
+SOCKET_NAME_LEN = 37
 
 
 def hub_home(agent_env: Mapping[str, str]) -> str:
@@ -62,10 +67,24 @@ def scratch_root(job: JobDir, where: str | None, *, temp_dir: str | None = None)
     """This job's scratch root on this node for the setting ``agent.scratch_dir``."""
     if where == "job":
         return job.root / "scratch"
-    # The job folder's name, plus a hash of its full path: two jobs never share a root.
-    digest = hashlib.sha256(str(job.root.absolute()).encode()).hexdigest()[:8]
+    # A hash of the job folder's full path: two jobs never share a root, and the name is short
+    # (vLLM's socket paths must fit, see SOCKET_PATH_MAX).
+    digest = hashlib.sha256(str(job.root.absolute()).encode()).hexdigest()[:10]
     parent = Path(where) if where else Path(temp_dir or tempfile.gettempdir())
-    return parent / f"tilert-{job.root.name}-{digest}"
+    return parent / f"tilert-{digest}"
+
+
+def socket_path_problem(env: Mapping[str, str]) -> str | None:
+    """Why vLLM could not make its ZMQ sockets in ``env``'s TMPDIR (too long a path), or None."""
+    tmp = env.get("TMPDIR", "")
+    if len(tmp) + SOCKET_NAME_LEN <= SOCKET_PATH_MAX:
+        return None
+    return (
+        f"the engine's TMPDIR {tmp} is {len(tmp)} characters long: vLLM puts its ZMQ sockets "
+        f"there ({SOCKET_NAME_LEN} more characters) and a socket path holds at most "
+        f"{SOCKET_PATH_MAX}; set agent.scratch_dir to a shorter node-local path (or TMPDIR in the "
+        "role's env)"
+    )
 
 
 class Scratch:
