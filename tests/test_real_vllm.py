@@ -241,9 +241,12 @@ def test_the_prefill_agent_reexports_every_vllm_family(vllm_job: VllmJob) -> Non
     upstream = [line for line in page.splitlines() if line.startswith("tilert_agent_upstream")]
     assert families <= ours, (families - ours, upstream)
     samples = [line for line in page.splitlines() if line.startswith("vllm:")]
-    assert samples and all(
-        'role="prefill"' in s and 'node="' in s and 'model_name="tiny"' in s for s in samples
-    ), [s for s in samples if 'role="prefill"' not in s][:5]
+    # Our labels on every sample; vLLM's own (engine, model_name) kept where vLLM set them.
+    ours_missing = [
+        s for s in samples if not ('role="prefill"' in s and 'node="' in s and "slurm_job_id=" in s)
+    ]
+    assert samples and not ours_missing, ours_missing[:5]
+    assert any('engine="0"' in s and 'model_name="tiny"' in s for s in samples)
     if promtool_binary() is None:
         from tests.conftest import require
 
