@@ -112,6 +112,21 @@ def prefill_tree(job: Path) -> list[psutil.Process]:
     return [api, *api.children(recursive=True)]
 
 
+def wait_tree(job: LocalJob, at_least: int, timeout: float) -> list[psutil.Process]:
+    """vLLM's process tree once it has ``at_least`` processes (the API server, then EngineCore)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job._watch()
+        try:
+            tree = prefill_tree(job.job)
+        except (AssertionError, OSError, ValueError, KeyError, httpx.HTTPError, psutil.Error):
+            tree = []  # between two generations, or before the first
+        if len(tree) >= at_least:
+            return tree
+        assert time.monotonic() < deadline, log_tails(job.job)
+        time.sleep(0.5)
+
+
 def agent_status(job: Path) -> dict:
     """prefill-0's live /status."""
     url = agent_entry(json.loads((job / "status.json").read_text()), "prefill-0")["status_url"]
@@ -318,10 +333,7 @@ def test_api_process_killed_takes_its_engine_and_restarts(vllm_job: VllmJob) -> 
         each=job._watch,
     )
     # Let the new vLLM come up far enough to have its EngineCore: SIGTERM (next) meets a full tree.
-    deadline = time.monotonic() + RESTART_S
-    while len(prefill_tree(job.job)) < 2:
-        assert time.monotonic() < deadline, log_tails(job.job)
-        time.sleep(0.5)
+    wait_tree(job, 2, RESTART_S)
 
 
 def test_sigterm_stops_every_vllm_process_within_the_grace_and_leaves_no_temp(
@@ -344,16 +356,7 @@ def test_a_sigkilled_prefill_agent_takes_the_whole_vllm_tree(
     router_python: Path, vllm_venv: Path, short_temp: Path, tmp_path: Path
 ) -> None:
     with start_job(tmp_path, router_python, vllm_venv, "K", short_temp / "K") as job:
-        deadline = time.monotonic() + START_S
-        tree: list[psutil.Process] = []
-        while len(tree) < 2:
-            assert time.monotonic() < deadline, log_tails(job.job)
-            job._watch()
-            time.sleep(0.5)
-            try:
-                tree = prefill_tree(job.job)
-            except (AssertionError, OSError, ValueError, KeyError, httpx.HTTPError, psutil.Error):
-                tree = []
+        tree = wait_tree(job, 2, START_S)
         agent_pid = next(
             p.pid
             for p in psutil.process_iter()
