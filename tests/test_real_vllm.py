@@ -119,7 +119,15 @@ def wait_tree(job: LocalJob, at_least: int, timeout: float) -> list[psutil.Proce
         job._watch()
         try:
             tree = prefill_tree(job.job)
-        except (AssertionError, OSError, ValueError, KeyError, httpx.HTTPError, psutil.Error):
+        except (
+            AssertionError,
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            httpx.HTTPError,
+            psutil.Error,
+        ):
             tree = []  # between two generations, or before the first
         if len(tree) >= at_least:
             return tree
