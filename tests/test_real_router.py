@@ -2,13 +2,16 @@
 decode.
 
 The router is started by hand with the unchanged production command, no GPU visible, and the demo
-tokenizer (recipes/local-demo-model) as --model-path.
+tokenizer (recipes/local-demo-model) as --model-path. The prefill stand-in's ``/tokenize`` lets the
+router turn its router-side tokenization on, so both of its prefill paths are taken: chats it can
+render go to ``/v1/completions`` as token ids, the others to ``/v1/chat/completions``.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,3 +134,33 @@ def test_non_streaming_completion(real_router: RealRouterStack) -> None:
     chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(f"{real_router.url}/v1/chat/completions", json=chat, timeout=60)
     assert r.json()["choices"][0]["message"]["content"] == REPLY
+
+
+def router_tokenize(url: str) -> dict[str, object]:
+    """The router's router-side tokenization figures (``/pool_status``)."""
+    status = httpx.get(f"{url}/pool_status", timeout=10).json()
+    figures: dict[str, object] = status["router_tokenize"]
+    return figures
+
+
+def test_the_router_takes_both_of_its_prefill_paths(real_router: RealRouterStack) -> None:
+    # The stand-in's /tokenize matches the router's own tokenizer on every self-check probe, so
+    # the router turns router-side tokenization on, as it does against a real vLLM.
+    deadline = time.monotonic() + 30
+    while not router_tokenize(real_router.url)["on"]:
+        assert time.monotonic() < deadline, real_router.router.output()[-2000:]
+        time.sleep(0.2)
+    assert "router-side tokenization ON" in real_router.router.output()
+    before = router_tokenize(real_router.url)["requests"]
+    # A chat without logprobs: token ids to the prefill's /v1/completions.
+    assert stream_chat(real_router.url) == REPLY
+    assert router_tokenize(real_router.url)["requests"] == before + 1  # type: ignore[operator]
+    # A chat the router cannot render itself (a message with a name) falls back to the
+    # prefill's /v1/chat/completions.
+    message = {"role": "user", "content": "hi", "name": "tester"}
+    chat = {"model": "demo", "messages": [message]}
+    r = httpx.post(f"{real_router.url}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == REPLY
+    figures = router_tokenize(real_router.url)
+    assert (figures["requests"], figures["fallback"]) == (before + 2, 1)  # type: ignore[operator]

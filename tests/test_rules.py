@@ -317,6 +317,33 @@ INVALID: list[tuple[str, Mutation, str]] = [
     ("sidecar", setter(decode, "sidecar", True), "roles.decode.sidecar"),
     ("router port range", setter(top, "agent", {"router_port": 70000}), "agent.router_port"),
     (
+        "empty prefill command",
+        setter(top, "agent", {"prefill_command": []}),
+        "agent.prefill_command",
+    ),
+    (
+        "blank word in the prefill command",
+        setter(top, "agent", {"prefill_command": ["vllm", " "]}),
+        "agent.prefill_command[1]",
+    ),
+    ("blank decode python", setter(top, "agent", {"decode_python": ""}), "agent.decode_python"),
+    (
+        "router python with spaces",
+        setter(top, "agent", {"router_python": " python"}),
+        "agent.router_python",
+    ),
+    ("relative scratch dir", setter(top, "agent", {"scratch_dir": "tmp"}), "agent.scratch_dir"),
+    (
+        "canary attempt timeout",
+        setter(top, "agent", {"canary": {"attempt_timeout_s": 0}}),
+        "agent.canary.attempt_timeout_s",
+    ),
+    (
+        "prefill command not a list",
+        setter(top, "agent", {"prefill_command": "vllm serve"}),
+        "agent.prefill_command",
+    ),
+    (
         "health interval",
         setter(top, "health_check", {"interval_seconds": 0}),
         "health_check.interval_seconds",

@@ -141,7 +141,22 @@ def test_prefill_endpoints(stack: Stack) -> None:
     assert (r.status_code, r.content) == (200, b"")
     models = httpx.get(f"{stack.prefill_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["demo"]
-    assert httpx.post(f"{stack.prefill_url}/tokenize", json={}).status_code == 404
+    assert httpx.post(f"{stack.prefill_url}/tokenize", json={}).status_code == 400
+    # /tokenize answers with the demo tokenizer's ids (tests/test_real_router.py checks them
+    # against the router's own tokenizer), the chat template applied.
+    said = httpx.post(
+        f"{stack.prefill_url}/tokenize",
+        json={"model": "demo", "messages": [{"role": "user", "content": "hi"}]},
+    ).json()
+    # <|im_start|> user \n hi <|im_end|> \n <|im_start|> assistant \n
+    im_start = tokens.SPECIAL_TOKENS.index(tokens.BOS_TOKEN)
+    assert said["tokens"][0] == im_start
+    assert said["tokens"].count(im_start) == 2
+    assert said["tokens"].count(tokens.EOS_ID) == 1
+    assert said["count"] == len(said["tokens"])
+    assert said["max_model_len"] == 4096
+    plain = httpx.post(f"{stack.prefill_url}/tokenize", json={"prompt": "hi"}).json()
+    assert 1 <= plain["count"] <= 2
     reply = chat(stack.prefill_url)
     assert reply["id"].startswith("chatcmpl-")
     assert (

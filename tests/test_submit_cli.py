@@ -92,7 +92,7 @@ def test_dry_run_lays_out_the_job_directory(
     ] + [f"decode-{i}" for i in range(plan.decode.nodes)]
     assert str(root) in job.sbatch.read_text()
     # The agents re-load J/recipe.yaml without the cluster file and get the same launch plan.
-    again = make_plan(load_recipe(job.recipe), mock=plan.mock)
+    again = make_plan(load_recipe(job.recipe), mock=plan.standins)
     for role in ("prefill", "decode"):
         assert again.role(role).program == plan.role(role).program
         assert again.role(role).args == plan.role(role).args
@@ -107,7 +107,7 @@ def test_dry_run_local_mock_demo(tmp_path: Path, capsys: pytest.CaptureFixture[s
     captured = capsys.readouterr()
     assert captured.err == ""  # the demo validates with no warning
     plan = load_plan((root / "plan.json").read_bytes())
-    assert plan.mock
+    assert plan.standins == ["prefill", "decode", "router"]
     assert plan.launcher == "process"
     assert plan.network_interface == "lo"  # --local: everything on loopback
     assert "agent.standins.prefill" in captured.out
@@ -326,3 +326,73 @@ def test_a_recipe_named_like_a_command(tmp_path: Path) -> None:
         DEMO.read_text().replace("./local-demo-model", str(RECIPES / "local-demo-model"))
     )
     assert main(["./status", "--dry-run", "--job-dir", str(tmp_path / "J")]) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "standins"),
+    [
+        (["--mock"], ["prefill", "decode", "router"]),
+        (["--mock", "decode"], ["decode"]),
+        (["--mock=router,prefill"], ["prefill", "router"]),
+        (["--mock", "all"], ["prefill", "decode", "router"]),
+        ([], []),
+    ],
+)
+def test_mock_names_the_roles_it_replaces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], standins: list[str]
+) -> None:
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--dry-run", "--local", *flags, "--job-dir", str(root)]) == 0
+    plan = load_plan((root / "plan.json").read_bytes())
+    assert plan.standins == standins
+    out = capsys.readouterr().out
+    stand_ins = next(line for line in out.splitlines() if line.startswith("  stand-ins:"))
+    for name in ("prefill", "decode"):
+        assert (name in stand_ins) == (name in standins), stand_ins
+    # The prefill's command is the stand-in only when it is named.
+    assert ("agent.standins.prefill" in out) == ("prefill" in standins)
+    assert "agent.prefill_command" in out
+    assert "agent.decode_python" in out
+    status = JobDir(root).read_status()
+    assert status.standins == [n for n in standins if n != "router"]
+
+
+def test_mock_before_the_recipe_still_means_every_role(tmp_path: Path) -> None:
+    root = tmp_path / "J"
+    assert main(["--mock", str(DEMO), "--dry-run", "--job-dir", str(root)]) == 0
+    assert load_plan((root / "plan.json").read_bytes()).standins == ["prefill", "decode", "router"]
+
+
+def test_mock_with_an_unknown_role_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([str(DEMO), "--dry-run", "--mock", "decoder", "--job-dir", str(tmp_path / "J")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --mock: 'decoder' is not a role" in err
+    assert "prefill, decode, router" in err
+
+
+def test_prefill_command_and_decode_python_reach_the_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "J"
+    sets = [
+        "--set",
+        "agent.prefill_command=[/opt/site/bin/launch-vllm, --profile, big]",
+        "--set",
+        "agent.decode_python=/opt/tilert/bin/python",
+    ]
+    assert main([str(DEMO), "--dry-run", *sets, "--job-dir", str(root)]) == 0
+    plan = load_plan((root / "plan.json").read_bytes())
+    assert plan.prefill.program == [
+        "/opt/site/bin/launch-vllm",
+        "--profile",
+        "big",
+        str(RECIPES / "local-demo-model"),
+    ]
+    assert plan.decode.program == ["/opt/tilert/bin/python", "-m", "tilert.pd_vllm.decode_server"]
+    out = capsys.readouterr().out
+    assert "/opt/site/bin/launch-vllm --profile big (agent.prefill_command)" in out
+    assert f"/opt/site/bin/launch-vllm --profile big {RECIPES / 'local-demo-model'}" in out

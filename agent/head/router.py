@@ -9,7 +9,6 @@ stand-in.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 
 import trio
@@ -52,16 +51,20 @@ class Router:
             modules=[ROUTER_MODULE],
             distributions=["tilert"],
             # The stand-ins need no setup; the script belongs to the real images.
-            setup_script=None if plan.mock else plan.setup_script,
+            setup_script=None if plan.standin("router") else plan.setup_script,
             configs_dir=plan.configs_dir,
             paths=paths,
         )
-        base = self.ctx.launch_spec("router-preflight", [], dict(os.environ), router.image)
+        # The router's own environment (frontend env, PATH, PYTHONPATH), as it will run.
+        env = router_command(
+            plan, prefill_url="", decodes=[], host=self.ctx.identity.address, use_standin=False
+        ).env
+        base = self.ctx.launch_spec("router-preflight", [], env, router.image)
         result = await preflight.run_preflight(self.ctx.launcher, base, checks)
         if result.ok:
             log.info("head: the real TileRT router is importable by %s", router.python)
             return
-        if plan.mock:
+        if plan.standin("router"):
             self.standin = True
             log.warning(
                 "head: --mock and %s cannot start the real router (%s): using the router stand-in",
@@ -85,6 +88,7 @@ class Router:
             decodes=endpoints,
             host=self.ctx.identity.address,
             use_standin=self.standin,
+            scratch=self.ctx.scratch_folder(ROUTER_NAME) if self.ctx.scratch_folder else None,
         )
         return self.ctx.launch_spec(ROUTER_NAME, cmd.argv, cmd.env, self.ctx.plan.router.image)
 

@@ -116,3 +116,6 @@ class JobStatus(msgspec.Struct, kw_only=True):
     agents: list[JobAgent] = []
     # The router, supervised by prefill-0 (not an agent of its own; ``logs J router`` shows it).
     router: JobAgent | None = None
+    # The processes that are the project's stand-ins (``--mock``): the plan's, the router only
+    # once the head found it cannot run the real one.
+    standins: list[str] = []
