@@ -25,7 +25,7 @@ from agent.launch.interpreter import is_python, python_of
 from agent.launch.preflight import PreflightResult
 from agent.launch.scratch import SCRATCH_ENV, Scratch, scratch_root, socket_path_problem
 from agent.standins.vllm_connector import CONNECTOR_PATH
-from tests.agentkit import make_job
+from tests.kit import make_job
 
 
 @pytest.fixture(scope="module")

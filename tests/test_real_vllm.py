@@ -31,20 +31,21 @@ import psutil
 import pytest
 
 from agent.standins import tokens
-from tests.agentkit import REPO, still_alive
-from tests.e2ekit import (
-    LocalJob,
-    agent_entry,
-    chat,
-    e2e_sets,
-    log_tails,
-    record,
-    submit_cmd,
-    wait_status,
-)
 from tests.infra.prometheus import promtool_binary, promtool_check_metrics
 from tests.infra.slurm import ENDED_STATES, LocalSlurm
 from tests.infra.vllm_env import shim_dir, tiny_model, venv_python
+from tests.kit import (
+    REPO,
+    LocalJob,
+    agent_entry,
+    chat,
+    isolated_sets,
+    log_tails,
+    record,
+    still_alive,
+    submit_cmd,
+    wait_status,
+)
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.router]
 
@@ -96,7 +97,7 @@ def start_job(
     """
     python = venv_python(vllm_venv)
     command = f"[{python.parent / 'vllm'}, serve]"
-    sets, _ = e2e_sets(
+    sets, _ = isolated_sets(
         router_python,
         *vllm_sets(vllm_venv, prefill_command=command),
         f"roles.prefill.env.PYTHONPATH={shim_dir(vllm_venv)}",
@@ -395,7 +396,7 @@ def test_on_the_local_slurm_ready_chat_engine_core_kill_and_stop(
     vllm.entrypoints.openai.api_server --model``), stand-in decodes on the other nodes."""
     cluster = slurm.write_cluster_file(tmp_path / "srtslurm.yaml")
     command = f"[{venv_python(vllm_venv)}, -m, vllm.entrypoints.openai.api_server, --model]"
-    sets, _ = e2e_sets(router_python, *vllm_sets(vllm_venv, prefill_command=command))
+    sets, _ = isolated_sets(router_python, *vllm_sets(vllm_venv, prefill_command=command))
     job = tmp_path / "job"
     args = ["--mock", "decode", "--cluster", str(cluster), "--job-dir", str(job), *sets]
     done = submit_cmd(str(RECIPE), *args, env=slurm.env)
