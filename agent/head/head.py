@@ -72,7 +72,7 @@ class Head:
         self.router_url: str | None = None  # shown while the router is ours to serve
         # Carried into every status.json: `stop` checks the supervisor by them.
         self.local_pid, self.local_started_at = read_local_supervisor(ctx.job)
-        self.status_file = StatusWriter(ctx.job, self._job_status)
+        self.status_file = StatusWriter(ctx.job, self._job_status, ctx.writes)
         self._poke = trio.Event()
         self._stop = trio.Event()
         # The restart marks (decisions.restart_marks) when a canary last passed: any restart
@@ -118,7 +118,6 @@ class Head:
             agents={n: self.peers.entry(n, self.dropped.get(n)) for n in self.expected},
             healthy_since=self.peers.healthy_since(),
             versions=self.peers.versions(),
-            record_problems=self.peers.problems,
             router=self.router.entry(self.peers.by_name[HEAD_NAME].record),
         )
 
