@@ -1,7 +1,8 @@
 """Shared fixtures: the local multi-node Slurm and Prometheus servers (tests/infra/).
 
 The real TileRT router's interpreter is ``$TILERT_ROUTER_PYTHON`` (tests/run.sh exports it), else
-the venv at .cache/router-venv, built on first use.
+the venv at .cache/router-venv, built on first use; AIPerf is ``$TILERT_AIPERF``, else the venv at
+.cache/aiperf-venv (built on first use: about 3.5 minutes and 1.2 GB).
 
 Outside CI a missing Debian package skips the tests that need it, with the reason; under
 ``CI=true`` it fails them instead, because CI installs everything (tests/run.sh) and a skip there
@@ -17,12 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.infra.aiperf_env import aiperf_executable
 from tests.infra.prometheus import PrometheusServer, prometheus_binary
 from tests.infra.router_env import router_python as find_router_python
 from tests.infra.slurm import LocalSlurm, SlurmError, missing_binaries
 
 SLURM_NODES = 3
 ROUTER_VENV = Path(__file__).resolve().parent.parent / ".cache" / "router-venv"
+AIPERF_VENV = ROUTER_VENV.parent / "aiperf-venv"
 
 
 def under_ci() -> bool:
@@ -88,6 +91,16 @@ def router_python() -> Path:
     """A Python 3.12 that imports the real ``tilert.pd_vllm.pd_router``."""
     try:
         return find_router_python(ROUTER_VENV)
+    except RuntimeError as exc:
+        require(False, str(exc))
+        raise  # unreachable: require skipped or failed
+
+
+@pytest.fixture(scope="session")
+def aiperf() -> Path:
+    """NVIDIA's AIPerf (``aiperf`` of PyPI's ``aiperf`` 0.13), the benchmark client."""
+    try:
+        return aiperf_executable(AIPERF_VENV)
     except RuntimeError as exc:
         require(False, str(exc))
         raise  # unreachable: require skipped or failed

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_sort_key, parse_agent_name
+from agent.job.names import (
+    BENCHMARK_NAME,
+    HEAD_NAME,
+    ROUTER_NAME,
+    agent_sort_key,
+    parse_agent_name,
+)
 from agent.job.paths import JobDir
 
 ENGINE_LOG = "engine.log"
@@ -18,6 +24,8 @@ AGENT_LOG = "agent.log"
 # it is named ``<agent>:convert`` (``tilert-submit logs J decode-0:convert``).
 CONVERT_LOG = "convert.log"
 CONVERT_SOURCE_SUFFIX = ":convert"
+# The benchmark client's output, every level one after the other, in J/logs/benchmark/.
+BENCHMARK_LOG = "benchmark.log"
 
 
 def rotated_files(path: Path) -> list[Path]:
@@ -39,11 +47,16 @@ def log_path(job: JobDir, name: str, *, agent: bool = False) -> Path:
         if agent:
             raise ValueError("the router has no agent.log of its own: see prefill-0's")
         return job.log_dir(HEAD_NAME) / ROUTER_LOG
+    if name == BENCHMARK_NAME:
+        if agent:
+            raise ValueError("the benchmark client has no agent.log of its own: see prefill-0's")
+        return job.log_dir(BENCHMARK_NAME) / BENCHMARK_LOG
     return job.log_dir(name) / (AGENT_LOG if agent else ENGINE_LOG)
 
 
 def log_files(job: JobDir, *, agent: bool = False) -> dict[str, Path]:
-    """``{name: current log file}`` for agents whose folders exist: prefill-0, decode-0.., router.
+    """``{name: current log file}`` for agents whose folders exist: prefill-0, decode-0.., router,
+    and the benchmark client once it ran.
 
     With ``agent`` the files are the agents' own ``agent.log`` (the router has none of its own).
     """
@@ -59,6 +72,8 @@ def log_files(job: JobDir, *, agent: bool = False) -> dict[str, Path]:
         for name in names:
             if convert_log_path(job, name).exists():
                 files[name + CONVERT_SOURCE_SUFFIX] = convert_log_path(job, name)
+        if BENCHMARK_NAME in entries:
+            files[BENCHMARK_NAME] = log_path(job, BENCHMARK_NAME)
     return files
 
 

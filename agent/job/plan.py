@@ -13,6 +13,8 @@ from typing import Literal
 
 import msgspec
 
+from agent.job.benchmark import BenchmarkPlan
+
 PLAN_SCHEMA = 1
 # What an agent may take to exit beyond its engines' graces (sweep leftovers, write its last
 # status, close its logs). Generous: whoever waits stops waiting as soon as the agents are gone.
@@ -131,6 +133,8 @@ class Plan(msgspec.Struct, kw_only=True):
     slurm: SlurmPlan
     # Absent (not even null) without roles.decode.convert, so plans without one read as before.
     convert: ConvertPlan | msgspec.UnsetType = msgspec.UNSET
+    # Absent for ``benchmark.type: manual`` (docs/benchmark.md), so those plans read as before.
+    benchmark: BenchmarkPlan | msgspec.UnsetType = msgspec.UNSET
 
     def role(self, name: str) -> RolePlan:
         """The plan of one role by name."""

@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from agent.job.benchmark import BenchmarkStatus
+
 RECORD_SCHEMA = 1
 
 # ``converting``: a decode agent waits for its weights folder to be converted (by itself or by
@@ -111,3 +113,5 @@ class JobStatus(msgspec.Struct, kw_only=True):
     agents: list[JobAgent] = []
     # The router, supervised by prefill-0 (not an agent of its own; ``logs J router`` shows it).
     router: JobAgent | None = None
+    # The benchmark the head runs once ready (docs/benchmark.md); absent without one.
+    benchmark: BenchmarkStatus | msgspec.UnsetType = msgspec.UNSET

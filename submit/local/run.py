@@ -159,8 +159,8 @@ class LocalRun:
             if head.returncode is not None:
                 status = _read(self.job)
                 error = status.error if status and status.error else "see its agent.log"
-                if self.lead != HEAD_NAME and not head.returncode:
-                    return 0  # a convert job that finished
+                if not head.returncode and (self.lead != HEAD_NAME or self._ended(status)):
+                    return 0  # a convert job that finished, or a job its benchmark ended
                 who = "the head agent prefill-0" if self.lead == HEAD_NAME else self.lead
                 _say(f"{who} exited with code {head.returncode}: {error}")
                 tail = self.sinks[self.lead].recent(20)
@@ -181,6 +181,16 @@ class LocalRun:
             with trio.move_on_after(POLL_S):
                 await stop.wait()
         return 0
+
+    @staticmethod
+    def _ended(status: JobStatus | None) -> bool:
+        """Whether the head ended the job by itself (a benchmark with keep_serving false)."""
+        if status is None or status.state != "stopped" or not status.benchmark:
+            return False
+        _say(
+            f"job stopped: its benchmark {status.benchmark.state} (see {status.benchmark.summary})"
+        )
+        return True
 
     def _say_ready(self, status: JobStatus, elapsed: float) -> None:
         url = status.router_url
