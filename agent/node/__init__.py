@@ -5,8 +5,8 @@ record, read and watch the others'), ``supervisor`` (one engine's state machine:
 give up), ``logpump`` (engine output to rotated files, never blocking the engine), ``agentlog``
 (the agent's own log), and the decode's weights: ``weightsfolder`` (complete or not, the marker),
 ``folderlock`` (a lock on a shared file system) and ``conversion`` (the gate before the engine:
-check, wait, or convert once). ``agent.nodeagent`` puts them together; ``agent.head`` uses them
-too.
+check, wait, or convert once), and ``jobend`` (the head ends the whole job). ``agent.nodeagent``
+puts them together; ``agent.head`` uses them too.
 
 May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``, ``agent.job``
 and ``agent.launch``. Never ``agent.http``, ``agent.head`` or ``agent.nodeagent``.
