@@ -189,6 +189,9 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
         log_backups=plan.agent.log_backups,
         log=log,
     )
+    problem = trio.run(run.preflight)
+    if problem is not None:
+        return _fail(problem, EXIT_FAILED)
     print(
         f"benchmarking {status.model} at {status.router_url}; results in {files.root}", flush=True
     )

@@ -496,3 +496,17 @@ async def test_stop_ends_a_run_at_once(tmp_path: Path) -> None:
     assert run.summary is not None and run.summary.state == "failed"
     assert run.summary.error == "stopped on request"
     assert "stopped on request: exit status -15" in log.read_text()  # SIGTERM, and it ended
+
+
+def test_bench_command_refuses_what_it_cannot_measure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = tmp_path / "j"
+    assert submit_main([str(DEMO_RECIPE), "--mock", "--dry-run", "--job-dir", str(job)]) == 0
+    capsys.readouterr()
+    assert submit_main(["bench", str(job), "--isl", "8", "--osl", "8"]) == 1
+    assert "the job is pending, not ready" in capsys.readouterr().err
+    assert submit_main(["bench", str(job), "--show"]) == 1
+    assert "no benchmark results" in capsys.readouterr().err
+    assert submit_main(["bench"]) == 2
+    assert submit_main(["bench", str(tmp_path / "nope")]) == 2
