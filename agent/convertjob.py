@@ -15,7 +15,7 @@ import signal
 import msgspec
 import trio
 
-from agent.head.statuswriter import StatusWriter, read_local_pid
+from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.logfiles import convert_log_path
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
@@ -48,7 +48,8 @@ class ConvertJob:
         self.agent_state = "starting"
         self.reason = "checking the weights folder"
         self.error: str | None = None
-        self.local_pid = read_local_pid(job)
+        # Carried into every status.json: `stop` checks the supervisor by them.
+        self.local_pid, self.local_started_at = read_local_supervisor(job)
         self.status_file = StatusWriter(job, self._job_status)
 
     def _changed(self) -> None:
@@ -78,6 +79,7 @@ class ConvertJob:
             model=self.plan.model,
             slurm_job_id=self.id.slurm_job_id,
             local_pid=self.local_pid,
+            local_started_at=self.local_started_at,
             error=self.error,
             agents=[agent],
         )

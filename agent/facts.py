@@ -14,8 +14,11 @@ from typing import Any
 CONNECTOR_MODULE = "tilert.pd_vllm.prefill_connector"
 DECODE_MODULE = "tilert.pd_vllm.decode_server"
 ROUTER_MODULE = "tilert.pd_vllm.pd_router"
-# The program that serves the prefill (``vllm serve MODEL``).
+# The program that serves the prefill (``vllm serve MODEL``): ``agent.prefill_command``'s default.
 PREFILL_PROGRAM = ("vllm", "serve")
+# The interpreters of the decode server and the router (``agent.decode_python``, ``router_python``).
+DECODE_PYTHON = "python"
+ROUTER_PYTHON = "python"
 # Python modules each role's real engine needs (checked by the preflight on the node).
 ENGINE_MODULES = {
     "prefill": ("vllm", CONNECTOR_MODULE),

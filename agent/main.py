@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from pathlib import Path
 
@@ -43,6 +45,9 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; exit 0 on a requested stop, 1 when the job failed, 2 on bad input."""
+    # How to see where it is stuck: kill -USR1 <pid> prints every thread's stack on stderr
+    # (docs/agent.md).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = _parser().parse_args(argv)
     job = JobDir(Path(args.job_dir).resolve())
     if not job.plan.is_file():

@@ -7,10 +7,8 @@ agent works without Slurm (systemd, ``--local``): Slurm is one way to start it.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -20,16 +18,18 @@ import trio
 
 from agent.head import Head, HeadContext
 from agent.http.asgi import bound_socket, serve
-from agent.http.endpoint import StatusFeed, build_app
+from agent.http.endpoint import LogStreams, StatusFeed, build_app
 from agent.http.metrics import AgentMetrics, HeadFigures
 from agent.http.reexport import UpstreamMetrics
-from agent.job.logfiles import convert_log_path, log_path
-from agent.job.names import ROUTER_NAME
-from agent.job.paths import PRIVATE_DIR_MODE, JobDir
+from agent.job.logfiles import convert_log_path, log_path, make_log_dir
+from agent.job.names import BENCHMARK_NAME, ROUTER_NAME
+from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, EngineStatus, RendezvousRecord
 from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
-from agent.launch.commands import MANAGED_ENV, decode_command, prefill_command
+from agent.launch.commands import MANAGED_ENV, Command, decode_command, prefill_command
+from agent.launch.enginechecks import connector_choice, engine_checks, with_standin_connector
+from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
 from agent.node.logpump import LogSink
@@ -56,6 +56,7 @@ class NodeAgent:
         self.ports: dict[str, int] = {}
         self.versions: dict[str, str] = {}
         self.feed = StatusFeed(self._snapshot)
+        self.log_streams = LogStreams()
         self.engine: EngineSupervisor | None = None
         self.head: Head | None = None  # prefill-0 only
         self.head_figures = HeadFigures() if identity.is_head else None
@@ -67,11 +68,9 @@ class NodeAgent:
             upstream_up=(lambda: self.upstream.up) if identity.role == "prefill" else None,
             head=self.head_figures,
         )
-        log_dir = job.log_dir(identity.name)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(log_dir, PRIVATE_DIR_MODE)
+        make_log_dir(job, identity.name, plan)  # node-local with agent.logs.location: node
         self.sink = LogSink(
-            log_path(job, identity.name),
+            log_path(job, identity.name, plan=plan),
             max_bytes=plan.agent.log_max_bytes,
             backups=plan.agent.log_backups,
         )
@@ -99,6 +98,9 @@ class NodeAgent:
             if identity.role == "decode"
             else None
         )
+        # The engines' temp and cache folders on this node; removed when the agent exits.
+        self.scratch = Scratch(scratch_root(job, plan.agent.scratch_dir), identity.name)
+        self.connector_standin = False
 
     # ---- state for /status and metrics ---------------------------------------------------
 
@@ -161,6 +163,7 @@ class NodeAgent:
             figures=figures,
             probe_observer=self.metrics.observer,
             stop_node=self.stop_all,
+            scratch_folder=self.scratch.folder,
         )
 
     # ---- ports and the record --------------------------------------------------------------
@@ -228,20 +231,29 @@ class NodeAgent:
         """A URL on this node's engine HTTP port."""
         return f"http://{self.id.address}:{self.ports['http']}{path}"
 
-    def _build_engine(self) -> LaunchSpec:
+    def _engine_command(self) -> Command:
+        scratch = self.scratch.folder("engine")
         if self.id.role == "prefill":
-            cmd = prefill_command(
-                self.plan, name=self.id.name, host=self.id.address, http_port=self.ports["http"]
-            )
-        else:
-            cmd = decode_command(
+            return prefill_command(
                 self.plan,
                 name=self.id.name,
-                address=self.id.address,
+                host=self.id.address,
                 http_port=self.ports["http"],
-                ctrl_port=self.ports["ctrl"],
+                scratch=scratch,
             )
-        return self.launch_spec(self.id.name, cmd.argv, cmd.env, self.role.image)
+        return decode_command(
+            self.plan,
+            name=self.id.name,
+            address=self.id.address,
+            http_port=self.ports["http"],
+            ctrl_port=self.ports["ctrl"],
+            scratch=scratch,
+        )
+
+    def _build_engine(self) -> LaunchSpec:
+        cmd = self._engine_command()
+        env = with_standin_connector(cmd.env) if self.connector_standin else cmd.env
+        return self.launch_spec(self.id.name, cmd.argv, env, self.role.image)
 
     def launch_spec(
         self, name: str, argv: list[str], env: dict[str, str], image: str | None
@@ -259,58 +271,42 @@ class NodeAgent:
             *MANAGED_ENV,
             self.plan.visible_devices_env,
         }
+        mounts = tuple(self.plan.mounts)
+        if self.plan.launcher == "pyxis":
+            # The engines' scratch folders must exist inside their containers too.
+            mounts += (f"{self.scratch.root}:{self.scratch.root}",)
         return LaunchSpec(
             name=name,
             argv=argv,
             env=env,
             image=image,
-            mounts=tuple(self.plan.mounts),
+            mounts=mounts,
             setup_script=self.setup_script,
             container_env=tuple(sorted(k for k in ours if k in env)),
         )
 
-    def preflight_checks(self) -> preflight.PreflightChecks:
-        """What this role's engine needs on this node (stand-ins under --mock)."""
-        role = self.id.role
-        if self.plan.mock:
-            modules = [f"agent.standins.{role}"]
-            python = sys.executable
-            paths: list[str] = []
-        else:
-            modules = (
-                ["vllm", "tilert.pd_vllm.prefill_connector"]
-                if role == "prefill"
-                else ["tilert.pd_vllm.decode_server"]
-            )
-            python = "python3" if self.role.image else sys.executable
-            # The decode's weights folder is the WeightsGate's to check (and convert), after this.
-            paths = []
-            model = self.role.program[2] if role == "prefill" and len(self.role.program) > 2 else ""
-            if model.startswith("/"):
-                paths.append(model)
-        return preflight.PreflightChecks(
-            python=python,
-            modules=modules,
-            distributions=["tilert", "vllm"],
-            # The stand-ins need no setup; the script belongs to the real images.
-            setup_script=None if self.plan.mock else self.plan.setup_script,
-            configs_dir=self.plan.configs_dir,
-            paths=paths,
-        )
-
     async def run_preflight(self) -> bool:
         """The seconds-long checks before the long load; a failure is final and explained."""
-        checks = self.preflight_checks()
-        base = self.launch_spec(f"{self.id.name}-preflight", [], dict(os.environ), self.role.image)
+        # The engine's own environment (role env, PATH, PYTHONPATH), as it will run.
+        env = self._engine_command().env
+        checks = engine_checks(self.plan, self.id.role, env)  # type: ignore[arg-type]
+        base = self.launch_spec(f"{self.id.name}-preflight", [], env, self.role.image)
         t0 = time.monotonic()
         result = await preflight.run_preflight(self.launcher, base, checks)
-        if not result.ok:
-            self.preflight_failure = "preflight failed: " + "; ".join(result.problems)
+        connector = connector_choice(self.plan, env, result)
+        problems = [*result.problems, *([connector.problem] if connector.problem else [])]
+        if self.id.role == "prefill" and not self.plan.standin("prefill"):
+            problems += [p for p in [socket_path_problem(env)] if p]
+        if problems:
+            self.preflight_failure = "preflight failed: " + "; ".join(problems)
             self.log.error("%s: %s", self.id.name, self.preflight_failure)
             self.changed()
             return False
         self.versions = dict(result.versions)
         self.setup_script = Path(result.setup_script) if result.setup_script else None
+        self.connector_standin = connector.use_standin
+        if connector.note:
+            self.log.warning("%s: %s", self.id.name, connector.note)
         self.log.info(
             "%s: preflight ok in %.2fs (versions %s, setup script %s)",
             self.id.name,
@@ -323,7 +319,13 @@ class NodeAgent:
     # ---- main ------------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Run until stopped (exit 0) or until the job fails (exit 1)."""
+        """Run until stopped (exit 0) or until the job fails (exit 1); then remove the scratch."""
+        try:
+            return await self._run()
+        finally:
+            self.scratch.remove()
+
+    async def _run(self) -> int:
         if self.id.is_head and not is_bindable(self.plan.router.port):
             error = (
                 f"router port {self.plan.router.port} is taken on {self.id.node}; free it or set "
@@ -359,6 +361,7 @@ class NodeAgent:
                 metrics_page=self._metrics_page,
                 token=self.job.read_token,
                 log_files=self._log_files,
+                log_streams=self.log_streams,
             )
             await nursery.start(serve, app, sock)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
@@ -403,6 +406,7 @@ class NodeAgent:
         if self.engine is not None:
             await self.engine.stop()
         self.changed()
+        await self.log_streams.close()  # /logs followers get the engines' last lines
 
     async def _watch_signals(self, scope: trio.CancelScope) -> None:
         # Keep the receiver open after the first signal: a second TERM must not fall back to the
@@ -433,11 +437,12 @@ class NodeAgent:
 
     def _log_files(self) -> dict[str, Path]:
         files = {
-            "engine": log_path(self.job, self.id.name),
+            "engine": log_path(self.job, self.id.name, plan=self.plan),
             "agent": log_path(self.job, self.id.name, agent=True),
         }
         if self.id.is_head:
-            files[ROUTER_NAME] = log_path(self.job, ROUTER_NAME)
+            files[ROUTER_NAME] = log_path(self.job, ROUTER_NAME, plan=self.plan)
+            files[BENCHMARK_NAME] = log_path(self.job, BENCHMARK_NAME, plan=self.plan)
         if self.weights is not None:
             files["convert"] = convert_log_path(self.job, self.id.name)
         return files

@@ -32,6 +32,10 @@ class Backend(ABC):
     def owns(self, status: JobStatus) -> bool:
         """Whether ``status.json`` names a job this backend started."""
 
+    def claim(self, status: JobStatus) -> None:
+        """Note in the first ``status.json`` what this backend knows before the job starts."""
+        del status  # Slurm learns its job id only from sbatch: nothing to note before.
+
     @abstractmethod
     def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
         """Start the written job; tilert-submit's exit code. BackendError when it could not."""
@@ -39,6 +43,9 @@ class Backend(ABC):
     @abstractmethod
     def is_running(self, status: JobStatus) -> bool | None:
         """Whether the job still runs (or waits to); None when that cannot be told now."""
+
+    # How often a watcher may ask ``is_running`` (asking Slurm is a query to its controller).
+    ask_every_s: float = 0.0
 
     @abstractmethod
     def gone(self, status: JobStatus) -> str:
@@ -49,8 +56,9 @@ class Backend(ABC):
         """The line ``status`` shows for where the job runs."""
 
     @abstractmethod
-    def stop(self, status: JobStatus, limit: float) -> int:
-        """Stop a running job so that its agents drain within ``limit`` s; the exit code."""
+    def stop(self, job: JobDir, status: JobStatus, limit: float) -> int:
+        """Stop the running job ``job`` so that its agents drain within ``limit`` s; the exit
+        code."""
 
     def not_running(self, status: JobStatus) -> str:
         """What ``stop`` says when the job is not running."""

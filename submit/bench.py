@@ -174,7 +174,8 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
     log = logging.getLogger("tilert-submit.bench")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 
-    def build(name: str, argv: list[str], env: dict[str, str], image: str | None) -> LaunchSpec:
+    def build(name: str, argv: list[str], env: dict[str, str], _image: str | None) -> LaunchSpec:
+        # Where tilert-submit runs there is no pyxis: the client runs here, as it is.
         return LaunchSpec(name=name, argv=argv, env=env)
 
     run = BenchmarkRun(

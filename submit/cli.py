@@ -1,6 +1,6 @@
 """``tilert-submit``: load + validate a recipe, plan, write the job directory, submit (or not).
 
-``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock]
+``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock [ROLES]]
 [--job-dir DIR]``, ``tilert-submit convert RECIPE [same flags]`` (a one-node job converting the
 decode's weights, docs/weights.md), and the job commands ``status J [--json]``, ``logs J [NAME]
 [-f]``, ``stop J``.
@@ -12,8 +12,10 @@ a runtime failure 1; never a traceback for either.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -27,11 +29,11 @@ from agent.job.atomicfile import write_atomic
 from agent.job.benchmark import pending_block
 from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
-from agent.job.plan import Plan
+from agent.job.plan import Plan, StandinName, parse_standins
 from agent.job.records import JobAgent, JobStatus
 from agent.problems import InputError, Problem, error, render_problems
 from submit import PROG
-from submit.backend import BackendError
+from submit.backend import Backend, BackendError
 from submit.choice import backend_for
 
 # The recipe layer (YAML, rules, planner) is imported where a recipe is read: the job commands
@@ -66,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
         + f". Weights ahead of a job: {PROG} {CONVERT_COMMAND} RECIPE ... (a one-node job). "
         "See docs/cli.md.",
     )
-    parser.add_argument("recipe", metavar="RECIPE", help="the recipe YAML file")
+    # Optional for argparse only: `--mock RECIPE` (the old spelling) hands the recipe to --mock.
+    parser.add_argument("recipe", metavar="RECIPE", nargs="?", help="the recipe YAML file")
     parser.add_argument(
         "--cluster",
         metavar="FILE",
@@ -102,8 +105,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--mock",
-        action="store_true",
-        help="replace the GPU engines by the project's stand-ins (process launcher)",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="ROLES",
+        help="replace engines by the project's stand-ins (process launcher): every engine, or "
+        "only the ROLES named, comma-separated among prefill, decode, router "
+        "(e.g. --mock decode: a real vLLM beside stand-in decodes)",
     )
     parser.add_argument(
         "--job-dir",
@@ -124,7 +132,8 @@ def _job_command(name: str, argv: Sequence[str]) -> int:
         parser.add_argument("job_dir", metavar="J", help="the job directory tilert-submit printed")
         if name == "status":
             parser.add_argument("--json", action="store_true", help="print status.json as is")
-    args = parser.parse_args(list(argv))
+    # Intermixed: `logs J -f decode-0 decode-1` as well as `logs J decode-0 decode-1 -f`.
+    args = parser.parse_intermixed_args(list(argv))
     result: int = module.main(args)
     return result
 
@@ -184,7 +193,7 @@ def pending_status(plan: Plan, job: JobDir) -> JobStatus:
             state="pending",
             restarts=0,
             reason="not started",
-            log=str(log_path(job, f"{role.role}-{i}")),
+            log=str(log_path(job, f"{role.role}-{i}", plan=plan)),
             metrics_url=None,
             status_url=None,
         )
@@ -192,23 +201,32 @@ def pending_status(plan: Plan, job: JobDir) -> JobStatus:
         for i in range(role.nodes)
     ]
     bench = plan.benchmark
+    # The router's stand-in is decided on the node (only where the real router cannot run).
+    standins: list[str] = [name for name in plan.standins if name != "router"]
     return JobStatus(
         state="pending",
         model=plan.model,
         agents=agents,
+        standins=standins,
         benchmark=msgspec.UNSET if isinstance(bench, msgspec.UnsetType) else pending_block(bench),
     )
 
 
-def write_job(job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str) -> None:
-    """Lay out the job directory and write recipe.yaml, plan.json, sbatch.sh, status.json."""
+def write_job(
+    job: JobDir, loaded: LoadedRecipe, plan: Plan, script: str, backend: Backend | None = None
+) -> None:
+    """Lay out the job directory and write recipe.yaml, plan.json, sbatch.sh, status.json
+    (``backend``, the one that will run the job, notes what it knows in that first status)."""
     from agent.recipe.loader import resolved_yaml
 
     job.create()
     write_atomic(job.recipe, resolved_yaml(loaded).encode(), mode=0o644)
     write_atomic(job.plan, msgspec.json.format(msgspec.json.encode(plan)) + b"\n", mode=0o644)
     write_atomic(job.sbatch, script.encode(), mode=0o755)
-    job.write_status(pending_status(plan, job))
+    status = pending_status(plan, job)
+    if backend is not None:
+        backend.claim(status)
+    job.write_status(status)
 
 
 @dataclass
@@ -241,9 +259,9 @@ def _prepare(
         cluster=cluster,
         combination=combination,
     )
-    launcher = "process" if (args.local or args.mock) else None
+    launcher = "process" if args.local else None
     plan = make_plan(loaded, mock=args.mock, launcher=launcher)
-    if getattr(args, "convert", False):
+    if args.convert:
         plan = convert_job_plan(plan)
     if args.local:
         # Every agent runs on this machine: loopback is the address they all reach.
@@ -304,11 +322,12 @@ def run(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
     code = 0
+    backend = None if args.dry_run else backend_for(local=args.local)
     for i, one in enumerate(jobs):
         if one.combination is not None:
             print(f"== sweep job {i + 1} of {len(jobs)}: {one.combination.label()}", flush=True)
         try:
-            write_job(one.job, one.loaded, one.plan, one.script)
+            write_job(one.job, one.loaded, one.plan, one.script, backend)
         except OSError as exc:
             return _fail(
                 f"--job-dir {one.job.root}: cannot write the job directory: {exc.strerror or exc}"
@@ -317,16 +336,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"Job directory: {one.job.root}", flush=True)
         _warn(cluster_warnings, cluster_source)
         _warn(one.loaded.warnings, one.loaded.source)
-        if args.dry_run:
+        if backend is None:  # the dry run
             from submit.show import render_convert_plan, render_plan
 
-            render = render_convert_plan if getattr(args, "convert", False) else render_plan
+            render = render_convert_plan if args.convert else render_plan
             print(render(one.plan, one.job, one.agent_command, local=args.local))
             continue
         try:
-            code = backend_for(local=args.local).submit(
-                one.job, one.plan, secret_values(one.loaded.recipe)
-            )
+            code = backend.submit(one.job, one.plan, secret_values(one.loaded.recipe))
         except BackendError as exc:
             submitted = f" ({i} of {len(jobs)} sweep jobs submitted)" if len(jobs) > 1 else ""
             return _fail(f"{exc}{submitted}", EXIT_RUNTIME)
@@ -344,21 +361,44 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ``tilert-submit``."""
+    # How to see where it is stuck: kill -USR1 <pid> prints every thread's stack (docs/cli.md).
+    # On fd 2 itself: sys.stderr may be a stand-in without a descriptor (a caller's capture).
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in JOB_COMMANDS:
         return _job_command(argv[0], argv[1:])
-    if argv and argv[0] == CONVERT_COMMAND:
-        parser = _parser()
+    parser = _parser()
+    convert = bool(argv) and argv[0] == CONVERT_COMMAND
+    if convert:
         parser.prog = f"{PROG} {CONVERT_COMMAND}"
         parser.description = (
             "Convert the recipe's decode weights (roles.decode.convert) into "
             "roles.decode.args.model-weights-dir as a one-node job, ahead of the serving job."
         )
         parser.epilog = "See docs/weights.md."
-        args = parser.parse_args(argv[1:])
-        args.convert = True
-        return run(args)
-    return run(_parser().parse_args(argv))
+        argv = argv[1:]
+    args = parser.parse_args(argv)
+    args.convert = convert
+    try:
+        args.mock = _standins(args)
+    except ValueError as exc:
+        parser.error(f"argument --mock: {exc}")
+    if args.recipe is None:
+        parser.error("the following arguments are required: RECIPE")
+    return run(args)
+
+
+def _standins(args: argparse.Namespace) -> list[StandinName]:
+    """--mock's roles ([] without --mock); ``--mock RECIPE`` means every role and that recipe."""
+    if args.mock is None:
+        return []
+    try:
+        return parse_standins(args.mock)
+    except ValueError:
+        if args.recipe is None and args.mock.strip():
+            args.recipe = args.mock
+            return parse_standins("all")
+        raise
 
 
 if __name__ == "__main__":

@@ -99,12 +99,44 @@ def _commands(plan: Plan) -> list[str]:
         f"  {ROUTER_NAME} (in {HEAD_NAME}, after every worker is healthy):",
         f"    {shlex.join(router.argv)}",
     ]
-    if plan.mock:
+    if plan.standin("router"):
         lines.append(
             f"  (--mock: the router is TileRT's real one when {plan.router.python} can import "
             "tilert.pd_vllm.pd_router, else its stand-in)"
         )
     return lines
+
+
+def _standins(plan: Plan) -> str:
+    """Which processes are the project's stand-ins (``plan.standins``)."""
+    if not plan.standins:
+        return "none (every process is the real engine)"
+    shown = [
+        f"{name} (where {plan.router.python} cannot import the real one)"
+        if name == "router"
+        else name
+        for name in plan.standins
+    ]
+    return ", ".join(shown) + " (--mock)"
+
+
+def _programs(plan: Plan) -> str:
+    """The programs the agent starts (agent.prefill_command, decode_python, router_python)."""
+    # The prefill program is the command with the model path appended.
+    return (
+        f"prefill {shlex.join(plan.prefill.program[:-1])} (agent.prefill_command), "
+        f"decode {plan.decode.program[0]} (agent.decode_python), "
+        f"router {plan.router.python} (agent.router_python)"
+    )
+
+
+def _scratch(plan: Plan) -> str:
+    where = plan.agent.scratch_dir
+    if where is None:
+        return "a folder per agent under the node's temp folder (agent.scratch_dir)"
+    if where == "job":
+        return "a folder per agent under the job directory (agent.scratch_dir: job)"
+    return f"a folder per agent under {where} (agent.scratch_dir)"
 
 
 def _ports(role: RolePlan) -> str:
@@ -160,7 +192,7 @@ def render_convert_plan(
 ) -> str:
     """The dry-run printout of a convert job (``tilert-submit convert RECIPE --dry-run``)."""
     launcher = plan.launcher + (
-        " (--mock: the converter is the project's stand-in)" if plan.mock else ""
+        " (--mock: the converter is the project's stand-in)" if plan.standin("decode") else ""
     )
     lines = [
         f"Convert job {plan.name}: the decode weights of model {plan.model!r}",
@@ -191,12 +223,13 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
         ("decode", plan.decode.image),
         (ROUTER_NAME, plan.router.image),
     ]
-    launcher = plan.launcher + (
-        " (--mock: engines are the project's stand-ins)" if plan.mock else ""
-    )
+    launcher = plan.launcher + (" (forced by --mock)" if plan.standins else "")
     lines = [
         f"Plan for {plan.name}: model {plan.model!r}",
         f"  launcher:    {launcher}",
+        f"  stand-ins:   {_standins(plan)}",
+        f"  programs:    {_programs(plan)}",
+        f"  scratch:     {_scratch(plan)}",
         f"  network:     {plan.network_interface or 'the address of each node name'}",
         f"  GPU env:     {plan.visible_devices_env}",
         f"  slurm:       {'not used (--local)' if local else ', '.join(header)}",
@@ -233,7 +266,8 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
         f"  router   {plan.router.port} (fixed: agent.router_port)",
         "Budgets:",
         f"  startup  prefill {_seconds(plan.prefill.startup_budget_s)}, decode "
-        f"{_seconds(plan.decode.startup_budget_s)}, router {_seconds(plan.router.startup_budget_s)}",
+        f"{_seconds(plan.decode.startup_budget_s)}, "
+        f"router {_seconds(plan.router.startup_budget_s)}",
         f"  stop     prefill {_seconds(plan.prefill.stop_grace_s)}, decode "
         f"{_seconds(plan.decode.stop_grace_s)}, router {_seconds(plan.router.stop_grace_s)} "
         f"(fit in KillWait {_seconds(slurm.kill_wait_s)})",
@@ -243,6 +277,8 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
         f"  restarts backoff {_seconds(agent.restart_backoff_initial_s)} .. "
         f"{_seconds(agent.restart_backoff_max_s)}; failed after {agent.restart_max} within "
         f"{_seconds(agent.restart_window_s)}",
+        f"  canary   {_seconds(agent.canary_timeout_s)} in all, each attempt at most "
+        f"{_seconds(agent.canary_attempt_timeout_s)}",
         *_weights_lines(plan),
         *_benchmark_lines(plan),
         "Files:",

@@ -89,6 +89,8 @@ def render_table(status: JobStatus, stale: str | None) -> str:
     lines = [f"job: {status.state}{' (STALE: ' + stale + ')' if stale else ''}"]
     lines.append(f"model: {status.model}")
     lines.append(f"router: {status.router_url or '-'}")
+    if status.standins:
+        lines.append(f"stand-ins: {', '.join(status.standins)} (--mock)")
     backend = backend_of(status)
     if backend is not None:
         lines.append(backend.summary(status))

@@ -1,7 +1,8 @@
 """``tilert-submit stop J``: stop a job so that its agents drain and nothing is left.
 
 The job's backend (``submit.backend``) does the stopping: on Slurm a ``scancel --signal=TERM``
-that reaches every agent, locally a SIGTERM to the ``--local`` supervisor. Either way the agents
+that reaches every agent, locally a SIGTERM to the ``--local`` supervisor once its pid is proven
+to be that supervisor (a stale job directory's pid may name a stranger). Either way the agents
 get the plan's drain time (``Plan.drain_s``) before anything is killed.
 """
 
@@ -30,7 +31,7 @@ def main(args: argparse.Namespace) -> int:
         print(backend.not_running(status))
         return 0
     try:
-        return backend.stop(status, limit)
+        return backend.stop(job, status, limit)
     except BackendError as exc:
         print(f"tilert-submit: {exc}", file=sys.stderr)
         return 1

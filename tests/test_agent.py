@@ -1,8 +1,11 @@
-"""``tilert-agent`` as a real process on 127.0.0.1: record, /status, restarts, stops, faults, endpoint.
+"""``tilert-agent`` as a real process on 127.0.0.1: record, /status, restarts, stops, faults,
+endpoint.
 
 Every agent runs on a job directory made by ``tilert-submit recipes/local-demo.yaml --mock
---dry-run`` (tests/agentkit.py), with the stand-in decode as its engine and fault switches set
-through ``--set roles.decode.env.TILERT_MOCK_...``.
+--dry-run`` (``make_job``, tests/kit/jobs.py), with the stand-in decode as its engine and fault
+switches set through ``--set roles.decode.env.TILERT_MOCK_...``. The read-only endpoint tests share
+one healthy agent (``steady``: started again after a test that killed it or failed); the others
+start their own.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +25,13 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.agentkit import (
+from tests.kit import (
     AGENT,
+    REPO,
     AgentProc,
     Agents,
+    LongPoll,
+    Shared,
     clean_env,
     make_job,
     running_agents,
@@ -34,7 +39,7 @@ from tests.agentkit import (
     wait_for,
 )
 
-# DESIGN.md "Agent /status" (docs/agent.md adds the long-poll ``version``); prefill-0 adds router.
+# docs/agent.md's /status (with the long-poll ``version``); prefill-0 adds router.
 STATUS_FIELDS = {
     "name",
     "role",
@@ -73,13 +78,31 @@ def agents() -> Iterator[Agents]:
 
 
 @pytest.fixture(scope="module")
-def steady(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProc]:
-    """One healthy decode-0 agent shared by the read-only endpoint tests of this module."""
-    job = make_job(tmp_path_factory.mktemp("steady"))
-    with running_agents() as started:
-        agent = started.start(job, "decode", 0)
-        agent.wait_state("healthy")
-        yield agent
+def shared_steady(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared[AgentProc]]:
+    """A decode-0 agent the read-only endpoint tests of this module share."""
+
+    @contextlib.contextmanager
+    def start() -> Iterator[AgentProc]:
+        job = make_job(tmp_path_factory.mktemp("steady"))
+        with running_agents() as started:
+            yield started.start(job, "decode", 0)
+
+    with Shared(
+        start, prepare=lambda agent: agent.wait_state("healthy"), ended=AgentProc.ended
+    ) as shared:
+        yield shared
+
+
+@pytest.fixture
+def steady(shared_steady: Shared[AgentProc], request: pytest.FixtureRequest) -> Iterator[AgentProc]:
+    """The shared decode-0 agent, healthy."""
+    yield from shared_steady.borrow(request)
+
+
+@pytest.fixture
+def steady_to_kill(shared_steady: Shared[AgentProc]) -> Iterator[AgentProc]:
+    """The shared decode-0 agent, healthy, for a test that kills it (the next starts another)."""
+    yield from shared_steady.consume()
 
 
 def engine_of(status: dict[str, Any]) -> psutil.Process:
@@ -183,24 +206,27 @@ def test_logs_need_the_bearer_token(steady: AgentProc) -> None:
     assert engine.status_code == 200
     assert "generation 1 started" in engine.text
     agent = httpx.get(steady.url("/logs?name=agent"), headers=auth, timeout=5)
-    assert agent.status_code == 200 and "healthy" in agent.text
+    assert agent.status_code == 200
+    assert "healthy" in agent.text
     for name in ("router", "../token", "nope"):  # decode-0 has no router log
         assert (
             httpx.get(steady.url(f"/logs?name={name}"), headers=auth, timeout=5).status_code == 404
         )
 
 
-def test_sigkill_of_agent_long_after_spawn_takes_the_engine(steady: AgentProc) -> None:
+def test_sigkill_of_agent_long_after_spawn_takes_the_engine(steady_to_kill: AgentProc) -> None:
     # PR_SET_PDEATHSIG fires when the forking *thread* exits; trio's worker threads retire after
     # 10 s idle. An engine forked from one would die 10 s after spawn; one that survives that
-    # must still die with its agent.
+    # must still die with its agent. (The shared agent's engine is usually that old already.)
+    steady = steady_to_kill
     engine = engine_of(steady.status())
     age = time.time() - engine.create_time()
     if age < 10.5:
-        time.sleep(10.5 - age)
+        time.sleep(10.5 - age)  # the scenario is the engine's age, not an event to wait for
     assert engine.is_running(), "the engine died on its own >10 s after spawn (PDEATHSIG trap)"
     tree = steady.remember_tree()
-    assert engine in tree and len(tree) >= 3, tree  # agent, engine, lifeline watcher
+    assert engine in tree, tree
+    assert len(tree) >= 3, tree  # agent, engine, lifeline watcher
     os.kill(steady.pid, signal.SIGKILL)
     assert not still_alive(tree[1:], 1.0), "engine tree outlived a SIGKILLed agent by >1 s"
 
@@ -217,22 +243,15 @@ def test_engine_killed_restarts_on_same_ports_then_sigterm_stops_all(
     record = agent.wait_record()
     old_engine = engine_of(first)
 
-    # A long poll from before the kill answers promptly with the change.
-    answered: dict[str, Any] = {}
-
-    def long_poll() -> None:
-        t0 = time.monotonic()
-        r = httpx.get(agent.url(f"/status?after={first['version']}&timeout=30"), timeout=40)
-        answered.update(r.json(), elapsed=time.monotonic() - t0)
-
-    poller = threading.Thread(target=long_poll)
-    poller.start()
-    time.sleep(0.2)
+    # A long poll from before the kill (the agent has read it: it holds it) answers promptly
+    # with the change.
+    poll = LongPoll(record["ports"]["agent"], first["version"], timeout_s=30)
+    wait_for("the agent to read the long poll", poll.read_by_agent, 10)
     old_engine.kill()
-    poller.join(15)
+    answered, elapsed = poll.answer()
     assert answered, "long poll did not answer"
     assert answered["version"] > first["version"]
-    assert answered["elapsed"] < 10, answered
+    assert elapsed < 10, (elapsed, answered)
 
     again = agent.wait_status(
         "healthy again after the engine's SIGKILL",
@@ -246,7 +265,7 @@ def test_engine_killed_restarts_on_same_ports_then_sigterm_stops_all(
     tree = agent.remember_tree()
     assert engine_of(again) in tree
     agent.signal(signal.SIGTERM)
-    assert agent.wait(2 + 5) == 0  # stop grace 2 s (agentkit.FAST) + slack
+    assert agent.wait(2 + 5) == 0  # stop grace 2 s (kit.FAST) + slack
     assert not still_alive(tree, 1.0)
     assert "stopped on request" in agent_log(agent)
 
@@ -273,9 +292,11 @@ def test_crash_loop_fails_naming_the_limit_and_showing_engine_lines(
     assert "max_restarts" in failed["reason"], failed["reason"]
     assert failed["restarts"] == 2
     # A failed worker stays up to say so (the head drops it from the router on that answer);
-    # when it is stopped it exits 1: its engine failed.
-    time.sleep(0.3)
-    assert agent.status()["state"] == "failed"
+    # when it is stopped it exits 1: its engine failed. A long poll for 0.3 s answers early on
+    # any change, so this sees it still failed after that or the state it changed to.
+    version = agent.status()["version"]
+    later = httpx.get(agent.url(f"/status?after={version}&timeout=0.3"), timeout=10)
+    assert later.json()["state"] == "failed"
     agent.signal(signal.SIGTERM)
     assert agent.wait(10) == 1
     log = agent_log(agent)
@@ -299,13 +320,16 @@ def test_startup_budget_exceeded_fails_naming_the_budget(tmp_path: Path, agents:
 
     def failed_yet(status: dict[str, Any]) -> bool:
         tree_seen.extend(agent.tree())  # the loading engine, to check it is gone afterwards
-        return status["state"] == "failed"
+        state: str = status["state"]
+        return state == "failed"
 
     failed = agent.wait_status("failed", failed_yet, 15)
-    assert "startup budget" in failed["reason"] and "1s" in failed["reason"], failed["reason"]
+    assert "startup budget" in failed["reason"], failed["reason"]
+    assert "1s" in failed["reason"], failed["reason"]
     assert "agent.startup_budget_s" in failed["reason"]
     engines = [p for p in tree_seen if p.pid != agent.pid]
-    assert engines and not still_alive(engines, 3.0), "the loading engine outlived its budget"
+    assert engines, "the loading engine outlived its budget"
+    assert not still_alive(engines, 3.0), "the loading engine outlived its budget"
     agent.signal(signal.SIGTERM)
     assert agent.wait(10) == 1
 
@@ -371,14 +395,17 @@ def test_port_taken_before_engine_binds_moves_ports(tmp_path: Path, agents: Agen
 
 def run_agent(job: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """Run ``tilert-agent --role decode --job-dir JOB ARGS`` to its end."""
-    argv = [AGENT, "--role", "decode", "--job-dir", str(job), *args]
-    return subprocess.run(argv, capture_output=True, text=True, env=clean_env(), timeout=30)
+    argv = [*AGENT, "--role", "decode", "--job-dir", str(job), *args]
+    return subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, env=clean_env(), timeout=30
+    )
 
 
 def test_missing_plan_exits_2(tmp_path: Path) -> None:
     done = run_agent(tmp_path)
     assert done.returncode == 2
-    assert "no plan.json" in done.stderr and "tilert-submit" in done.stderr
+    assert "no plan.json" in done.stderr
+    assert "tilert-submit" in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -387,7 +414,8 @@ def test_corrupt_plan_exits_2(tmp_path: Path) -> None:
     (job / "plan.json").write_text('{"schema": 1, "name": ')
     done = run_agent(job)
     assert done.returncode == 2
-    assert "plan.json" in done.stderr and "unusable plan" in done.stderr
+    assert "plan.json" in done.stderr
+    assert "unusable plan" in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -395,7 +423,8 @@ def test_index_beyond_the_plan_exits_2(tmp_path: Path) -> None:
     job = make_job(tmp_path)
     done = run_agent(job, "--index", "2")  # the demo has decode-0 and decode-1
     assert done.returncode == 2
-    assert "index 2" in done.stderr and "2 decode worker" in done.stderr
+    assert "index 2" in done.stderr
+    assert "2 decode worker" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (job / "rendezvous" / "decode-2.json").exists()
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 
 from agent.job.paths import JobDir
@@ -118,18 +119,22 @@ Child = Callable[..., subprocess.Popen[str]]
 
 @pytest.fixture
 def child() -> Iterator[Child]:
-    """Starts supervisor stand-ins: children that sleep; SIGTERM ends them unless ignore_term."""
+    """Starts supervisor stand-ins: children that sleep; SIGTERM ends them unless ignore_term.
+    ``args`` end their command line (a supervisor's names its job directory)."""
     procs: list[subprocess.Popen[str]] = []
 
-    def start(ignore_term: bool = False) -> subprocess.Popen[str]:
+    def start(*args: str, ignore_term: bool = False) -> subprocess.Popen[str]:
         code = (
             "import signal, sys, time\n"
             f"if {ignore_term}: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             "print('up', flush=True)\n"
             "time.sleep(60)\n"
         )
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "up\n"
         procs.append(proc)
         return proc
 
@@ -137,6 +142,15 @@ def child() -> Iterator[Child]:
     for proc in procs:
         proc.kill()
         proc.wait()
+
+
+def supervised_by(proc: subprocess.Popen[str], **fields: object) -> dict[str, object]:
+    """status.json fields naming ``proc`` as the local supervisor (its pid and start time)."""
+    return {
+        "local_pid": proc.pid,
+        "local_started_at": psutil.Process(proc.pid).create_time(),
+        **fields,
+    }
 
 
 def test_local_is_running_follows_the_process(child: Child) -> None:
@@ -151,7 +165,8 @@ def test_local_is_running_follows_the_process(child: Child) -> None:
         time.sleep(0.05)
     assert backend.is_running(status) is False
     proc.wait()
-    assert backend.is_running(status) is False and not pid_alive(proc.pid)
+    assert backend.is_running(status) is False
+    assert not pid_alive(proc.pid)
 
 
 def test_local_stop_terms_the_supervisor(
@@ -159,20 +174,88 @@ def test_local_stop_terms_the_supervisor(
     child: Child,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    proc = child()
-    record(job, local_pid=proc.pid)
+    proc = child(str(job.root))
+    record(job, **supervised_by(proc))
     capsys.readouterr()
     assert main(["stop", str(job.root)]) == 0
     out = capsys.readouterr().out
-    assert f"SIGTERM to its supervisor pid {proc.pid}" in out and "stopped" in out
+    assert f"SIGTERM to its supervisor pid {proc.pid}" in out
+    assert "stopped" in out
     assert proc.wait(timeout=5) == -signal.SIGTERM
 
 
-def test_local_stop_kills_after_the_limit(child: Child, capsys: pytest.CaptureFixture[str]) -> None:
-    proc = child(ignore_term=True)
-    assert LocalBackend().stop(status_of(local_pid=proc.pid), limit=0.5) == 0
+def test_local_stop_kills_after_the_limit(
+    job: JobDir, child: Child, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proc = child(str(job.root), ignore_term=True)
+    assert LocalBackend().stop(job, status_of(**supervised_by(proc)), limit=0.5) == 0
     assert f"pid {proc.pid} did not exit within 0.5s; sending SIGKILL" in capsys.readouterr().out
     assert proc.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_local_stop_while_stopping_sends_no_second_signal(
+    job: JobDir, child: Child, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A second SIGTERM would force the supervisor's stop: a second `stop` only waits for it.
+    proc = child(str(job.root))
+    status = status_of(**supervised_by(proc, state="stopping"))
+    assert LocalBackend().stop(job, status, limit=0.5) == 0
+    assert "already stopping" in capsys.readouterr().out
+    assert proc.wait(timeout=5) == -signal.SIGKILL  # no SIGTERM came before the limit
+
+
+@pytest.fixture
+def stranger() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Starts unrelated processes (``sleep``), killed after the test."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*argv: str) -> subprocess.Popen[bytes]:
+        procs.append(subprocess.Popen(list(argv or ("sleep", "600"))))
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("its own start time", "does not name"),
+        ("an older start time", "the pid now names another process"),
+        ("no start time", "does not name"),
+        ("names the job, older start time", "the pid now names another process"),
+    ],
+)
+def test_local_stop_refuses_a_pid_that_is_not_the_supervisor(
+    job: JobDir,
+    stranger: Callable[..., subprocess.Popen[bytes]],
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    says: str,
+) -> None:
+    """A stale job directory whose status.json names a live unrelated process (pid reuse): a
+    refusal naming the pid and why, exit 1, and no signal: the process lives on."""
+    if case.startswith("names the job"):
+        proc = stranger("sh", "-c", "sleep 600", str(job.root))
+    else:
+        proc = stranger()
+    started = psutil.Process(proc.pid).create_time()
+    at = {
+        "its own start time": started,
+        "an older start time": started - 3600,
+        "no start time": None,
+        "names the job, older start time": started - 3600,
+    }[case]
+    record(job, local_pid=proc.pid, local_started_at=at)
+    capsys.readouterr()
+    assert main(["stop", str(job.root)]) == 1
+    err = capsys.readouterr().err
+    assert f"not signalling pid {proc.pid}" in err, err
+    assert says in err, err
+    time.sleep(0.3)
+    assert proc.poll() is None, "the stranger was signalled"
 
 
 def test_local_stop_and_status_when_the_supervisor_is_gone(
@@ -245,15 +328,16 @@ def test_slurm_stop_terms_every_task(
     capsys.readouterr()
     assert main(["stop", str(job.root)]) == 0
     out = capsys.readouterr().out
-    assert "stopping Slurm job 42: scancel --signal=TERM" in out and "Slurm job 42 ended" in out
+    assert "stopping Slurm job 42: scancel --signal=TERM" in out
+    assert "Slurm job 42 ended" in out
     assert (fake_slurm / "scancel.log").read_text() == "--signal=TERM 42\n"
 
 
 def test_slurm_stop_cancels_after_the_limit(
-    fake_slurm: Path, capsys: pytest.CaptureFixture[str]
+    job: JobDir, fake_slurm: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (fake_slurm / "on_term").write_text("RUNNING\n")
-    assert SlurmBackend().stop(status_of(slurm_job_id="42"), limit=0.3) == 0
+    assert SlurmBackend().stop(job, status_of(slurm_job_id="42"), limit=0.3) == 0
     assert "Slurm job 42 still running after 0.3s: scancel 42" in capsys.readouterr().out
     assert (fake_slurm / "scancel.log").read_text() == "--signal=TERM 42\n42\n"
 

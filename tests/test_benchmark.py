@@ -35,7 +35,7 @@ from agent.recipe.planner import make_plan
 from submit.bench import differences
 from submit.cli import main as submit_main
 from submit.statusview import benchmark_line
-from tests.agentkit import DEMO_RECIPE, REPO
+from tests.kit import DEMO_RECIPE, REPO
 
 PNG = b"\x89PNG\r\n\x1a\n"
 AIPERF = {"type": "aiperf", "isl": 64, "osl": 16, "concurrencies": [1, 4], "num_requests": 6}
@@ -66,9 +66,12 @@ def test_aiperf_recipe_plans_with_its_defaults() -> None:
     plan = make_plan(load(demo(**{**AIPERF, "concurrencies": "1x4x16"})), mock=True)
     bench = plan.benchmark
     assert isinstance(bench, BenchmarkPlan)
-    assert bench.concurrencies == [1, 4, 16] and bench.program == ["aiperf"]
-    assert bench.keep_serving is False and bench.placement == "head"
-    assert bench.max_error_rate == 0.0 and bench.req_rate is None
+    assert bench.concurrencies == [1, 4, 16]
+    assert bench.program == ["aiperf"]
+    assert bench.keep_serving is False
+    assert bench.placement == "head"
+    assert bench.max_error_rate == 0.0
+    assert bench.req_rate is None
     # The tokenizer defaults to the router's model path, resolved like it.
     assert bench.tokenizer == str(REPO / "recipes" / "local-demo-model")
 
@@ -137,7 +140,8 @@ def sweep_recipe(tmp_path: Path, bad: str = "8192") -> Path:
 def test_sweep_is_a_cartesian_product_named_after_its_values(tmp_path: Path) -> None:
     path = sweep_recipe(tmp_path)
     combos = recipe_sweep(path)
-    assert combos is not None and [c.label() for c in combos] == [
+    assert combos is not None
+    assert [c.label() for c in combos] == [
         "conc=1, seq=4096",
         "conc=1, seq=8192",
         "conc=4, seq=4096",
@@ -147,7 +151,8 @@ def test_sweep_is_a_cartesian_product_named_after_its_values(tmp_path: Path) -> 
     recipe = loaded.recipe
     assert recipe.name == "local-demo-conc4-seq8192"
     assert recipe.benchmark.concurrencies == [4]  # an exact placeholder keeps the value's type
-    assert recipe.roles.decode is not None and recipe.roles.decode.args["max-seq-len"] == 8192
+    assert recipe.roles.decode is not None
+    assert recipe.roles.decode.args["max-seq-len"] == 8192
     assert recipe.roles.prefill is not None
     assert recipe.roles.prefill.args["max-model-len"] == 8192
     with pytest.raises(InputError, match="this recipe is a sweep"):
@@ -158,8 +163,10 @@ def test_sweep_dry_run_shows_every_job(tmp_path: Path, capsys: pytest.CaptureFix
     path = sweep_recipe(tmp_path)
     assert submit_main([str(path), "--mock", "--dry-run", "--job-dir", str(tmp_path / "j")]) == 0
     out = capsys.readouterr().out
-    assert out.count("Job directory:") == 4 and "sweep: 4 jobs" in out
-    assert "local-demo-conc1-seq4096" in out and "Benchmark (once ready" in out
+    assert out.count("Job directory:") == 4
+    assert "sweep: 4 jobs" in out
+    assert "local-demo-conc1-seq4096" in out
+    assert "Benchmark (once ready" in out
     assert sorted(p.name for p in (tmp_path / "j").iterdir()) == [
         "local-demo-conc1-seq4096",
         "local-demo-conc1-seq8192",
@@ -175,8 +182,10 @@ def test_one_bad_combination_submits_nothing(
     path = sweep_recipe(tmp_path, bad="-3")
     assert submit_main([str(path), "--mock", "--job-dir", str(tmp_path / "j")]) == 2
     err = capsys.readouterr().err
-    assert "sweep combination conc=1, seq=-3" in err and "sweep combination conc=4, seq=-3" in err
-    assert "conc=1, seq=4096:" not in err and "2 of 4 sweep combinations" in err
+    assert "sweep combination conc=1, seq=-3" in err
+    assert "sweep combination conc=4, seq=-3" in err
+    assert "conc=1, seq=4096:" not in err
+    assert "2 of 4 sweep combinations" in err
     assert "nothing was submitted" in err
     assert not (tmp_path / "j").exists()
 
@@ -240,18 +249,25 @@ def test_aiperf_gets_the_router_model_endpoint_tokenizer_and_every_metrics_url(
 ) -> None:
     argv = aiperf_argv(aiperf_plan(extra_args=["--foo"]), target(tmp_path), 4, tmp_path / "c4")
     pairs = dict(itertools.pairwise(argv))
-    assert argv[:2] == ["aiperf", "profile"] and argv[-1] == "--foo"
-    assert pairs["--url"] == "http://10.0.0.1:8000" and pairs["--model"] == "glm5"
-    assert pairs["--endpoint-type"] == "chat" and pairs["--endpoint"] == "/v1/chat/completions"
-    assert "--streaming" in argv and pairs["--tokenizer"] == "/models/glm5"
-    assert pairs["--concurrency"] == "4" and pairs["--request-count"] == "6"
-    assert pairs["--extra-inputs"] == "ignore_eos:true" and "--use-server-token-count" in argv
+    assert argv[:2] == ["aiperf", "profile"]
+    assert argv[-1] == "--foo"
+    assert pairs["--url"] == "http://10.0.0.1:8000"
+    assert pairs["--model"] == "glm5"
+    assert pairs["--endpoint-type"] == "chat"
+    assert pairs["--endpoint"] == "/v1/chat/completions"
+    assert "--streaming" in argv
+    assert pairs["--tokenizer"] == "/models/glm5"
+    assert pairs["--concurrency"] == "4"
+    assert pairs["--request-count"] == "6"
+    assert pairs["--extra-inputs"] == "ignore_eos:true"
+    assert "--use-server-token-count" in argv
     i = argv.index("--server-metrics")
     assert argv[i + 1 : i + 3] == list(target(tmp_path).metrics_urls)
     timed = aiperf_argv(
         aiperf_plan(num_requests=None, duration_s=60), target(tmp_path), 4, tmp_path
     )
-    assert "--request-count" not in timed and "--benchmark-duration" in timed
+    assert "--request-count" not in timed
+    assert "--benchmark-duration" in timed
     assert level_requests(aiperf_plan(num_requests=None), 8) == 80
 
 
@@ -276,10 +292,14 @@ EXPORT = {
 def test_results_are_read_with_the_documented_names(tmp_path: Path) -> None:
     (tmp_path / EXPORT_FILE).write_text(json.dumps(EXPORT))
     fields, error = read_level(tmp_path, gpus=16)
-    assert fields["concurrency"] == 4 and fields["requests_ok"] == 6
-    assert fields["requests_failed"] == 2 and fields["output_tokens"] == 96
-    assert fields["output_throughput_per_gpu"] == 3.0 and fields["ttft_p99_ms"] == 30.0
-    assert fields["itl_p50_ms"] == 1.0 and fields["e2e_p90_ms"] == 200.0
+    assert fields["concurrency"] == 4
+    assert fields["requests_ok"] == 6
+    assert fields["requests_failed"] == 2
+    assert fields["output_tokens"] == 96
+    assert fields["output_throughput_per_gpu"] == 3.0
+    assert fields["ttft_p99_ms"] == 30.0
+    assert fields["itl_p50_ms"] == 1.0
+    assert fields["e2e_p90_ms"] == 200.0
     assert error == "busy (HTTP 503) x2"
     (tmp_path / RECORDS_FILE).write_text(
         '{"error": {"message": "empty"}}\n{"metrics": {"output_sequence_length": {"value": 5}}}\n'
@@ -311,8 +331,8 @@ def test_verdict_never_passes_silently() -> None:
         output_tokens=0, requests_ok=0, requests_failed=6, exit_code=1, request_error="x"
     )
     assert (
-        zero
-        == "concurrency 4: 0 output tokens in 6 request(s): 6 failed (x); the client exited with status 1"
+        zero == "concurrency 4: 0 output tokens in 6 request(s): 6 failed (x); "
+        "the client exited with status 1"
     )
     assert "1 of 6 requests failed (17%), more than max_error_rate 0" in str(
         verdict(requests_ok=5, requests_failed=1)
@@ -351,7 +371,9 @@ def test_plots_are_pngs_with_one_curve_per_series(tmp_path: Path) -> None:
     assert [p.name for p in written] == ["output_throughput.png", "latency.png", "pareto.png"]
     for path in written:
         data = path.read_bytes()
-        assert data.startswith(PNG) and data[12:16] == b"IHDR" and len(data) > 2000
+        assert data.startswith(PNG)
+        assert data[12:16] == b"IHDR"
+        assert len(data) > 2000
 
 
 def test_status_line_says_which_level_and_why() -> None:
@@ -380,8 +402,10 @@ def test_compare_labels_name_what_differs() -> None:
 
 def test_custom_command_environment(tmp_path: Path) -> None:
     env = client_env(target(tmp_path), tmp_path / "r", {"AIPERF_SERVER_METRICS_URLS": "mine"})
-    assert env["SRT_FRONTEND_HOST"] == "10.0.0.1" and env["SRT_FRONTEND_PORT"] == "8000"
-    assert env["TILERT_BENCH_URL"] == "http://10.0.0.1:8000" and env["TILERT_BENCH_MODEL"] == "glm5"
+    assert env["SRT_FRONTEND_HOST"] == "10.0.0.1"
+    assert env["SRT_FRONTEND_PORT"] == "8000"
+    assert env["TILERT_BENCH_URL"] == "http://10.0.0.1:8000"
+    assert env["TILERT_BENCH_MODEL"] == "glm5"
     assert env["TILERT_BENCH_METRICS_URLS"].count("/metrics") == 2
     assert env["AIPERF_SERVER_METRICS_URLS"] == "mine"  # a value the recipe set wins, as in srtctl
 
@@ -413,7 +437,7 @@ print("level", conc, "done", flush=True)
 def make_run(
     tmp_path: Path, plan: BenchmarkPlan, env: dict[str, str] | None = None
 ) -> BenchmarkRun:
-    def build(name: str, argv: list[str], env: dict[str, str], image: str | None) -> LaunchSpec:
+    def build(name: str, argv: list[str], env: dict[str, str], _image: str | None) -> LaunchSpec:
         return LaunchSpec(name=name, argv=argv, env=env)
 
     return BenchmarkRun(
@@ -448,9 +472,12 @@ async def test_levels_run_in_order_and_the_first_failure_ends_the_run(
     assert summary.error == "concurrency 4: 0 output tokens in 6 request(s)"
     assert [(lv.concurrency, lv.passed) for lv in summary.levels] == [(1, True), (4, False)]
     status = run.status()
-    assert status.state == "failed" and status.level == 4 and status.levels_done == 1
+    assert status.state == "failed"
+    assert status.level == 4
+    assert status.levels_done == 1
     on_disk = read_summary(tmp_path / "benchmark" / "summary.json")
-    assert on_disk.error == summary.error and on_disk.plots == summary.plots
+    assert on_disk.error == summary.error
+    assert on_disk.plots == summary.plots
     assert "level 1 done" in (tmp_path / "logs" / "benchmark.log").read_text()
     assert "FAILED" in render_summary(on_disk)
 
@@ -459,11 +486,14 @@ async def test_a_passing_run_and_a_client_that_cannot_start(
     tmp_path: Path, fake_aiperf: list[str]
 ) -> None:
     summary = await make_run(tmp_path / "ok", aiperf_plan(program=fake_aiperf)).run()
-    assert summary.state == "passed" and len(summary.levels) == 2
-    assert summary.levels[1].output_tokens == 96 and summary.levels[1].output_throughput_per_gpu
+    assert summary.state == "passed"
+    assert len(summary.levels) == 2
+    assert summary.levels[1].output_tokens == 96
+    assert summary.levels[1].output_throughput_per_gpu
     missing = make_run(tmp_path / "no", aiperf_plan(program=[str(tmp_path / "nope")]))
     problem = await missing.preflight()
-    assert problem is not None and "cannot run the benchmark client" in problem
+    assert problem is not None
+    assert "cannot run the benchmark client" in problem
 
 
 async def test_custom_command_sees_its_environment_and_its_exit_status_counts(
@@ -472,9 +502,11 @@ async def test_custom_command_sees_its_environment_and_its_exit_status_counts(
     command = 'env | grep -E "^(TILERT_BENCH|SRT_FRONTEND)" > "$TILERT_BENCH_RESULTS_DIR/env.txt"'
     plan = aiperf_plan(type="custom", command=command, concurrencies=[])
     summary = await make_run(tmp_path, plan).run()
-    assert summary.state == "passed" and summary.client_exit_code == 0
+    assert summary.state == "passed"
+    assert summary.client_exit_code == 0
     seen = (tmp_path / "benchmark" / "env.txt").read_text()
-    assert "SRT_FRONTEND_PORT=8000" in seen and "TILERT_BENCH_MODEL=glm5" in seen
+    assert "SRT_FRONTEND_PORT=8000" in seen
+    assert "TILERT_BENCH_MODEL=glm5" in seen
     failing = aiperf_plan(type="custom", command="echo nope >&2; exit 3", concurrencies=[])
     summary = await make_run(tmp_path / "f", failing).run()
     assert summary.state == "failed"
@@ -488,12 +520,13 @@ async def test_stop_ends_a_run_at_once(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run.run)
         with trio.fail_after(10):
-            while not (log.exists() and "started" in log.read_text(errors="replace")):
+            while not (log.exists() and "started" in log.read_text(errors="replace")):  # noqa: ASYNC110 (a file, not an event)
                 await trio.sleep(0.05)
         run.stop("stopped on request")
         with trio.fail_after(10):
             await run.done.wait()
-    assert run.summary is not None and run.summary.state == "failed"
+    assert run.summary is not None
+    assert run.summary.state == "failed"
     assert run.summary.error == "stopped on request"
     assert "stopped on request: exit status -15" in log.read_text()  # SIGTERM, and it ended
 

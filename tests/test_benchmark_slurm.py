@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import e2ekit as kit
+from tests import kit
 from tests.infra.slurm import LocalSlurm
-from tests.test_benchmark_e2e import BENCH_S, OSL, REQUESTS, aiperf_sets, check_counts
+from tests.test_benchmark_e2e import BENCH_S, ISL, OSL, REQUESTS, aiperf_sets, check_counts
 from tests.test_e2e_slurm import READY_S, SlurmJob
 
 pytestmark = [pytest.mark.slurm, pytest.mark.router, pytest.mark.aiperf]
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.router, pytest.mark.aiperf]
 def run(slurm: LocalSlurm, root: Path, router_python: Path, *sets: str) -> tuple[SlurmJob, str]:
     """Submit the demo with ``sets``; the job and its final Slurm state."""
     cluster = slurm.write_cluster_file(root / "srtslurm.yaml")
-    args, _ = kit.e2e_sets(router_python, *sets)
+    args, _ = kit.isolated_sets(router_python, *sets)
     with SlurmJob(slurm, root / "job", cluster, args) as job:
         end = slurm.wait_job_end(job.id, timeout=READY_S + BENCH_S + slurm.kill_wait_s)
         return job, end
@@ -36,9 +36,10 @@ def test_benchmark_passes_and_the_job_ends(
     job, end = run(slurm, tmp_path, router_python, *aiperf_sets(aiperf))
     assert end == "COMPLETED", (end, kit.log_tails(job.job))
     status = kit.current_status(job.job)
-    assert status["state"] == "stopped" and status["benchmark"]["state"] == "passed", status
+    assert status["state"] == "stopped", status
+    assert status["benchmark"]["state"] == "passed", status
     result = json.loads((job.job / "benchmark" / "summary.json").read_text())
-    check_counts(result["levels"], [1, 4], REQUESTS, OSL)
+    check_counts(result["levels"], [1, 4], REQUESTS, ISL, OSL)
     assert result["plots"], result
     kit.assert_nothing_left(job.job, 10)
 

@@ -50,7 +50,8 @@ def test_missing_named_files_are_errors_naming_the_source(tmp_path: Path) -> Non
     write(tmp_path, "{}\n")  # a ./srtslurm.yaml must not silently replace a missing named file
     with pytest.raises(InputError) as info:
         find_cluster_file("nope.yaml", {}, tmp_path)
-    assert "--cluster" in str(info.value) and "nope.yaml" in str(info.value)
+    assert "--cluster" in str(info.value)
+    assert "nope.yaml" in str(info.value)
     with pytest.raises(InputError) as info:
         find_cluster_file(None, {"TILERT_CLUSTER_FILE": "/no/such.yaml"}, tmp_path)
     assert "TILERT_CLUSTER_FILE" in str(info.value)
@@ -102,7 +103,8 @@ def test_unknown_keys_and_wrong_types_all_reported(tmp_path: Path) -> None:
     assert "'pyxis'" in by_path["launcher"].message
     assert "containers.b" in by_path
     assert by_path["gpus_per_node"].line == 2
-    assert str(path) in str(exc) and "containers.b" in str(exc)
+    assert str(path) in str(exc)
+    assert "containers.b" in str(exc)
 
 
 def test_srtctl_keys_are_warnings(tmp_path: Path) -> None:
@@ -117,7 +119,8 @@ def test_srtctl_keys_are_warnings(tmp_path: Path) -> None:
 def test_syntax_error(tmp_path: Path) -> None:
     with pytest.raises(InputError) as info:
         load_cluster(write(tmp_path, "containers: {a: b\n"))
-    assert "line" in str(info.value) and "column" in str(info.value)
+    assert "line" in str(info.value)
+    assert "column" in str(info.value)
 
 
 def test_semantic_checks(tmp_path: Path) -> None:

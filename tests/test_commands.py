@@ -17,7 +17,7 @@ from agent.launch.commands import (
     prefill_command,
     router_command,
 )
-from tests.agentkit import make_job
+from tests.kit import make_job
 
 SECRET = "s3cr3t-value-never-in-argv"
 AGENT_ENV = {"PATH": "/usr/bin", "HF_TOKEN": SECRET, "CUDA_VISIBLE_DEVICES": ""}
@@ -39,7 +39,7 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
 
 def real(plan: Plan) -> Plan:
     """The same plan without --mock."""
-    return msgspec.structs.replace(plan, mock=False)
+    return msgspec.structs.replace(plan, standins=[])
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -83,7 +83,8 @@ def test_mock_swaps_the_program_and_keeps_the_args(plan: Plan) -> None:
     assert pre_mock.argv[:3] == [sys.executable, "-m", STANDIN_MODULES["prefill"]]
     assert pre_prod.argv[:2] == ["vllm", "serve"]
     assert pre_mock.argv[3:] == pre_prod.argv[1:]  # "serve MODEL ..." kept
-    assert flag(pre_prod.argv, "--port") == "3" and flag(pre_prod.argv, "--host") == "127.0.0.1"
+    assert flag(pre_prod.argv, "--port") == "3"
+    assert flag(pre_prod.argv, "--host") == "127.0.0.1"
     assert pre_prod.env["HF_TOKEN"] == SECRET
     assert not any(SECRET in a for a in pre_prod.argv)
 
@@ -116,7 +117,7 @@ def test_router_has_one_decode_flag_with_every_node_and_no_gpu(plan: Plan) -> No
     assert standin.argv[:3] == [sys.executable, "-m", STANDIN_MODULES["router"]]
 
 
-def test_secret_absent_from_agent_env_stays_absent(plan: Plan, tmp_path: Path) -> None:
+def test_secret_absent_from_agent_env_stays_absent(plan: Plan) -> None:
     cmd = decode_command(
         plan,
         name="decode-0",

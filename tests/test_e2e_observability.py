@@ -2,8 +2,10 @@
 
 The job runs the demo recipe with the prefill stand-in replaying a genuine vLLM 0.32 page
 (``TILERT_MOCK_METRICS_FILE``, re-read on every scrape, so swapping the file's content mid-run
-plays a hostile upstream) and a secret in the prefill's environment. Most tests share that job;
-the restart test runs near the end and the last test stops it and proves nothing is left behind.
+plays a hostile upstream) and a secret in the prefill's environment. The tests share that job
+(``job``: ready, the genuine page re-exported, before each test; started again after a test that
+stopped it or failed), so each passes alone and in any order; the stop test gets it through
+``job_to_stop``, stops it and proves nothing is left behind.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import contextlib
 import math
 import os
 import queue
+import secrets
 import shutil
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,14 +27,18 @@ import psutil
 import pytest
 
 from agent.job.atomicfile import write_atomic
-from tests import e2ekit as kit
-from tests.agentkit import REPO, clean_env
+from tests import kit
 from tests.infra.prometheus import PrometheusServer, promtool_binary, promtool_check_metrics
-from tests.obskit import families, find, get, one, sample_map, samples
+from tests.kit import clean_env, get
+from tests.kit.metrics import families, find, one, sample_map, samples
 
-DATA = REPO / "tests" / "data" / "metrics"
+DATA = kit.REPO / "tests" / "data" / "metrics"
 VLLM_PAGE = DATA / "vllm-0.32-cpu.txt"
-SECRET = "s3cr3t-value"
+# The TYPE lines of its vllm: families: the prefill's page re-exports the genuine page when its
+# own TYPE lines are these.
+VLLM_TYPES = {ln for ln in VLLM_PAGE.read_text().splitlines() if ln.startswith("# TYPE vllm:")}
+# Unique to this run: another run of these tests on the machine has a submitter with its own.
+SECRET = f"s3cr3t-value-{secrets.token_hex(4)}"
 AGENTS = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
 OURS = ("role", "node", "slurm_job_id")
 ENGINE_FAMILIES = (
@@ -76,18 +82,48 @@ def upstream_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory, upstream_file: Path) -> Iterator[kit.LocalJob]:
-    """The running job, ready; stopped (SIGTERM) and swept after the module."""
-    root = tmp_path_factory.mktemp("obsjob")
-    sets, _ = kit.e2e_sets(
-        None,
-        f"roles.prefill.env.TILERT_MOCK_METRICS_FILE={upstream_file}",
-        f"roles.prefill.env.HF_TOKEN={SECRET}",
-    )
-    with kit.LocalJob(root / "J", sets, env=clean_env()) as running:
+def shared_job(
+    tmp_path_factory: pytest.TempPathFactory, upstream_file: Path
+) -> Iterator[kit.Shared[kit.LocalJob]]:
+    """The job this module's tests share (see the docstring); each one ends with a SIGTERM
+    (a graceful stop) before the sweep."""
+
+    @contextlib.contextmanager
+    def start() -> Iterator[kit.LocalJob]:
+        sets, _ = kit.isolated_sets(
+            None,
+            f"roles.prefill.env.TILERT_MOCK_METRICS_FILE={upstream_file}",
+            f"roles.prefill.env.HF_TOKEN={SECRET}",
+        )
+        root = tmp_path_factory.mktemp("obsjob")
+        with kit.LocalJob(root / "J", sets, env=clean_env()) as running:
+            yield running
+            running.stop(STOP_S)
+
+    def prepare(running: kit.LocalJob) -> None:
         running.wait_state("ready", timeout=READY_S)
-        yield running
-        running.stop(STOP_S)
+        if upstream_file.read_bytes() != VLLM_PAGE.read_bytes():
+            write_atomic(upstream_file, VLLM_PAGE.read_bytes())
+        wait_page(
+            running, "prefill-0", serves_genuine, "re-exporting the genuine vLLM page", READY_S
+        )
+
+    with kit.Shared(start, prepare=prepare, ended=kit.LocalJob.ended) as shared:
+        yield shared
+
+
+@pytest.fixture
+def job(
+    shared_job: kit.Shared[kit.LocalJob], request: pytest.FixtureRequest
+) -> Iterator[kit.LocalJob]:
+    """The shared job, ready, the prefill re-exporting the genuine vLLM page."""
+    yield from shared_job.borrow(request)
+
+
+@pytest.fixture
+def job_to_stop(shared_job: kit.Shared[kit.LocalJob]) -> Iterator[kit.LocalJob]:
+    """The shared job, as ``job`` gives it, for a test that stops it (the next starts another)."""
+    yield from shared_job.consume()
 
 
 def metrics_urls(job: kit.LocalJob) -> dict[str, str]:
@@ -108,15 +144,23 @@ def upstream_up(text: str) -> float:
     return one(samples(text), "tilert_agent_upstream_up").value
 
 
-def wait_page(job: kit.LocalJob, name: str, ok: Callable[[str], bool]) -> str:
-    """Agent ``name``'s page once ``ok(page)`` holds."""
-    deadline = time.monotonic() + CHANGE_TIMEOUT_S
-    text = page(job, name)
-    while not ok(text):
-        assert time.monotonic() < deadline, f"{name}'s page did not change as expected:\n{text}"
-        time.sleep(0.2)
-        text = page(job, name)
-    return text
+def serves_genuine(text: str) -> bool:
+    """A prefill page that re-exports the genuine vLLM page: upstream up, its vllm: families."""
+    served = {ln for ln in text.splitlines() if ln.startswith("# TYPE vllm:")}
+    return upstream_up(text) == 1.0 and served == VLLM_TYPES
+
+
+def wait_page(
+    job: kit.LocalJob,
+    name: str,
+    ok: Callable[[str], bool],
+    what: str,
+    timeout: float = CHANGE_TIMEOUT_S,
+) -> str:
+    """Agent ``name``'s page once ``ok(page)`` holds (``what`` says what that means)."""
+    return kit.wait_for(
+        f"{name}'s page {what}", lambda: page(job, name), timeout, until=ok, interval=0.2
+    )
 
 
 def check_promtool(text: str, what: str) -> None:
@@ -145,7 +189,8 @@ def promtool() -> None:
 # ---- 1. promtool ------------------------------------------------------------------------------
 
 
-def test_promtool_finds_no_parse_error_on_any_page(job: kit.LocalJob, promtool: None) -> None:
+@pytest.mark.usefixtures("promtool")
+def test_promtool_finds_no_parse_error_on_any_page(job: kit.LocalJob) -> None:
     """Every metrics_url in status.json parses for promtool."""
     urls = metrics_urls(job)
     assert set(urls) == set(AGENTS)
@@ -184,7 +229,8 @@ def test_genuine_vllm_page_is_reexported_whole(job: kit.LocalJob) -> None:
     # No job/instance label anywhere, our labels everywhere.
     for key in served:
         labels = dict(key[1])
-        assert "job" not in labels and "instance" not in labels, key
+        assert "job" not in labels, key
+        assert "instance" not in labels, key
         assert {k: labels.get(k) for k in OURS} == ours, key
     # Upstream process_/python_/http_ families are dropped: no family or sample name twice.
     declared = families(text)
@@ -195,8 +241,9 @@ def test_genuine_vllm_page_is_reexported_whole(job: kit.LocalJob) -> None:
 # ---- 3. hostile upstream pages ----------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("promtool")
 def test_hostile_upstream_pages_keep_the_agents_own_page(
-    job: kit.LocalJob, upstream_file: Path, promtool: None
+    job: kit.LocalJob, upstream_file: Path
 ) -> None:
     """Bad page or 500: /metrics still 200 with every tilert_agent_* series, upstream_up 0."""
     good = page(job, "prefill-0")
@@ -205,7 +252,7 @@ def test_hostile_upstream_pages_keep_the_agents_own_page(
     assert "tilert_agent_upstream_up" in own
 
     def check_down(what: str) -> None:
-        text = wait_page(job, "prefill-0", lambda t: upstream_up(t) == 0.0)
+        text = wait_page(job, "prefill-0", lambda t: upstream_up(t) == 0.0, f"down on {what}")
         assert not [ln for ln in text.splitlines() if "vllm:" in ln], what
         assert {f for f in families(text) if f.startswith("tilert_agent_")} == own, what
         # Same series, values apart (the counters move on between scrapes).
@@ -217,12 +264,12 @@ def test_hostile_upstream_pages_keep_the_agents_own_page(
             write_atomic(upstream_file, (DATA / bad).read_bytes())
             check_down(bad)
             write_atomic(upstream_file, VLLM_PAGE.read_bytes())
-            wait_page(job, "prefill-0", lambda t: upstream_up(t) == 1.0)
+            wait_page(job, "prefill-0", lambda t: upstream_up(t) == 1.0, f"up again after {bad}")
         upstream_file.unlink()  # the stand-in answers 500 while its file is missing
         check_down("a missing file (HTTP 500)")
     finally:
         write_atomic(upstream_file, VLLM_PAGE.read_bytes())
-    text = wait_page(job, "prefill-0", lambda t: upstream_up(t) == 1.0)
+    text = wait_page(job, "prefill-0", lambda t: upstream_up(t) == 1.0, "up again at the end")
     assert "vllm:num_requests_running{" in text
 
 
@@ -237,17 +284,26 @@ tilert_agent_gate_latency_seconds 123
 tilert_agent_engine_up 0
 # TYPE tilert_agent_upstream_up gauge
 tilert_agent_upstream_up 0
+# HELP vllm:test_clashing_page_marker only on the page with the clashing families
+# TYPE vllm:test_clashing_page_marker gauge
+vllm:test_clashing_page_marker 1
 """
 
 
+@pytest.mark.usefixtures("promtool")
 def test_upstream_families_named_like_ours_are_dropped(
-    job: kit.LocalJob, upstream_file: Path, promtool: None
+    job: kit.LocalJob, upstream_file: Path
 ) -> None:
     """An upstream family with one of our names (even one the head serves only later) is dropped."""
     try:
         write_atomic(upstream_file, VLLM_PAGE.read_bytes() + CLASHING.encode())
-        time.sleep(1.2)  # past the re-export's 1 s cache: the page now holds the clashing file
-        text = page(job, "prefill-0")
+        # The re-export caches the upstream page for 1 s: wait for the marker of the new file.
+        text = wait_page(
+            job,
+            "prefill-0",
+            lambda t: "vllm:test_clashing_page_marker{" in t,
+            "re-exporting the file with the clashing families",
+        )
         families(text)  # no family twice
         sample_map(text)  # no series twice
         assert "not ours" not in text
@@ -281,7 +337,8 @@ def test_agent_series_on_every_agent(job: kit.LocalJob) -> None:
         state = {
             s.labels["state"]: s.value for s in find(got, "tilert_agent_engine_state", **engine)
         }
-        assert state[status["state"]] == 1.0 and sum(state.values()) == 1.0, (name, state)
+        assert state[status["state"]] == 1.0, (name, state)
+        assert sum(state.values()) == 1.0, (name, state)
         assert one(got, "tilert_agent_engine_up", **engine).value == 1.0
         assert one(got, "tilert_agent_engine_restarts_total", **engine).value == status["restarts"]
         assert one(got, "tilert_agent_probe_latency_seconds_count", **engine).value >= 1
@@ -297,7 +354,8 @@ def test_agent_series_on_every_agent(job: kit.LocalJob) -> None:
         assert one(got, "tilert_agent_engine_processes", **engine).value >= 1
         lines = one(got, "tilert_agent_log_lines_total", **engine, outcome="written").value
         size = one(got, "tilert_agent_log_bytes_total", **engine, outcome="written").value
-        assert lines >= 1 and size >= lines, (name, lines, size)
+        assert lines >= 1, (name, lines, size)
+        assert size >= lines, (name, lines, size)
         assert one(got, "tilert_agent_log_lines_total", **engine, outcome="dropped").value == 0
         assert one(got, "tilert_agent_log_bytes_total", **engine, outcome="dropped").value == 0
         is_head = name == "prefill-0"
@@ -309,7 +367,8 @@ def test_agent_series_on_every_agent(job: kit.LocalJob) -> None:
             assert one(got, "tilert_agent_engine_up", **router).value == 1.0
             assert one(got, "tilert_agent_engine_resident_memory_bytes", **router).value > 0
             jobs = {s.labels["state"]: s.value for s in find(got, "tilert_agent_job_state")}
-            assert jobs["ready"] == 1.0 and sum(jobs.values()) == 1.0, jobs
+            assert jobs["ready"] == 1.0, jobs
+            assert sum(jobs.values()) == 1.0, jobs
             assert 0 <= one(got, "tilert_agent_gate_latency_seconds").value < 60
             assert 0 < one(got, "tilert_agent_canary_latency_seconds").value < 60
         else:
@@ -330,15 +389,19 @@ def test_prometheus_scrapes_every_agent(
     running = prom.wait_for('vllm:num_requests_running{role="prefill"}', timeout=20)
     assert len(running) == 1
     labels = running[0]["metric"]
-    assert labels["node"] == nodes["prefill-0"] and labels["slurm_job_id"] == "local"
-    assert labels["agent"] == "prefill-0" and labels["engine"] == "0"
+    assert labels["node"] == nodes["prefill-0"]
+    assert labels["slurm_job_id"] == "local"
+    assert labels["agent"] == "prefill-0"
+    assert labels["engine"] == "0"
     engine_up = prom.wait_for(
         'tilert_agent_engine_up{component="engine"}', lambda r: len(r) == 3, 20
     )
     for series in engine_up:
         m = series["metric"]
-        assert m["role"] == AGENTS[m["agent"]] and m["node"] == nodes[m["agent"]], m
-        assert m["slurm_job_id"] == "local" and series["value"][1] == "1", series
+        assert m["role"] == AGENTS[m["agent"]], m
+        assert m["node"] == nodes[m["agent"]], m
+        assert m["slurm_job_id"] == "local", series
+        assert series["value"][1] == "1", series
     everything = prom.query('{job="tilert"}')
     assert len(everything) > 300
     exported = [
@@ -365,9 +428,11 @@ def test_logs_route_needs_the_token(job: kit.LocalJob) -> None:
         assert resp.status_code == 200, resp.text
         engine_log = (job.job / "logs" / name / "engine.log").read_text(errors="replace")
         lines = resp.text.splitlines()
-        assert lines and all(line in engine_log for line in lines), (name, lines[:3])
+        assert lines, (name, lines[:3])
+        assert all(line in engine_log for line in lines), (name, lines[:3])
         tail = get(f"{base}/logs", params={"tail": "2"}, headers=auth).text.splitlines()
-        assert len(tail) == 2 and all(line in engine_log for line in tail), tail
+        assert len(tail) == 2, tail
+        assert all(line in engine_log for line in tail), tail
 
 
 def test_logs_route_serves_only_its_fixed_names(job: kit.LocalJob) -> None:
@@ -403,7 +468,8 @@ def test_logs_route_serves_only_its_fixed_names(job: kit.LocalJob) -> None:
     decode = job.agent("decode-0")["status_url"].removesuffix("/status")
     assert get(f"{decode}/logs", params={"name": "router"}, headers=auth).status_code == 404
     resp = get(f"{base}/logs/../token", headers=auth)
-    assert resp.status_code == 404 and token not in resp.text
+    assert resp.status_code == 404
+    assert token not in resp.text
 
 
 def test_secret_reaches_the_engine_and_nothing_else(job: kit.LocalJob) -> None:
@@ -413,7 +479,8 @@ def test_secret_reaches_the_engine_and_nothing_else(job: kit.LocalJob) -> None:
         base = job.agent(name)["status_url"].removesuffix("/status")
         for route in ("/metrics", "/status", "/healthz"):
             text = get(base + route).text
-            assert SECRET not in text and token not in text, (name, route)
+            assert SECRET not in text, (name, route)
+            assert token not in text, (name, route)
     for path in job.job.rglob("*"):
         if path.is_file() and path.name != "token":
             assert SECRET.encode() not in path.read_bytes(), path
@@ -483,7 +550,8 @@ def test_logs_command_prints_every_engine_with_prefixes(job: kit.LocalJob) -> No
     assert list(every) == [*AGENTS, "router"]
     for name in AGENTS:
         on_disk = (job.job / "logs" / name / "engine.log").read_text(errors="replace")
-        assert every[name] and all(line in on_disk for line in every[name]), name
+        assert every[name], name
+        assert all(line in on_disk for line in every[name]), name
     only = _prefixed(_logs(job, "decode-1"))
     assert list(only) == ["decode-1"]
     assert only["decode-1"][:3] == every["decode-1"][:3]
@@ -493,7 +561,7 @@ def test_logs_follow_shows_new_lines_then_sigint_exits_0(job: kit.LocalJob) -> N
     """``logs J -f`` prints history, then a new request's lines; SIGINT ends it with 0."""
     proc = subprocess.Popen(
         [*kit.SUBMIT, "logs", str(job.job), "-f"],
-        cwd=REPO,
+        cwd=kit.REPO,
         env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -511,19 +579,32 @@ def test_logs_follow_shows_new_lines_then_sigint_exits_0(job: kit.LocalJob) -> N
     threading.Thread(target=read, daemon=True).start()
     seen: list[str] = []
 
-    def until(pred: Callable[[list[str]], bool], timeout: float = 15) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred(seen):
-            assert time.monotonic() < deadline, f"not seen: {seen[-10:]}"
+    def until(what: str, pred: Callable[[list[str]], bool], timeout: float = 15) -> None:
+        def printed() -> bool:
             with contextlib.suppress(queue.Empty):
-                seen.append(lines.get(timeout=0.2).rstrip("\n"))
+                while True:
+                    seen.append(lines.get_nowait().rstrip("\n"))
+            return pred(seen)
+
+        kit.wait_for(what, printed, timeout, detail=lambda: f"last lines printed: {seen[-10:]}")
+
+    def prefill_lines(printed: list[str]) -> int:
+        return sum(1 for x in printed if x.startswith("prefill-0 |"))
 
     try:
-        until(lambda s: {x.split(" | ")[0].strip() for x in s} >= {*AGENTS, "router"})
-        time.sleep(0.5)  # let the history finish
-        while not lines.empty():
-            seen.append(lines.get().rstrip("\n"))
-        before = sum(1 for x in seen if x.startswith("prefill-0 |"))
+        until(
+            "a line of every source",
+            lambda s: {x.split(" | ")[0].strip() for x in s} >= {*AGENTS, "router"},
+        )
+        # Histories come one source after the other, so prefill-0's is whole once the router's
+        # has begun; what its files gained since, the follower prints next. Once every line they
+        # hold now is printed, a line more can only come from following.
+        on_disk = sum(
+            path.read_bytes().count(b"\n")
+            for path in (job.job / "logs" / "prefill-0").glob("engine.log*")
+        )
+        until(f"prefill-0's {on_disk} lines on disk", lambda s: prefill_lines(s) >= on_disk)
+        before = prefill_lines(seen)
         router_url = job.status()["router_url"]
         resp = httpx.post(
             f"{router_url}/v1/chat/completions",
@@ -531,7 +612,7 @@ def test_logs_follow_shows_new_lines_then_sigint_exits_0(job: kit.LocalJob) -> N
             timeout=30,
         )
         assert resp.status_code == 200, resp.text
-        until(lambda s: sum(1 for x in s if x.startswith("prefill-0 |")) > before)
+        until("a new prefill-0 line after the request", lambda s: prefill_lines(s) > before)
         assert proc.poll() is None
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(10) == 0
@@ -541,22 +622,25 @@ def test_logs_follow_shows_new_lines_then_sigint_exits_0(job: kit.LocalJob) -> N
             proc.wait(5)
 
 
-# ---- restarts (changes the job: runs late) ----------------------------------------------------
+# ---- restarts -------------------------------------------------------------------------------
 
 
 def test_restart_counter_after_sigkill(job: kit.LocalJob) -> None:
     """SIGKILL decode-1's engine: it comes back healthy and restarts_total becomes 1."""
     status_url = job.agent("decode-1")["status_url"]
     before = get(status_url).json()
-    assert before["state"] == "healthy" and before["restarts"] == 0
+    assert before["state"] == "healthy"
+    assert before["restarts"] == 0
     os.kill(before["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    after = before
-    while not (after["state"] == "healthy" and after["restarts"] == 1):
-        assert time.monotonic() < deadline, after
-        time.sleep(0.1)
-        after = get(status_url).json()
-    assert after["pid"] != before["pid"] and after["ports"] == before["ports"]
+    after = kit.wait_for(
+        "decode-1 healthy again after one restart",
+        lambda: get(status_url).json(),
+        20,
+        until=lambda s: s["state"] == "healthy" and s["restarts"] == 1,
+        interval=0.1,
+    )
+    assert after["pid"] != before["pid"]
+    assert after["ports"] == before["ports"]
     engine = {"component": "engine", "role": "decode"}
     got = samples(page(job, "decode-1"))
     assert one(got, "tilert_agent_engine_restarts_total", **engine).value == 1.0
@@ -571,9 +655,9 @@ def test_restart_counter_after_sigkill(job: kit.LocalJob) -> None:
 # ---- stop -------------------------------------------------------------------------------------
 
 
-def test_stop_exits_0_and_leaves_no_process(job: kit.LocalJob) -> None:
+def test_stop_exits_0_and_leaves_no_process(job_to_stop: kit.LocalJob) -> None:
     """SIGTERM to the submitter: exit 0, every agent and engine gone."""
-    code, alive = job.stop(STOP_S)
-    assert code == 0, job.output()
+    code, alive = job_to_stop.stop(STOP_S)
+    assert code == 0, job_to_stop.output()
     assert not alive, kit.describe(alive)
-    assert job.status()["state"] == "stopped"
+    assert job_to_stop.status()["state"] == "stopped"

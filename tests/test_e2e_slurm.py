@@ -1,25 +1,31 @@
-"""End to end on the real local 3-node Slurm, with the REAL TileRT router (GitHub "Cluster bring-up").
+"""End to end on the real local 3-node Slurm, with the REAL TileRT router (GitHub "Cluster
+bring-up").
 
 ``tilert-submit RECIPE --mock --cluster <the fixture's cluster file>`` runs sbatch; the agents run
-on node1..node3 through the script's srun steps (process launcher, loopback). One demo job is
-brought up and reused in file order (contract, chat, gate latency, an engine SIGKILL, status),
-then stopped with ``tilert-submit stop``; each fault scenario runs a job of its own. At the end,
-the pyxis launcher's nested ``srun --overlap`` step (no container flags) starts and stops an engine.
+on node1..node3 through the script's srun steps (process launcher, loopback). The tests that need a
+running demo job share one (``demo``: ready before each test; submitted again after a test that
+stopped it or failed, or after the ``slurm`` fixture of a fault test cancelled it), so each passes
+alone and in any order; the stop test gets it through ``demo_to_stop`` and ends it with
+``tilert-submit stop``. Each fault scenario runs a job of its own. At the end, the pyxis
+launcher's nested ``srun --overlap`` step (no container flags) starts and stops an engine.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import psutil
 import pytest
 import trio
 
 from agent.launch import LaunchSpec, PyxisLauncher
-from tests import e2ekit as kit
+from tests import kit
 from tests.infra.slurm import ENDED_STATES, LocalSlurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.router]
@@ -53,6 +59,10 @@ class SlurmJob:
         """A job command (status, stop) against this cluster."""
         return kit.submit_cmd(*args, env=self.slurm.env)
 
+    def ended(self) -> bool:
+        """The Slurm job has ended (or Slurm no longer knows it)."""
+        return self.slurm.job_state(self.id) in (None, *ENDED_STATES)
+
     def __enter__(self) -> SlurmJob:
         return self
 
@@ -71,26 +81,46 @@ def module_slurm(slurm_session: LocalSlurm) -> LocalSlurm:
 
 
 @pytest.fixture(scope="module")
-def demo(
+def shared_demo(
     module_slurm: LocalSlurm, router_python: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SlurmJob]:
-    """The demo recipe on the local Slurm, ready."""
-    root = tmp_path_factory.mktemp("e2e-slurm")
-    cluster = module_slurm.write_cluster_file(root / "srtslurm.yaml")
-    sets, _ = kit.e2e_sets(router_python)
-    with SlurmJob(module_slurm, root / "job", cluster, sets) as job:
-        kit.wait_state(job.job, "ready", READY_S)
-        yield job
+) -> Iterator[kit.Shared[SlurmJob]]:
+    """The demo recipe on the local Slurm, shared by this module's tests (see the docstring)."""
+
+    def start() -> SlurmJob:
+        root = tmp_path_factory.mktemp("e2e-slurm")
+        cluster = module_slurm.write_cluster_file(root / "srtslurm.yaml")
+        sets, _ = kit.isolated_sets(router_python)
+        return SlurmJob(module_slurm, root / "job", cluster, sets)
+
+    with kit.Shared(
+        start,
+        prepare=lambda job: kit.wait_state(job.job, "ready", READY_S),
+        ended=SlurmJob.ended,
+    ) as shared:
+        yield shared
+
+
+@pytest.fixture
+def demo(shared_demo: kit.Shared[SlurmJob], request: pytest.FixtureRequest) -> Iterator[SlurmJob]:
+    """The shared demo job, ready."""
+    yield from shared_demo.borrow(request)
+
+
+@pytest.fixture
+def demo_to_stop(shared_demo: kit.Shared[SlurmJob]) -> Iterator[SlurmJob]:
+    """The shared demo job, ready, for a test that ends it (the next test submits another)."""
+    yield from shared_demo.consume()
 
 
 def test_ready_contract(demo: SlurmJob) -> None:
-    """Ready with router_url; agents on node1..node3 with DESIGN.md's fields; targets.json."""
+    """Ready with router_url; agents on node1..node3 with the documented fields; targets.json."""
     status = kit.check_ready_contract(demo.job)
-    assert status["slurm_job_id"] == demo.id and status["local_pid"] is None
+    assert status["slurm_job_id"] == demo.id
+    assert status["local_pid"] is None
     nodes = [kit.agent_entry(status, n)["node"] for n in kit.AGENTS]
     assert sorted(nodes) == ["node1", "node2", "node3"], nodes
     # Metrics carry the Slurm job id (the targets file adds none).
-    page = kit.httpx.get(kit.agent_entry(status, "decode-1")["metrics_url"], timeout=5).text
+    page = httpx.get(kit.agent_entry(status, "decode-1")["metrics_url"], timeout=5).text
     assert f'slurm_job_id="{demo.id}"' in page
 
 
@@ -113,25 +143,28 @@ def test_status_command(demo: SlurmJob) -> None:
     """``status J`` and ``--json`` on a running Slurm job."""
     done = demo.cmd("status", str(demo.job))
     assert done.returncode == 0, done.stderr
-    assert "job: ready" in done.stdout and f"slurm job: {demo.id}" in done.stdout
-    view = kit.json.loads(demo.cmd("status", str(demo.job), "--json").stdout)
-    assert view["stale"] is False and view["status"]["slurm_job_id"] == demo.id
+    assert "job: ready" in done.stdout
+    assert f"slurm job: {demo.id}" in done.stdout
+    view = json.loads(demo.cmd("status", str(demo.job), "--json").stdout)
+    assert view["stale"] is False
+    assert view["status"]["slurm_job_id"] == demo.id
 
 
-def test_stop_drains_within_kill_wait(demo: SlurmJob) -> None:
-    """``stop J``: scancel --signal=TERM; everything gone within KillWait, job ended, ``stopped``."""
+def test_stop_drains_within_kill_wait(demo_to_stop: SlurmJob) -> None:
+    """``stop J``: scancel --signal=TERM; everything gone within KillWait, job ended,
+    ``stopped``."""
     # 3 agents, 3 engines, the router, ...
-    ports, procs = kit.running_processes(demo.job, at_least=7)
-    done = demo.cmd("stop", str(demo.job))
+    ports, procs = kit.running_processes(demo_to_stop.job, at_least=7)
+    done = demo_to_stop.cmd("stop", str(demo_to_stop.job))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "scancel --signal=TERM" in done.stdout  # (--full or not: submit/stop.py says why)
     assert "still running" not in done.stdout, done.stdout  # ended without the hard scancel
-    kit.assert_gone(procs, demo.slurm.kill_wait_s)
-    assert not kit.job_processes(demo.job, ports)
-    assert demo.slurm.wait_job_end(demo.id, timeout=30) == "COMPLETED"
-    status = kit.wait_state(demo.job, "stopped", 5)
+    kit.assert_gone(procs, demo_to_stop.slurm.kill_wait_s)
+    assert not kit.job_processes(demo_to_stop.job, ports)
+    assert demo_to_stop.slurm.wait_job_end(demo_to_stop.id, timeout=30) == "COMPLETED"
+    status = kit.wait_state(demo_to_stop.job, "stopped", 5)
     # A "ready" left behind by a job that has ended is reported as stale.
-    view = kit.check_stopped(demo.job, status, demo.cmd)
+    view = kit.check_stopped(demo_to_stop.job, status, demo_to_stop.cmd)
     assert "ended" in view["stale_reason"], view
 
 
@@ -145,7 +178,7 @@ def fault_job(
     """``fault_job(*sets)``: a job of its own with the recipe overrides ``sets``."""
 
     def submit(*sets: str) -> SlurmJob:
-        args, _ = kit.e2e_sets(router_python, *sets)
+        args, _ = kit.isolated_sets(router_python, *sets)
         return SlurmJob(slurm, tmp_path / "job", slurm_cluster_file, args)
 
     return submit
@@ -163,7 +196,7 @@ def test_decode_crash_loop_is_dropped(
         kit.wait_state(job.job, "stopped", 15)
 
 
-def wait_failed_and_ended(slurm: LocalSlurm, job: SlurmJob) -> dict:
+def wait_failed_and_ended(slurm: LocalSlurm, job: SlurmJob) -> dict[str, Any]:
     """status.json ``failed``, then the Slurm job ended (the failing step cancels it); status."""
     status = kit.wait_state(job.job, "failed", READY_S)
     end = slurm.wait_job_end(job.id, timeout=30 + slurm.kill_wait_s)
@@ -199,7 +232,7 @@ while True:
 """
 
 
-async def test_pyxis_nested_overlap_step(slurm: LocalSlurm, tmp_path: Path) -> None:
+async def test_pyxis_nested_overlap_step(slurm: LocalSlurm) -> None:
     """An engine as ``srun --overlap`` inside a running job: found, then stopped by TERM."""
     holder = slurm.sbatch("#!/bin/sh\nsleep 120\n", "-N1", "-w", "node2")
     slurm.wait_job_state(holder, ("RUNNING",), timeout=30)
@@ -209,18 +242,18 @@ async def test_pyxis_nested_overlap_step(slurm: LocalSlurm, tmp_path: Path) -> N
     engine = await launcher.start(spec)
     output = b""
     try:
-        assert engine.step is not None and engine.step.startswith(f"{holder}.")
-        with trio.fail_after(20):
+        assert engine.step is not None
+        assert engine.step.startswith(f"{holder}.")
+        with kit.within(20, "the engine's 'engine up' line, then its pid"):
             while b"engine up" not in output:
                 output += await engine.output.receive_some(4096)
-            while engine.pid is None:
-                await trio.sleep(0.1)
+        await kit.until(lambda: engine.pid is not None, "the launcher to find the engine's pid", 20)
         proc = psutil.Process(engine.pid)
         assert proc.cmdline()[:2] == [sys.executable, "-c"], proc.cmdline()
         assert str(engine.pid) in output.decode()
         steps = [j["id"] for j in slurm.squeue()]  # the holder job is still there
         assert holder in steps
-        with trio.fail_after(30):
+        with kit.within(30, "the engine step to stop on TERM"):
             code = await engine.stop(5.0)
         # srun reports exit 143 as 128+15, which the launcher spells -15 (as a TERM death).
         with trio.move_on_after(5):

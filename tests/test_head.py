@@ -8,18 +8,29 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import trio
 
-from agent.head.canaries import CANARY_RETRY_S, Canary, CanaryFailed, canary_text, run_canaries
+from agent.head.canaries import (
+    CANARY_RETRY_S,
+    Canary,
+    CanaryFailed,
+    canary_text,
+    failure_cause,
+    run_canaries,
+)
 from agent.head.decisions import (
     JobFailed,
     JobView,
     fatal,
     gate,
+    proof_due,
+    restart_marks,
     serving_state,
     startup_overrun,
     to_drop,
@@ -163,6 +174,76 @@ def test_serving_is_ready_only_when_everything_is_healthy() -> None:
     )
 
 
+# ---- ready means proven ----------------------------------------------------------------------
+
+
+def restarted(v: JobView, name: str, times: int = 1) -> JobView:
+    """``v`` after ``name`` (an agent or the router) restarted ``times`` more times."""
+    if name == ROUTER_NAME:
+        assert v.router is not None
+        return replace(
+            v, router=msgspec.structs.replace(v.router, restarts=v.router.restarts + times)
+        )
+    agents = dict(v.agents)
+    agents[name] = msgspec.structs.replace(agents[name], restarts=agents[name].restarts + times)
+    return replace(v, agents=agents)
+
+
+def test_restart_marks_count_every_agent_and_the_router() -> None:
+    v = restarted(restarted(view(router="healthy"), "decode-1", 2), ROUTER_NAME)
+    assert restart_marks(v) == {HEAD_NAME: 0, "decode-0": 0, "decode-1": 2, ROUTER_NAME: 1}
+
+
+def test_no_proof_is_due_while_nothing_restarted() -> None:
+    v = view(router="healthy")
+    assert not proof_due(v, dropped={}, proven=restart_marks(v))
+
+
+@pytest.mark.parametrize("who", [HEAD_NAME, "decode-0", ROUTER_NAME])
+def test_a_restart_makes_a_proof_due_once_everything_is_healthy_again(who: str) -> None:
+    before = view(router="healthy")
+    proven = restart_marks(before)
+    # Still restarting: no canary yet (it would fail), and the job is degraded.
+    during = restarted(
+        view(
+            {who: "restarting"} if who != ROUTER_NAME else {},
+            router="restarting" if who == ROUTER_NAME else "healthy",
+        ),
+        who,
+    )
+    assert not proof_due(during, dropped={}, proven=proven)
+    assert serving_state(during, dropped={}, proven=False)[0] == "degraded"
+    # Healthy again: a canary is due, and until it passes the job is degraded, not ready.
+    after = restarted(before, who)
+    assert proof_due(after, dropped={}, proven=proven)
+    assert serving_state(after, dropped={}, proven=False) == (
+        "degraded",
+        "healthy again; waiting for a canary through the router",
+    )
+    assert serving_state(after, {}, proven=False, proof="healthy again; canary running") == (
+        "degraded",
+        "healthy again; canary running",
+    )
+    # Proven again.
+    assert not proof_due(after, dropped={}, proven=restart_marks(after))
+    assert serving_state(after, dropped={}, proven=True)[0] == "ready"
+
+
+def test_a_dropped_decode_and_the_restarted_router_need_a_proof_too() -> None:
+    before = view(router="healthy")
+    proven = restart_marks(before)
+    after = restarted(view({"decode-1": "failed"}, router="healthy"), ROUTER_NAME)
+    assert proof_due(after, dropped={"decode-1": "why"}, proven=proven)
+    assert serving_state(after, {"decode-1": "why"}, proven=False) == (
+        "degraded",
+        "decode-1 dropped, healthy again; waiting for a canary through the router",
+    )
+    assert serving_state(after, {"decode-1": "why"}, proven=True) == (
+        "degraded",
+        "decode-1 dropped",
+    )
+
+
 # ---- fatal -----------------------------------------------------------------------------------
 
 
@@ -300,7 +381,8 @@ def test_peers_rows_feed_the_decisions(tmp_path: Path) -> None:
     assert peers.entry("decode-1").reason == "no rendezvous record yet"
     rows = JobView(agents={n: peers.entry(n) for n in names}, versions=peers.versions())
     assert to_drop(rows, dropped=()) == ["decode-0"]
-    assert fatal(rows) is not None and "tilert versions differ" in (fatal(rows) or "")
+    assert fatal(rows) is not None
+    assert "tilert versions differ" in (fatal(rows) or "")
 
 
 def test_status_json_is_written_on_change_and_by_the_heartbeat(tmp_path: Path) -> None:
@@ -328,14 +410,63 @@ def stream(*texts: str) -> bytes:
     return b"".join(chunks) + b"data: [DONE]\n\n"
 
 
-def canary(timeout_s: float = 30.0) -> Canary:
+def canary(timeout_s: float = 30.0, attempt_timeout_s: float = 60.0) -> Canary:
     return Canary(
         router_url="http://router:8000",
         model="m",
         prompt="Hello",
         max_tokens=8,
         timeout_s=timeout_s,
+        attempt_timeout_s=attempt_timeout_s,
     )
+
+
+async def test_a_canary_attempt_that_hangs_is_cut_and_retried_and_says_timeout(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    attempts = 0
+
+    class Hang(httpx.AsyncByteStream):
+        async def __aiter__(self):  # type: ignore[no-untyped-def]
+            yield b'data: {"choices": [{"delta": {"content": ""}}]}\n\n'
+            await trio.sleep_forever()
+
+    def handler(_request: httpx.Request) -> httpx.Response:
+        nonlocal attempts
+        attempts += 1
+        return httpx.Response(200, stream=Hang())
+
+    start = trio.current_time()
+    with pytest.raises(JobFailed) as failed:
+        await run_canaries(
+            canary(timeout_s=25.0, attempt_timeout_s=10.0),
+            1,
+            log=LOG,
+            router_log=ROUTER_LOG,
+            transport=httpx.MockTransport(handler),
+        )
+    # Three attempts of 10 s (the last cut at the budget's end), not one read of the whole budget.
+    assert attempts == 3
+    assert "canary 1: timeout: no answer within" in str(failed.value)
+    assert "(agent.canary.attempt_timeout_s) (attempt 3)" in str(failed.value)
+    assert 25.0 <= trio.current_time() - start <= 25.0 + 10.0 + 2 * CANARY_RETRY_S
+
+
+@pytest.mark.parametrize(
+    ("exc", "cause"),
+    [
+        (httpx.ConnectError(""), "connection refused or failed: ConnectError"),
+        (httpx.ConnectTimeout(""), "timeout: no connection to the router within 5s"),
+        (httpx.ReadTimeout(""), "timeout: ReadTimeout"),
+        (httpx.RemoteProtocolError("peer closed"), "the router broke the connection: peer closed"),
+        (
+            CanaryFailed("router answered HTTP 502: bad gateway"),
+            "router answered HTTP 502: bad gateway",
+        ),
+    ],
+)
+def test_every_canary_failure_names_its_cause(exc: Exception, cause: str) -> None:
+    assert failure_cause(exc) == cause
 
 
 def test_canary_text_reads_the_event_stream() -> None:
@@ -348,7 +479,8 @@ def test_canary_text_reads_the_event_stream() -> None:
 
 
 async def test_a_canary_that_fails_then_answers_within_budget_passes(
-    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     answers = [
         httpx.Response(503, text="no decode yet"),
@@ -374,18 +506,18 @@ async def test_a_canary_that_fails_then_answers_within_budget_passes(
     assert trio.current_time() - start == pytest.approx(3 * CANARY_RETRY_S)
     said = [r.getMessage() for r in caplog.records]
     assert said == [
-        "head: canary 1/1 not yet: router answered 503: no decode yet",
+        "head: canary 1/1 not yet: router answered HTTP 503: no decode yet",
         "head: canary 1/1 not yet: canary got an error chunk from the router: "
         "decode-0 not connected",
-        "head: canary 1/1 not yet: router streamed no text",
+        "head: canary 1/1 not yet: router streamed no text (1 event(s), then the stream ended)",
         "head: canary 1/1 answered 'Hello there'",
     ]
 
 
-async def test_one_canary_per_decode_each_must_answer(autojump_clock: trio.abc.Clock) -> None:
+async def test_one_canary_per_decode_each_must_answer(autojump_clock: trio.abc.Clock) -> None:  # noqa: ARG001 (requesting it puts the test on trio's clock)
     seen = 0
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(_request: httpx.Request) -> httpx.Response:
         nonlocal seen
         seen += 1
         return httpx.Response(200, content=stream("Hi"))
@@ -396,7 +528,7 @@ async def test_one_canary_per_decode_each_must_answer(autojump_clock: trio.abc.C
 
 
 async def test_a_canary_that_never_answers_fails_the_job_after_its_budget(
-    autojump_clock: trio.abc.Clock,
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
 ) -> None:
     attempts = 0
 
@@ -416,8 +548,8 @@ async def test_a_canary_that_never_answers_fails_the_job_after_its_budget(
         )
     assert str(failed.value) == (
         "the router at http://router:8000 did not serve 1 canary chat requests within 10s "
-        "(agent.canary.timeout_s): canary 1: connection refused; "
-        f"see {ROUTER_LOG}"
+        "(agent.canary.timeout_s): canary 1: connection refused or failed: connection refused "
+        f"(attempt {attempts}); see {ROUTER_LOG}"
     )
     # Retried every CANARY_RETRY_S until the budget was spent, and not much longer.
     assert attempts == pytest.approx(10.0 / CANARY_RETRY_S, abs=2)

@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from agent.recipe.cluster import load_cluster
 from tests.conftest import require
 from tests.infra.slurm import LocalSlurm, missing_binaries
+from tests.kit import wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
 
 
 def wait_file(path: Path, timeout: float = 20.0) -> str:
     """The file's text once it exists and is not empty."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text():
-            return path.read_text()
-        time.sleep(0.05)
-    raise AssertionError(f"{path} not written within {timeout} s")
+    return wait_for(f"{path} written", path.read_text, timeout)
 
 
 def test_srun_runs_once_per_node(slurm: LocalSlurm) -> None:
@@ -112,15 +106,4 @@ def test_stop_leaves_nothing_behind(tmp_path: Path) -> None:
         daemons = [int(p.read_text()) for p in cluster.run_dir.glob("*.pid")]
         assert len(daemons) == 2
         assert cluster.job_state(job) == "RUNNING"
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_alive(p) for p in [task, *daemons]):
-        time.sleep(0.1)
-    assert not [p for p in [task, *daemons] if _alive(p)]
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (zombies waiting for a reaper do not count)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    assert not wait_gone([task, *daemons], 5)

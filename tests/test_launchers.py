@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
+import trio.testing
 
 from agent.launch import (
     LaunchSpec,
@@ -23,6 +24,7 @@ from agent.launch import (
     ProcessLauncher,
     PyxisLauncher,
     RunTimeout,
+    child,
     make_launcher,
 )
 from agent.launch.pyxis import (
@@ -31,28 +33,11 @@ from agent.launch.pyxis import (
     pyxis_container_name,
     pyxis_srun_argv,
 )
+from tests.kit import alive, wait_gone
 
 PY = sys.executable
 BASE_ENV = {"PATH": os.environ.get("PATH", os.defpath)}
 REPO = Path(__file__).resolve().parent.parent
-
-
-def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (orphans may wait for a lazy init to reap)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids still alive after ``timeout`` seconds (polling)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if alive(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.02)
 
 
 def kill_pids(pids: list[int]) -> None:
@@ -148,9 +133,81 @@ async def test_cwd(launcher: ProcessLauncher, tmp_path: Path) -> None:
     assert (await read_all(engine)).decode().strip() == str(tmp_path)
 
 
-async def test_missing_program_is_oserror(launcher: ProcessLauncher) -> None:
+async def test_environment_keeps_a_given_pwd(launcher: ProcessLauncher, tmp_path: Path) -> None:
+    # The shell in the start chain sets PWD to the working directory; the program gets the given.
+    env = {"PATH": BASE_ENV["PATH"], "PWD": "/as/given", "SHLVL": "7"}
+    engine = await launcher.start(spec(["env"], env=env, cwd=tmp_path))
+    out = (await read_all(engine)).decode()
+    assert sorted(out.splitlines()) == sorted(f"{k}={v}" for k, v in env.items())
+
+
+async def test_missing_program_is_oserror(launcher: ProcessLauncher, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         await launcher.start(spec(["/nonexistent/engine"]))
+    with pytest.raises(FileNotFoundError):
+        await launcher.start(spec(["no-such-engine-on-path"]))
+    (tmp_path / "engine").write_text("#!/bin/sh\n")  # not executable
+    with pytest.raises(PermissionError):
+        await launcher.start(spec([str(tmp_path / "engine")]))
+    with pytest.raises(PermissionError):
+        await launcher.start(spec(["./engine"], cwd=tmp_path))
+
+
+async def test_without_setpriv_the_lifeline_alone_guards(
+    launcher: ProcessLauncher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # util-linux before 2.33 (RHEL 8) has no setpriv --pdeathsig: the program starts unwrapped.
+    monkeypatch.setattr(child, "_wrapper_tools", lambda: None)
+    engine = await launcher.start(spec(["sh", "-c", "echo $PPID"]))
+    assert int(await read_line(engine)) == os.getpid()
+    assert await engine.wait() == 0
+
+
+def test_no_python_runs_in_the_child() -> None:
+    """bringup-hang.md: with a preexec_fn a child that stalled before exec held the trio thread
+    (deaf to signals) for as long as it stalled; an after-fork hook stands in for the stall."""
+    code = textwrap.dedent(
+        """
+        import os, time, trio
+        os.register_at_fork(after_in_child=lambda: time.sleep(5))
+        from agent.launch import LaunchSpec, ProcessLauncher
+
+        async def main():
+            t0 = time.monotonic()
+            engine = await ProcessLauncher().start(
+                LaunchSpec(name="t", argv=["true"], env={"PATH": os.environ["PATH"]})
+            )
+            print(time.monotonic() - t0, flush=True)
+            await engine.wait()
+
+        trio.run(main)
+        """
+    )
+    done = subprocess.run(
+        [PY, "-c", code],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) < 1.0, done.stdout
+
+
+def test_a_child_whose_parent_is_not_the_agent_never_runs() -> None:
+    # The agent died before the prctl (so no PDEATHSIG will ever fire): the chain stops before the
+    # program. Here the chain's parent is a shell in between, not this (the expected) process.
+    prefix = child.die_with_parent_prefix(dict(BASE_ENV))
+    if not prefix:
+        pytest.skip("setpriv --pdeathsig is not available here")
+    done = subprocess.run(
+        ["/bin/sh", "-c", '"$@"; echo "exit $?"', "sh", *prefix, "sh", "-c", "echo ran"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert done.stdout == "exit 1\n", done
 
 
 async def test_setup_script_is_sourced_and_pid_kept(
@@ -217,7 +274,11 @@ async def test_stop_terms_then_kills_the_whole_group(launcher: ProcessLauncher) 
 
 
 async def test_stop_graceful_exit_within_grace(launcher: ProcessLauncher) -> None:
-    code = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\nprint('up', flush=True)\ntime.sleep(600)"
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        "print('up', flush=True)\ntime.sleep(600)"
+    )
     engine = await launcher.start(spec([PY, "-c", code]))
     assert await read_line(engine) == b"up"
     with trio.fail_after(20):
@@ -233,7 +294,7 @@ async def test_stop_while_another_task_waits(launcher: ProcessLauncher) -> None:
             results.append(await engine.wait())
 
         nursery.start_soon(waiter)
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the waiter is in engine.wait()
         results.append(await engine.stop(grace_s=5))
     assert results == [-signal.SIGTERM, -signal.SIGTERM]
 
@@ -291,7 +352,8 @@ def test_refuses_to_fork_from_another_thread() -> None:
     thread = threading.Thread(target=in_thread)
     thread.start()
     thread.join()
-    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert len(errors) == 1
+    assert isinstance(errors[0], RuntimeError)
     assert "main" in str(errors[0])
 
 
@@ -346,10 +408,24 @@ def start_agent(pids: list[int]) -> tuple[subprocess.Popen[bytes], int, int]:
 
 def test_sigkill_of_the_agent_leaves_no_engine(agent_process: list[int]) -> None:
     agent, engine, grandchild = start_agent(agent_process)
-    assert alive(engine) and alive(grandchild)
+    assert alive(engine)
+    assert alive(grandchild)
     agent.kill()
     agent.wait()
     assert wait_gone([engine, grandchild], 1.0) == []
+
+
+def test_pdeathsig_kills_the_engine_when_its_lifeline_is_gone(agent_process: list[int]) -> None:
+    agent, engine, grandchild = start_agent(agent_process)
+    watchers = [p for p in psutil.Process(agent.pid).children() if "tilert-lifeline" in p.cmdline()]
+    assert len(watchers) == 1
+    watchers[0].kill()
+    assert wait_gone([watchers[0].pid], 5.0) == []  # a zombie of the agent's: not alive
+    agent.kill()
+    agent.wait()
+    # The leader dies by its PDEATHSIG; its grandchild had only the lifeline.
+    assert wait_gone([engine], 1.0) == []
+    assert alive(grandchild)
 
 
 def test_sigkill_of_the_agent_after_ten_seconds(agent_process: list[int]) -> None:
@@ -358,7 +434,8 @@ def test_sigkill_of_the_agent_after_ten_seconds(agent_process: list[int]) -> Non
     agent, engine, grandchild = start_agent(agent_process)
     time.sleep(10.8)
     assert agent.poll() is None
-    assert alive(engine) and alive(grandchild), "the engine died while the agent lived"
+    assert alive(engine), "the engine died while the agent lived"
+    assert alive(grandchild), "the engine died while the agent lived"
     agent.kill()
     agent.wait()
     assert wait_gone([engine, grandchild], 1.0) == []
@@ -429,7 +506,8 @@ def test_pyxis_argv_without_container_and_with_setup_script() -> None:
     )
     argv = pyxis_srun_argv(s, "9", "n1", "ignored")
     assert not [a for a in argv if a.startswith(("--container", "--no-container"))]
-    assert "--chdir=/w" in argv and "--job-name=tilert-router" in argv
+    assert "--chdir=/w" in argv
+    assert "--job-name=tilert-router" in argv
     tail = argv[argv.index("--export=ALL") + 2 :]
     assert argv[argv.index("--export=ALL") + 1] == "--chdir=/w"
     assert tail[0:2] == ["bash", "-c"]
@@ -445,6 +523,7 @@ def test_preflight_shares_its_engines_container() -> None:
 def test_make_launcher() -> None:
     assert make_launcher("process", slurm_job_id=None, node=None).name == "process"
     pyxis = make_launcher("pyxis", slurm_job_id="12", node="node1")
-    assert isinstance(pyxis, PyxisLauncher) and (pyxis.job_id, pyxis.node) == ("12", "node1")
+    assert isinstance(pyxis, PyxisLauncher)
+    assert (pyxis.job_id, pyxis.node) == ("12", "node1")
     with pytest.raises(ValueError, match="SLURM_JOB_ID"):
         make_launcher("pyxis", slurm_job_id=None, node="node1")

@@ -1,4 +1,5 @@
-"""The pyxis launcher's nested ``srun --overlap`` step on the real local Slurm (no container flags)."""
+"""The pyxis launcher's nested ``srun --overlap`` step on the real local Slurm (no container
+flags)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -17,7 +17,9 @@ import trio
 
 from agent.launch import LaunchSpec, PyxisLauncher, PyxisStep
 from agent.launch.pyxis import ENGINE_ID_ENV
+from tests import kit
 from tests.infra.slurm import LocalSlurm
+from tests.kit import alive, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
 
@@ -30,27 +32,23 @@ GRACEFUL = textwrap.dedent(
         print("got TERM", flush=True)
         sys.exit(0)
     signal.signal(signal.SIGTERM, term)
-    print("up", os.getpid(), os.environ.get("FROM_SPEC"), os.environ.get("SLURM_STEP_ID"), flush=True)
+    env = os.environ
+    print("up", os.getpid(), env.get("FROM_SPEC"), env.get("SLURM_STEP_ID"), flush=True)
     time.sleep(600)
     """
 )
-STUBBORN = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(600)"
-
-
-def alive(pid: int) -> bool:
-    """Exists and is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+STUBBORN = (
+    "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('up', flush=True)\ntime.sleep(600)"
+)
 
 
 @pytest.fixture
-def job(slurm: LocalSlurm) -> Iterator[str]:
+def job(slurm: LocalSlurm) -> str:
     """A running job holding NODE (its batch script just sleeps); the agent is outside it."""
     job_id = slurm.sbatch("#!/bin/sh\nexec sleep 300\n", "-N1", f"--nodelist={NODE}")
     assert slurm.wait_job_state(job_id, ["RUNNING"]) == "RUNNING"
-    yield job_id
+    return job_id
 
 
 def launcher(slurm: LocalSlurm, job: str) -> PyxisLauncher:
@@ -63,12 +61,11 @@ def step_ids(slurm: LocalSlurm, job: str) -> list[str]:
     return slurm.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"]).stdout.split()
 
 
-async def engine_pid(engine: PyxisStep, timeout: float = 20) -> int:
+async def engine_pid(engine: PyxisStep, limit_s: float = 20) -> int:
     """The leader pid once the launcher has found it on the node."""
-    with trio.fail_after(timeout):
-        while (pid := engine.pid) is None:
-            await trio.sleep(0.1)
-    return pid
+    await kit.until(lambda: engine.pid is not None, "the step's leader pid on the node", limit_s)
+    assert engine.pid is not None
+    return engine.pid
 
 
 async def first_line(engine: PyxisStep) -> str:
@@ -99,7 +96,8 @@ async def test_nested_step_graceful_stop(slurm: LocalSlurm, job: str) -> None:
     )
     engine = await launcher(slurm, job).start(spec)
     try:
-        assert engine.step is not None and engine.step.startswith(f"{job}.")
+        assert engine.step is not None
+        assert engine.step.startswith(f"{job}.")
         up = (await first_line(engine)).split()
         pid = await engine_pid(engine)
         # The leader is the engine itself on this node, not the srun client; env reached it.
@@ -141,7 +139,8 @@ async def test_run_through_a_nested_step(slurm: LocalSlurm, job: str) -> None:
     spec = LaunchSpec(name="x-preflight", argv=["sh", "-c", "echo hi; exit 3"], env=slurm.env)
     code, out = await launcher(slurm, job).run(spec, timeout_s=30)
     # srun's own messages ("task 0: Exited with exit code 3") share the pipe with the task's.
-    assert code == 3 and b"hi\n" in out
+    assert code == 3
+    assert b"hi\n" in out
 
 
 AGENT = textwrap.dedent(
@@ -181,15 +180,15 @@ def test_sigkill_of_the_agent_ends_the_step(slurm: LocalSlurm, job: str) -> None
         agent.kill()
         agent.wait()
         # The lifeline watcher sees EOF and scancels the step; PDEATHSIG ends the srun client.
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(alive(p) for p in pids):
-            time.sleep(0.05)
-        assert not [p for p in pids if alive(p)]
+        assert not wait_gone(pids, 5)
         # The step itself is gone from squeue once slurmstepd has wound it up.
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and step in step_ids(slurm, job):
-            time.sleep(0.2)
-        assert step not in step_ids(slurm, job)
+        wait_for(
+            f"step {step} gone from squeue",
+            lambda: step_ids(slurm, job),
+            15,
+            until=lambda steps: step not in steps,
+            interval=0.2,
+        )
     finally:
         agent.kill()
         for p in pids:

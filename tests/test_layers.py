@@ -65,7 +65,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, known: set[str]) -> Iterator[str]:
-    """Every module of ours that ``name`` imports (``from a import b`` counts as ``a.b`` if it is one)."""
+    """Every module of ours that ``name`` imports (``from a import b`` counts as ``a.b`` if it is
+    one)."""
     is_package = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):

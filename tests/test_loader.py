@@ -45,7 +45,8 @@ def edit(old: str, new: str) -> str:
 def test_b200_loads_unchanged_with_the_cluster_aliases() -> None:
     loaded = load_recipe(B200, cluster=CLUSTER)
     r = loaded.recipe
-    assert r.roles.prefill is not None and r.roles.decode is not None
+    assert r.roles.prefill is not None
+    assert r.roles.decode is not None
     assert r.roles.prefill.container == "/images/tilert-prefill-0.1.6.sqsh"
     assert r.roles.decode.container == "/images/tilert-decode-0.1.6.sqsh"
     assert r.frontend.container_image == "/images/tilert-router-0.1.6.sqsh"
@@ -65,7 +66,8 @@ def test_mi355x_loads_with_its_model_alias() -> None:
     loaded = load_recipe(MI355X, cluster=CLUSTER)
     r = loaded.recipe
     assert r.model.path == "/models/GLM-5.3"
-    assert r.roles.prefill is not None and r.roles.decode is not None
+    assert r.roles.prefill is not None
+    assert r.roles.decode is not None
     assert r.roles.prefill.container == "ghcr.io/tile-ai/tilert-rocm-prefill:0.1.6"
     assert r.frontend.container_image is None  # the router runs in model.container
     assert r.environment == {"RDMAV_FORK_SAFE": "1"}
@@ -103,7 +105,8 @@ def test_resolved_yaml_masks_secrets_and_still_loads() -> None:
     text = text.replace("schema: 2\n", "schema: 2\nenvironment: {MY_PASSWORD: pw}\n")
     loaded = load_text(text)
     out = resolved_yaml(loaded)
-    assert "hf_abc" not in out and "pw" not in out.split("MY_PASSWORD")[1].split("\n")[0]
+    assert "hf_abc" not in out
+    assert "pw" not in out.split("MY_PASSWORD")[1].split("\n")[0]
     data = yaml.safe_load(out)
     assert data["roles"]["prefill"]["env"] == {
         "HF_TOKEN": "***",
@@ -223,7 +226,8 @@ def test_engine_flag_at_role_level_says_move_it_under_args() -> None:
 def test_srtctl_keys_we_do_not_support_say_why() -> None:
     exc = fail_text(b200_text() + "profiling: {type: torch}\ndynamo: {install: false}\n")
     message = str(exc)
-    assert "profiling" in message and "torch profiling" in message
+    assert "profiling" in message
+    assert "torch profiling" in message
     assert "dynamo" in message
 
 
@@ -296,7 +300,8 @@ def test_defaults_are_filled_for_the_planner() -> None:
     )
     text = text.replace("    nodes: 1\n    workers: 1\n    gpus: 8\n    env: {}", "    env: {}")
     r = load_text(text).recipe
-    assert r.roles.decode is not None and r.roles.prefill is not None
+    assert r.roles.decode is not None
+    assert r.roles.prefill is not None
     assert (r.roles.decode.nodes, r.roles.decode.workers, r.roles.decode.gpus) == (2, 2, 8)
     assert (r.roles.prefill.nodes, r.roles.prefill.workers, r.roles.prefill.gpus) == (1, 1, 8)
 
@@ -316,7 +321,8 @@ def test_set_creates_env_and_args_with_yaml_types() -> None:
         ],
     )
     r = loaded.recipe
-    assert r.roles.prefill is not None and r.roles.decode is not None
+    assert r.roles.prefill is not None
+    assert r.roles.decode is not None
     assert r.roles.prefill.env["HF_HUB_OFFLINE"] == 1
     assert r.roles.decode.env == {"NEW": "text"}
     assert r.roles.prefill.args["max-num-seqs"] == 16
@@ -328,7 +334,8 @@ def test_set_creates_env_and_args_with_yaml_types() -> None:
 def test_set_problems_say_from_set() -> None:
     exc = fail_text(b200_text(), overrides=["roles.decode.nodes=two"])
     problem = next(p for p in exc.problems if p.path == "roles.decode.nodes")
-    assert "--set" in problem.message and problem.line is None
+    assert "--set" in problem.message
+    assert problem.line is None
 
 
 def test_bad_set_syntax_names_the_flag() -> None:

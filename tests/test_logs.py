@@ -1,4 +1,5 @@
-"""agent.logs: engine log capture (never blocks, splits, rotates), agent.log, follow_file, log_files."""
+"""agent.logs: engine log capture (never blocks, splits, rotates), agent.log, follow_file,
+log_files."""
 
 from __future__ import annotations
 
@@ -10,22 +11,25 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
 
 from agent.job.logfiles import log_files, log_path, rotated_files
-from agent.job.logtail import follow_file
+from agent.job.logtail import LogLine, follow_file, history, open_log
+from agent.job.logtimes import format_time, times_path
 from agent.job.paths import JobDir
 from agent.node.agentlog import setup_agent_logging
 from agent.node.logpump import DROP_NOTICE, LogSink
+from tests import kit
 
 PY = sys.executable
 
 
 @contextlib.asynccontextmanager
-async def child(code: str):
+async def child(code: str) -> AsyncIterator[trio.Process]:
     """A Python child whose stdout is a pipe; its whole group is killed on the way out."""
     proc = await trio.lowlevel.open_process(
         [PY, "-c", code], stdout=subprocess.PIPE, start_new_session=True
@@ -59,7 +63,7 @@ class SlowSink(LogSink):
 
     delay = 0.5
 
-    def _write_sync(self, blocks: list[bytes]) -> OSError | None:
+    def _write_sync(self, blocks: list[tuple[bytes, float]]) -> OSError | None:
         time.sleep(self.delay)
         return super()._write_sync(blocks)
 
@@ -172,7 +176,8 @@ async def test_recent_ring_and_notes(tmp_path: Path) -> None:
     assert len(sink.recent(50)) == 10
     assert sink.recent(0) == []
     text = path.read_text().splitlines()
-    assert text[0].startswith("=== engine started") and text[-1].startswith("=== engine exited")
+    assert text[0].startswith("=== engine started")
+    assert text[-1].startswith("=== engine exited")
     assert sink.lines_written == 100  # notes are not engine output
 
 
@@ -184,9 +189,7 @@ async def test_note_while_pumping_keeps_order(tmp_path: Path) -> None:
         assert proc.stdout is not None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sink.pump, proc.stdout)
-            with trio.fail_after(10):
-                while sink.recent(1) != ["before"]:
-                    await trio.sleep(0.01)
+            await kit.until(lambda: sink.recent(1) == ["before"], "the line 'before' in the ring")
             sink.note("--- note ---")
     assert path.read_text() == "before\n--- note ---\nafter\n"
 
@@ -201,8 +204,7 @@ async def test_cancelled_pump_still_writes_what_it_read(tmp_path: Path) -> None:
         with trio.move_on_after(10) as scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sink.pump, proc.stdout)
-                while not sink.recent(1):
-                    await trio.sleep(0.01)
+                await kit.until(lambda: bool(sink.recent(1)), "the first line in the ring")
                 nursery.cancel_scope.cancel()
         assert not scope.cancelled_caught
     assert path.read_text() == "x" * 100 + "\n"
@@ -261,8 +263,7 @@ async def test_follow_file_waits_for_the_file_and_survives_rotation(tmp_path: Pa
         nursery.start_soon(collect)
         with trio.fail_after(20):
             await trio.run_process([PY, "-c", writer])
-            while len(seen) < len(expected):
-                await trio.sleep(0.05)
+            await kit.until(lambda: len(seen) >= len(expected), "every line followed", 20)
         stop.set()
     assert seen == expected
     assert len(rotated_files(path)) == 3
@@ -281,12 +282,10 @@ async def test_follow_file_tail_then_new_lines(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(collect)
         with trio.fail_after(10):
-            while seen != ["old 8", "old 9"]:
-                await trio.sleep(0.02)
+            await kit.until(lambda: seen == ["old 8", "old 9"], "the last two complete lines")
             with path.open("a") as f:
                 f.write(" line\nnew\nunfinished")
-            while len(seen) < 4:
-                await trio.sleep(0.02)
+            await kit.until(lambda: len(seen) >= 4, "the two new lines")
         stop.set()
     assert seen == ["old 8", "old 9", "partial line", "new", "unfinished"]
 
@@ -302,5 +301,82 @@ def test_log_files_map(tmp_path: Path) -> None:
     assert log_files(job)["decode-2"] == job.logs / "decode-2" / "engine.log"
     assert list(log_files(job, agent=True)) == ["prefill-0", "decode-2", "decode-10"]
     assert log_path(job, "decode-2", agent=True) == job.logs / "decode-2" / "agent.log"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"no agent\.log of its own"):
         log_path(job, "router", agent=True)
+
+
+# ---- receive times (engine.times) and reading by time -------------------------------------------
+
+
+def read_all(path: Path, **options: object) -> list[LogLine]:
+    """Every line of ``path``'s history (rotated files first) with the given reading options."""
+    follower = open_log(path, **options)  # type: ignore[arg-type]
+    lines = [line for batch in history(follower, rotated=True) for line in batch]
+    return lines + follower.finish()
+
+
+def test_times_paths() -> None:
+    assert times_path(Path("d/engine.log")) == Path("d/engine.times")
+    assert times_path(Path("d/engine.log.12")) == Path("d/engine.times.12")
+    assert times_path(Path("d/router.log")) == Path("d/router.times")
+
+
+async def test_receive_times_follow_their_files_through_rotation(tmp_path: Path) -> None:
+    path = tmp_path / "engine.log"
+    sink = LogSink(path, max_bytes=100, backups=50)
+    t0 = time.time()
+    await pump_bytes(sink, b"".join(b"first %03d\n" % i for i in range(40)))
+    await trio.sleep(0.2)
+    middle = time.time()
+    await trio.sleep(0.05)
+    await pump_bytes(sink, b"".join(b"second %03d\n" % i for i in range(40)))
+    t1 = time.time()
+    # Every log file has its index, naming that very file.
+    files = all_files(path)
+    assert len(files) > 5
+    for f in files:
+        index = times_path(f).read_bytes()
+        assert index[:8] == b"TLTIMES1"
+        assert int.from_bytes(index[8:16], "little") == f.stat().st_ino
+    # The file itself is exactly the engine's bytes.
+    assert b"".join(f.read_bytes() for f in files).count(b"\n") == 80
+    timed = read_all(path, tail_lines=None, since=None, timestamps=True)
+    assert [line.text for line in timed][:2] == ["first 000", "first 001"]
+    assert all(line.time is not None and t0 <= line.time <= t1 for line in timed)
+    first = [line.time for line in timed if line.text.startswith("first")]
+    second = [line.time for line in timed if line.text.startswith("second")]
+    assert max(first) < middle < min(second)  # type: ignore[type-var, operator]
+    # --since: the later lines only, the older rotated files skipped.
+    since = read_all(path, tail_lines=None, since=middle, timestamps=False)
+    assert [line.text for line in since] == [f"second {i:03d}" for i in range(40)]
+    assert read_all(path, tail_lines=None, since=t1 + 60, timestamps=False) == []
+    # --tail and --since together: the last N, none older than since.
+    follower = open_log(path, tail_lines=3, since=t0 - 60, timestamps=False)
+    assert [line.text for line in follower.finish()][-3:] == [
+        "second 037",
+        "second 038",
+        "second 039",
+    ]
+
+
+def test_files_without_an_index_have_no_times(tmp_path: Path) -> None:
+    """A file from before the index (or anybody's file): times unknown, --since keeps it all."""
+    path = tmp_path / "engine.log"
+    path.write_text("a\nb\n")
+    lines = read_all(path, tail_lines=None, since=time.time() - 5, timestamps=True)
+    assert lines == [LogLine(None, "a"), LogLine(None, "b")]
+
+
+def test_agent_log_times_come_from_the_lines(tmp_path: Path) -> None:
+    path = tmp_path / "agent.log"
+    path.write_text(
+        "2026-12-02T11:22:33.123Z decode-0 INFO old\n"
+        "2026-12-02T11:30:00.000Z decode-0 INFO new\n"
+        "no time here\n"
+    )
+    lines = read_all(path, tail_lines=None, since=None, timestamps=True)
+    assert lines[0].time == pytest.approx(1796210553.123)
+    assert format_time(lines[1].time or 0) == "2026-12-02T11:30:00.000Z"
+    assert lines[2] == LogLine(None, "no time here")
+    since = read_all(path, tail_lines=None, since=lines[1].time, timestamps=False)
+    assert [line.text.split()[-1] for line in since] == ["new", "here"]

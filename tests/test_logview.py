@@ -1,4 +1,6 @@
-"""``tilert-submit logs``: prefixes, order, one source, bad input, --agent, and -f until SIGINT."""
+"""``tilert-submit logs`` on job directories the tests write: prefixes, order, names and patterns,
+--since, --timestamps, colours, bad input, --agent, and -f until SIGINT, the job's end or a closed
+pipe. The same on real jobs: tests/test_logs_cli.py."""
 
 from __future__ import annotations
 
@@ -10,12 +12,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from agent.job.logtail import LogLine
 from agent.job.paths import JobDir
+from agent.job.records import JobAgent, JobState, JobStatus
 from submit import logview
+from submit.logview.command import parse_since
+from submit.logview.printer import Printer, wants_colour
 
 PY = sys.executable
 
@@ -85,7 +92,8 @@ def test_not_a_job_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "does not exist" in capsys.readouterr().err
     assert run(tmp_path) == 2
     err = capsys.readouterr().err
-    assert "is not a job directory" in err and "Traceback" not in err
+    assert "is not a job directory" in err
+    assert "Traceback" not in err
 
 
 def test_empty_job_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -93,24 +101,96 @@ def test_empty_job_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     job.create()
     assert run(job.root) == 0
     out = capsys.readouterr()
-    assert out.out == "" and "no logs yet" in out.err
+    assert out.out == ""
+    assert "no logs yet" in out.err
 
 
-def test_colour_only_on_a_terminal() -> None:
-    class Tty:
-        text = ""
+class Captured:
+    """A stdout stand-in: what was written, and whether it says it is a terminal."""
 
-        def write(self, s: str) -> None:
-            self.text += s
+    def __init__(self, tty: bool = False) -> None:
+        self.text = ""
+        self.tty = tty
 
-        def flush(self) -> None:
-            pass
+    def write(self, s: str) -> None:
+        self.text += s
 
-    plain, coloured = Tty(), Tty()
-    logview._Printer(plain, ["a", "bb"], colour=False).emit("a", ["x"])  # type: ignore[arg-type]
-    logview._Printer(coloured, ["a", "bb"], colour=True).emit("bb", ["x"])  # type: ignore[arg-type]
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_colour_prefix_and_timestamps() -> None:
+    plain, coloured, stamped = Captured(), Captured(), Captured()
+    Printer(plain, ["a", "bb"], colour=False).emit("a", [LogLine(None, "x")])  # type: ignore[arg-type]
+    Printer(coloured, ["a", "bb"], colour=True).emit("bb", [LogLine(None, "x")])  # type: ignore[arg-type]
+    printer = Printer(stamped, ["a"], colour=False, timestamps=True)  # type: ignore[arg-type]
+    printer.emit("a", [LogLine(1796230000.5, "x"), LogLine(None, "y")])
     assert plain.text == "a  | x\n"
-    assert coloured.text.startswith("\033[") and coloured.text.endswith("bb |\033[0m x\n")
+    assert coloured.text.startswith("\033[")
+    assert coloured.text.endswith("bb |\033[0m x\n")
+    assert stamped.text == "a | 2026-12-02T16:46:40.500Z x\na | -                        y\n"
+
+
+def test_colour_only_on_a_terminal_without_no_color() -> None:
+    tty, pipe = Captured(tty=True), Captured()
+    assert wants_colour(tty, no_color=False, env={})  # type: ignore[arg-type]
+    assert not wants_colour(pipe, no_color=False, env={})  # type: ignore[arg-type]
+    assert not wants_colour(tty, no_color=True, env={})  # type: ignore[arg-type]
+    assert not wants_colour(tty, no_color=False, env={"NO_COLOR": "1"})  # type: ignore[arg-type]
+    # no-color.org: only a non-empty NO_COLOR counts.
+    assert wants_colour(tty, no_color=False, env={"NO_COLOR": ""})  # type: ignore[arg-type]
+
+
+def test_since_durations_and_iso_times() -> None:
+    now = 1_800_000_000.0
+    assert parse_since("10m", now) == now - 600
+    assert parse_since("1h30m", now) == now - 5400
+    assert parse_since("1.5h", now) == now - 5400
+    assert parse_since("2d", now) == now - 2 * 86400
+    assert parse_since("500ms", now) == now - 0.5
+    utc = datetime(2026, 12, 2, 11, 22, 33, tzinfo=UTC).timestamp()
+    assert parse_since("2026-12-02T11:22:33Z", now) == utc
+    assert parse_since("2026-12-02T12:22:33+01:00", now) == utc
+    naive = datetime(2026, 12, 2, 11, 22, 33).astimezone().timestamp()  # local time
+    assert parse_since("2026-12-02T11:22:33", now) == naive
+    assert parse_since("2026-12-02 11:22:33", now) == naive
+    for bad in ("10", "m", "10x", "yesterday", "", "-5m"):
+        with pytest.raises(ValueError, match="neither a duration"):
+            parse_since(bad, now)
+
+
+def test_names_patterns_and_benchmark(job: JobDir, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(job.root, "decode-*", "router") == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "decode-0 | d1",
+        "decode-0 | d2 \ufffd",
+        "decode-0 | d3",
+        "decode-0 | d4-partial",
+        "router   | r1",
+    ]
+    # Shown in the job's order whatever the order asked in; a source named twice once.
+    assert run(job.root, "router", "prefill-0", "p*", "--tail", "1") == 0
+    assert capsys.readouterr().out.splitlines() == ["prefill-0 | p2", "router    | r1"]
+    assert run(job.root, "x*") == 2
+    assert (
+        "no source matches 'x*'; this job has: prefill-0, decode-0, router"
+        in capsys.readouterr().err
+    )
+    assert run(job.root, "benchmark") == 0
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "benchmark: no log yet" in out.err
+    assert "logs/benchmark/benchmark.log" in out.err
+    bench = job.log_dir("benchmark")
+    bench.mkdir()
+    (bench / "benchmark.log").write_text("b1\n")
+    assert run(job.root) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "benchmark | b1"
+    assert run(job.root, "benchmark", "--agent") == 2
+    assert "benchmark has no agent.log" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -195,4 +275,143 @@ def test_console_script(job: JobDir) -> None:
     )
     assert (done.returncode, done.stdout) == (0, b"router | r1\n")
     done = subprocess.run([str(script), "logs", str(job.root), "nope"], capture_output=True)
-    assert done.returncode == 2 and b"prefill-0, decode-0, router" in done.stderr
+    assert done.returncode == 2
+    assert b"prefill-0, decode-0, router" in done.stderr
+
+
+# ---- -f ends with the job ----------------------------------------------------------------------
+
+
+def write_status(job: JobDir, state: JobState, pid: int | None, **agents: str) -> None:
+    """status.json as the head writes it: the job's state, its supervisor, agents' states."""
+    entries = [
+        JobAgent(
+            name=name.replace("_", "-"),
+            role=name.split("_")[0],
+            index=int(name.split("_")[1]),
+            node="n1",
+            state=agent_state,
+            restarts=0,
+            reason="",
+            log="",
+            metrics_url=None,
+            status_url=None,
+        )
+        for name, agent_state in agents.items()
+    ]
+    job.write_status(JobStatus(state=state, model="m", local_pid=pid, agents=entries))
+
+
+def viewer(
+    job: JobDir, procs: list[subprocess.Popen[bytes]], *args: str
+) -> subprocess.Popen[bytes]:
+    """``python -m submit.logview J -f ARGS`` with pipes, in its own group."""
+    proc = subprocess.Popen(
+        [PY, "-m", "submit.logview", str(job.root), "-f", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    procs.append(proc)
+    return proc
+
+
+def supervisor(procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    """A process standing in for the job's local supervisor (``status.json``'s local_pid)."""
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    procs.append(proc)
+    return proc
+
+
+def test_follow_ends_0_once_stopped_and_the_supervisor_is_gone(
+    job: JobDir, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    sup = supervisor(procs)
+    write_status(job, "ready", sup.pid)
+    proc = viewer(job, procs)
+    out = LineReader(proc)
+    out.until("router    | r1")
+    write_status(job, "stopped", sup.pid)
+    time.sleep(1.5)  # it has seen "stopped" by now and waits for the supervisor to be gone
+    assert proc.poll() is None
+    with (job.logs / "prefill-0" / "engine.log").open("a") as f:
+        f.write("last words\n")  # written while the job drains: printed before the end
+    sup.kill()
+    assert proc.wait(10) == 0
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    assert b"prefill-0 | last words\n" in proc.stdout.read()
+    assert proc.stderr.read() == b""
+
+
+def test_follow_ends_1_when_the_job_fails_or_its_supervisor_dies(
+    job: JobDir, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    sup = supervisor(procs)
+    write_status(job, "ready", sup.pid)
+    proc = viewer(job, procs, "--tail", "0")
+    time.sleep(1)
+    assert proc.poll() is None
+    sup.kill()  # gone without status.json saying so: the job has failed
+    assert proc.wait(10) == 1
+    assert proc.stderr is not None
+    assert b"(pid %d) is gone" % sup.pid in proc.stderr.read()
+    write_status(job, "failed", None)
+    assert viewer(job, procs).wait(10) == 1
+
+
+def test_follow_of_names_ends_when_they_end(
+    job: JobDir, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    sup = supervisor(procs)
+    write_status(job, "degraded", sup.pid, prefill_0="healthy", decode_0="failed")
+    # decode-0 failed while the job goes on: its follower ends with 1, the others follow on.
+    failed = viewer(job, procs, "decode-0")
+    both = viewer(job, procs, "decode-*", "prefill-0")
+    assert failed.wait(10) == 1
+    assert failed.stdout is not None
+    assert b"decode-0 | d4-partial\n" in failed.stdout.read()
+    assert both.poll() is None
+    write_status(job, "degraded", sup.pid, prefill_0="stopped", decode_0="failed")
+    assert both.wait(10) == 1
+    write_status(job, "stopping", sup.pid, prefill_0="stopped", decode_0="stopped")
+    assert viewer(job, procs, "prefill-0", "decode-0").wait(10) == 0
+
+
+def test_follow_into_a_closed_pipe_ends_quietly(
+    job: JobDir, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """``logs J -f | head -1`` ends with 0 even when no new line comes to find the pipe closed."""
+    reader, writer = os.pipe()
+    proc = subprocess.Popen(
+        [PY, "-m", "submit.logview", str(job.root), "router", "-f"],
+        stdout=writer,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    procs.append(proc)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        assert pipe.readline() == b"router | r1\n"
+    # The reader is gone and the log never grows: the follower notices by itself.
+    assert proc.wait(10) == 0
+    assert proc.stderr is not None
+    assert proc.stderr.read() == b""
+
+
+def test_follow_waits_for_a_named_log_and_says_so(
+    job: JobDir, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    proc = viewer(job, procs, "benchmark")
+    assert proc.stderr is not None
+    said = proc.stderr.readline().decode()  # before the benchmark has a folder
+    assert "benchmark: no log yet" in said
+    assert "waiting for it" in said
+    bench = job.log_dir("benchmark")
+    bench.mkdir()
+    (bench / "benchmark.log").write_text("bench line\n")
+    out = LineReader(proc)
+    out.until("benchmark | bench line")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(10) == 0
+    assert proc.stderr.read() == b""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agent.problems import InputError
@@ -64,3 +66,40 @@ def test_every_bad_flag_is_reported() -> None:
     with pytest.raises(InputError) as info:
         apply_overrides({}, ["nope", "a.b=1", "x..y=2"])
     assert len(info.value.problems) == 2
+
+
+# ---- values read from the environment or a file (secrets off the command line) ----------------
+
+
+def test_a_value_from_the_environment_is_a_string(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MY_TOKEN", "0123")  # a string, not the integer YAML would make it
+    assert parse_override("roles.decode.env.HF_TOKEN=@env:MY_TOKEN") == (
+        ["roles", "decode", "env", "HF_TOKEN"],
+        "0123",
+    )
+
+
+def test_a_value_from_a_file_drops_one_trailing_newline(tmp_path: Path) -> None:
+    (tmp_path / "key").write_text("s3cret: yes\n")
+    assert parse_override(f"a.KEY=@file:{tmp_path / 'key'}") == (["a", "KEY"], "s3cret: yes")
+
+
+def test_bad_indirect_values_name_the_flag_never_the_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
+    (tmp_path / "big").write_bytes(b"x" * (64 * 1024 + 1))
+    (tmp_path / "binary").write_bytes(b"\xff\xfe")
+    cases = {
+        "a.K=@env:NOT_SET_ANYWHERE": "the environment has no variable 'NOT_SET_ANYWHERE'",
+        f"a.K=@file:{tmp_path / 'missing'}": "cannot read",
+        f"a.K=@file:{tmp_path / 'big'}": "larger than 64 KiB",
+        f"a.K=@file:{tmp_path / 'binary'}": "not UTF-8 text",
+    }
+    for item, says in cases.items():
+        with pytest.raises(InputError) as exc:
+            parse_override(item)
+        text = str(exc.value)
+        assert f"--set {item}" in text, text
+        assert says in text, text
+        assert "xxxx" not in text

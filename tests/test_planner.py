@@ -103,7 +103,8 @@ def test_b200_commands_and_images() -> None:
     assert plan.router.image == "/shared/images/tilert-router-0.1.6.sqsh"
     assert plan.model == "zai-org/GLM-5.1-FP8"
     assert (plan.prefill.first_node, plan.decode.first_node) == (0, 1)
-    assert plan.slurm.nodes == 2 and plan.slurm.gpus_per_node == 8
+    assert plan.slurm.nodes == 2
+    assert plan.slurm.gpus_per_node == 8
     assert plan.launcher == "pyxis"
     # srtctl's budget: health_check 720 x 5 s.
     assert plan.prefill.startup_budget_s == plan.decode.startup_budget_s == 3600.0
@@ -149,7 +150,8 @@ def test_env_layers_and_secrets_stay_out_of_the_plan() -> None:
     assert plan.prefill.secret_env == ["HF_TOKEN"]
     assert plan.router.secret_env == ["HF_TOKEN", "ROUTER_API_KEY"]
     text = msgspec.json.encode(plan).decode()
-    assert "hf-secret-value" not in text and "router-secret-value" not in text
+    assert "hf-secret-value" not in text
+    assert "router-secret-value" not in text
     assert secret_values(loaded.recipe) == {
         "HF_TOKEN": "hf-secret-value",
         "ROUTER_API_KEY": "router-secret-value",
@@ -232,7 +234,7 @@ def test_local_demo_plan() -> None:
     loaded = load(DEMO)
     assert loaded.warnings == []
     plan = make_plan(loaded, mock=True)
-    assert plan.mock is True
+    assert plan.standins == ["prefill", "decode", "router"]
     assert (plan.prefill.nodes, plan.decode.nodes) == (1, 2)
     assert plan.slurm.nodes == 3
     assert plan.slurm.gpus_per_node == 0
@@ -241,3 +243,12 @@ def test_local_demo_plan() -> None:
     assert plan.prefill.program[-1] == str(RECIPES / "local-demo-model")
     kv = plan.prefill.args[plan.prefill.args.index("--kv-transfer-config") + 1]
     assert json.loads(kv)["kv_connector_extra_config"]["tilert_max_seq_len"] == 4096
+
+
+def test_node_local_logs_in_the_plan() -> None:
+    """agent.logs.location: node puts the folder in the plan; the default adds nothing to it."""
+    assert "log_node_dir" not in plan_json(load(DEMO))
+    loaded = load(DEMO, overrides=["agent.logs.location=node", "agent.logs.node_dir=/local/x"])
+    plan = load_plan(plan_json(loaded).encode())
+    assert plan.agent.log_node_dir == "/local/x"
+    assert load_plan(plan_json(load(DEMO)).encode()).agent.log_node_dir is None

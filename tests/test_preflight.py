@@ -45,7 +45,8 @@ async def test_missing_module_is_a_clear_failure() -> None:
     assert not result.ok
     [problem] = result.problems
     assert "no_such_module_xyz.decode_server" in problem
-    assert sys.executable in problem and "install it" in problem
+    assert sys.executable in problem
+    assert "install it" in problem
 
 
 async def test_setup_script_found_in_configs_dir_and_sourced(tmp_path: Path) -> None:
@@ -82,7 +83,8 @@ async def test_missing_setup_script_is_a_failure(tmp_path: Path) -> None:
     assert not result.ok
     [problem] = result.problems
     assert "setup_script" in problem
-    assert str(tmp_path / "gone.sh") in problem and str(tmp_path / "patches" / "gone.sh") in problem
+    assert str(tmp_path / "gone.sh") in problem
+    assert str(tmp_path / "patches" / "gone.sh") in problem
     assert result.setup_script is None
 
 
@@ -93,7 +95,8 @@ async def test_failing_setup_script(tmp_path: Path) -> None:
     )
     assert not result.ok
     [problem] = result.problems
-    assert "failed with status 1" in problem and "pip: no network" in problem
+    assert "failed with status 1" in problem
+    assert "pip: no network" in problem
 
 
 async def test_missing_weights_dir(tmp_path: Path) -> None:
@@ -117,14 +120,16 @@ async def test_all_problems_at_once(tmp_path: Path) -> None:
     )
     # Every problem at once: two modules, the setup script, the path.
     assert len(result.problems) == 4
-    assert "none.sh" in result.problems[2] and str(tmp_path / "w") in result.problems[3]
+    assert "none.sh" in result.problems[2]
+    assert str(tmp_path / "w") in result.problems[3]
 
 
 async def test_interpreter_that_cannot_start() -> None:
     result = await run_preflight(ProcessLauncher(), BASE, checks(python="/nonexistent/python3"))
     assert not result.ok
     [problem] = result.problems
-    assert "cannot start" in problem and "/nonexistent/python3" in problem
+    assert "cannot start" in problem
+    assert "/nonexistent/python3" in problem
 
 
 async def test_interpreter_that_cannot_start_after_setup(tmp_path: Path) -> None:
@@ -136,7 +141,8 @@ async def test_interpreter_that_cannot_start_after_setup(tmp_path: Path) -> None
     )
     assert not result.ok
     [problem] = result.problems
-    assert "printed no result" in problem and "/nonexistent/python3" in problem
+    assert "printed no result" in problem
+    assert "/nonexistent/python3" in problem
 
 
 async def test_timeout_is_a_failure(tmp_path: Path) -> None:
@@ -146,4 +152,5 @@ async def test_timeout_is_a_failure(tmp_path: Path) -> None:
     result = await run_preflight(ProcessLauncher(), BASE, checks(python=str(slow)), timeout_s=0.5)
     assert not result.ok
     [problem] = result.problems
-    assert "did not finish within 0.5s" in problem and "loading" in problem
+    assert "did not finish within 0.5s" in problem
+    assert "loading" in problem

@@ -1,13 +1,17 @@
-"""The REAL TileRT router (tilert 0.1.6.post3, Python 3.12 venv) on the stand-ins: 1 prefill + 2 decode.
+"""The REAL TileRT router (tilert 0.1.6.post3, Python 3.12 venv) on the stand-ins: 1 prefill + 2
+decode.
 
 The router is started by hand with the unchanged production command, no GPU visible, and the demo
-tokenizer (recipes/local-demo-model) as --model-path.
+tokenizer (recipes/local-demo-model) as --model-path. The prefill stand-in's ``/tokenize`` lets the
+router turn its router-side tokenization on, so both of its prefill paths are taken: chats it can
+render go to ``/v1/completions`` as token ids, the others to ``/v1/chat/completions``.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,11 +19,11 @@ import httpx
 import pytest
 
 from agent.standins import tokens
+from tests.infra.ports import free_port
 from tests.infra.standin_stack import (
     DEMO_MODEL,
     Proc,
     decode_argv,
-    free_port,
     prefill_argv,
     standin_env,
     wait_http,
@@ -94,7 +98,9 @@ def stream_chat(url: str) -> str:
 
 def test_router_started_with_the_real_code(real_router: RealRouterStack) -> None:
     log = real_router.router.output()
-    assert "router on :" in log and "2 decode node(s)" in log and "(stand-in)" not in log
+    assert "router on :" in log
+    assert "2 decode node(s)" in log
+    assert "(stand-in)" not in log
     assert httpx.get(f"{real_router.url}/health").json() == {"status": "ok", "decode_free": 2}
 
 
@@ -123,7 +129,38 @@ def test_non_streaming_completion(real_router: RealRouterStack) -> None:
     r = httpx.post(f"{real_router.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    assert choice["text"] == REPLY[:8] and choice["finish_reason"] == "length"
+    assert choice["text"] == REPLY[:8]
+    assert choice["finish_reason"] == "length"
     chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(f"{real_router.url}/v1/chat/completions", json=chat, timeout=60)
     assert r.json()["choices"][0]["message"]["content"] == REPLY
+
+
+def router_tokenize(url: str) -> dict[str, object]:
+    """The router's router-side tokenization figures (``/pool_status``)."""
+    status = httpx.get(f"{url}/pool_status", timeout=10).json()
+    figures: dict[str, object] = status["router_tokenize"]
+    return figures
+
+
+def test_the_router_takes_both_of_its_prefill_paths(real_router: RealRouterStack) -> None:
+    # The stand-in's /tokenize matches the router's own tokenizer on every self-check probe, so
+    # the router turns router-side tokenization on, as it does against a real vLLM.
+    deadline = time.monotonic() + 30
+    while not router_tokenize(real_router.url)["on"]:
+        assert time.monotonic() < deadline, real_router.router.output()[-2000:]
+        time.sleep(0.2)
+    assert "router-side tokenization ON" in real_router.router.output()
+    before = router_tokenize(real_router.url)["requests"]
+    # A chat without logprobs: token ids to the prefill's /v1/completions.
+    assert stream_chat(real_router.url) == REPLY
+    assert router_tokenize(real_router.url)["requests"] == before + 1  # type: ignore[operator]
+    # A chat the router cannot render itself (a message with a name) falls back to the
+    # prefill's /v1/chat/completions.
+    message = {"role": "user", "content": "hi", "name": "tester"}
+    chat = {"model": "demo", "messages": [message]}
+    r = httpx.post(f"{real_router.url}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == REPLY
+    figures = router_tokenize(real_router.url)
+    assert (figures["requests"], figures["fallback"]) == (before + 2, 1)  # type: ignore[operator]

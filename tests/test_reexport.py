@@ -1,4 +1,5 @@
-"""agent.reexport: vLLM's /metrics relabelled (real captured page, hostile pages, a real HTTP server)."""
+"""agent.reexport: vLLM's /metrics relabelled (real captured page, hostile pages, a real HTTP
+server)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import httpx
 import prometheus_client
 import pytest
 import trio
+import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.http.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
@@ -122,7 +124,8 @@ def test_upstream_process_python_http_families_dropped() -> None:
     names = {f.name for f in text_string_to_metric_families(out)}
     assert not [n for n in names if n.startswith(DROPPED)]
     for prefix in DROPPED:
-        assert f"\n{prefix}" not in out and f" {prefix}" not in out
+        assert f"\n{prefix}" not in out
+        assert f" {prefix}" not in out
 
 
 def test_our_label_values_are_escaped() -> None:
@@ -137,9 +140,9 @@ def test_our_label_values_are_escaped() -> None:
 def test_bad_label_names_refused() -> None:
     """Adding job/instance/le or an invalid name is a programming error, caught at once."""
     for labels in ({"job": "x"}, {"instance": "x"}, {"le": "1"}, {"no-dash": "x"}, {"__x": "y"}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="label"):
             UpstreamMetrics("http://127.0.0.1:1/metrics", labels)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="label"):
             relabel_page("", labels)
 
 
@@ -161,8 +164,10 @@ def test_odd_but_valid_page() -> None:
         **OURS,
     } in odd
     assert {"spaced": "yes", "trailing": "comma", **OURS} in odd
-    assert "vllm:counted_total" in values and "vllm:untyped_thing" in values
-    assert "vllm:counted_total{" in out and "} 5 1700000000000\n" in out
+    assert "vllm:counted_total" in values
+    assert "vllm:untyped_thing" in values
+    assert "vllm:counted_total{" in out
+    assert "} 5 1700000000000\n" in out
     assert "# TYPE vllm:untyped_thing untyped\n" in out
     assert "# TYPE vllm:never_observed counter\n" in out
     assert "Label values with a backslash \\\\ and a newline \\n in HELP." in out
@@ -247,7 +252,8 @@ def test_one_corrupt_line_in_the_real_page_refuses_all() -> None:
 
 
 def test_openmetrics_page_refused() -> None:
-    """vLLM's /metrics/ (OpenMetrics, bug #1177's vllm_ sample names) is not mistaken for classic."""
+    """vLLM's /metrics/ (OpenMetrics, bug #1177's vllm_ sample names) is not mistaken for
+    classic."""
     with pytest.raises(PageError, match="OpenMetrics"):
         relabel_page(OPENMETRICS.read_text(), OURS)
 
@@ -288,7 +294,8 @@ def test_combined_with_the_agents_own_page() -> None:
     names = [f.name for f in text_string_to_metric_families(combined)]
     assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]
     assert "tilert_agent_restarts_total 9" not in combined
-    assert "vllm:time_to_first_token_seconds" in names and "process_cpu_seconds" in names
+    assert "vllm:time_to_first_token_seconds" in names
+    assert "process_cpu_seconds" in names
     samples(combined)  # no duplicate series either
 
 
@@ -299,7 +306,8 @@ def test_reserved_names_are_widened() -> None:
         "# TYPE theirs gauge\ntheirs 1\n"
     )
     out = relabel_page(page, OURS, reserved_names=["mine"])
-    assert "mine" not in out and "theirs{" in out
+    assert "mine" not in out
+    assert "theirs{" in out
 
 
 @pytest.fixture
@@ -351,7 +359,8 @@ def test_real_prometheus_scrapes_the_combined_page(
     prom = prometheus_factory(targets)
     prom.wait_for(f'up{{instance="{target}"}} == 1', timeout=60)
     [health] = [t for t in prom.targets() if t["labels"]["instance"] == target]
-    assert health["health"] == "up" and not health["lastError"], health
+    assert health["health"] == "up", health
+    assert not health["lastError"], health
     ttft = prom.query(
         "count by (role, node, slurm_job_id, job) (vllm:time_to_first_token_seconds_bucket)"
     )
@@ -359,7 +368,8 @@ def test_real_prometheus_scrapes_the_combined_page(
     assert prom.query('{__name__=~"vllm:.+", exported_job!=""}') == []
     assert prom.query('{__name__=~"vllm:.+", exported_instance!=""}') == []
     renamed = prom.query('vllm:odd_labels{upstream_instance="10.0.0.1:8000"}')
-    assert len(renamed) == 1 and renamed[0]["metric"]["instance"] == target
+    assert len(renamed) == 1
+    assert renamed[0]["metric"]["instance"] == target
     quantile = prom.query("histogram_quantile(0.5, vllm:time_to_first_token_seconds_bucket)")
     assert len(quantile) == 1
     scraped = prom.query(f'scrape_samples_scraped{{instance="{target}"}}')
@@ -388,39 +398,16 @@ class Upstream:
             return Response(self.page, 200, VLLM_CONTENT_TYPE)
 
         @app.route("GET", "/openmetrics")
-        async def openmetrics(request: Request) -> Response:
+        async def openmetrics(_request: Request) -> Response:
             ctype = "application/openmetrics-text; version=1.0.0; charset=utf-8"
             return Response(OPENMETRICS.read_bytes(), 200, ctype)
 
         @app.route("GET", "/broken")
-        async def broken(request: Request) -> Response:
+        async def broken(_request: Request) -> Response:
             return Response(b"engine dead\n", 503)
 
-        @app.route("GET", "/hang-headers")
-        async def hang_headers(request: Request) -> Response:
-            await trio.sleep_forever()
-            raise AssertionError
-
-        @app.route("GET", "/hang-body")
-        async def hang_body(request: Request) -> StreamingResponse:
-            async def chunks() -> AsyncIterator[bytes]:
-                yield self.page[:1000]
-                await trio.sleep_forever()
-                yield b""
-
-            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
-
-        @app.route("GET", "/trickle-forever")
-        async def trickle_forever(request: Request) -> StreamingResponse:
-            async def chunks() -> AsyncIterator[bytes]:
-                while True:  # each read is quick, so only an overall deadline stops this
-                    yield b"# still here\n"
-                    await trio.sleep(0.05)
-
-            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
-
         @app.route("GET", "/trickle")
-        async def trickle(request: Request) -> StreamingResponse:
+        async def trickle(_request: Request) -> StreamingResponse:
             async def chunks() -> AsyncIterator[bytes]:
                 step = len(self.page) // 10 + 1
                 for i in range(0, len(self.page), step):
@@ -430,7 +417,7 @@ class Upstream:
             return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
 
         @app.route("GET", "/huge")
-        async def huge(request: Request) -> StreamingResponse:
+        async def huge(_request: Request) -> StreamingResponse:
             line = b'vllm:big{engine="0",pad="' + b"x" * 200 + b'"} 1\n'
 
             async def chunks() -> AsyncIterator[bytes]:
@@ -442,13 +429,13 @@ class Upstream:
             return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
 
         @app.route("GET", "/huge-declared")
-        async def huge_declared(request: Request) -> Response:
+        async def huge_declared(_request: Request) -> Response:
             body = b"# x\n" * (512 * 1024)
             headers = {"content-length": str(len(body))}  # Response leaves it to hypercorn
             return Response(body, 200, VLLM_CONTENT_TYPE, headers)
 
         @app.route("GET", "/gzip")
-        async def gzipped(request: Request) -> Response:
+        async def gzipped(_request: Request) -> Response:
             import gzip
 
             headers = {"content-encoding": "gzip"}
@@ -456,7 +443,7 @@ class Upstream:
 
         for path in BAD:
 
-            async def bad(request: Request, data: bytes = path.read_bytes()) -> Response:
+            async def bad(_request: Request, data: bytes = path.read_bytes()) -> Response:
                 return Response(data, 200, VLLM_CONTENT_TYPE)
 
             app.route("GET", f"/{path.name}")(bad)
@@ -488,6 +475,47 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
+# An upstream that hangs or never finishes, in memory: the tests of the fetch deadline run on
+# trio's MockClock (pytest-trio's ``autojump_clock``), so they wait out no real time.
+STALLED = "http://stalled-upstream.invalid"
+
+
+async def stalled_upstream(request: httpx.Request) -> httpx.Response:
+    """No headers, a stalled body, or a body that never ends; /metrics is the real page."""
+    headers = {"content-type": VLLM_CONTENT_TYPE}
+    if request.url.path == "/hang-headers":
+        await trio.sleep_forever()
+    if request.url.path == "/hang-body":
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield REAL.read_bytes()[:1000]
+            await trio.sleep_forever()
+
+        return httpx.Response(200, headers=headers, content=stalled())
+    if request.url.path == "/trickle-forever":
+
+        async def trickle() -> AsyncIterator[bytes]:
+            while True:  # each read is quick, so only an overall deadline stops this
+                yield b"# still here\n"
+                await trio.sleep(0.05)
+
+        return httpx.Response(200, headers=headers, content=trickle())
+    if request.url.path == "/metrics":
+
+        async def whole() -> AsyncIterator[bytes]:  # streamed, as a server's body is
+            yield REAL.read_bytes()
+
+        return httpx.Response(200, headers=headers, content=whole())
+    return httpx.Response(404)
+
+
+@pytest.fixture
+async def stalled_client() -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client whose upstream (at ``STALLED``) is ``stalled_upstream``, in memory."""
+    async with httpx.AsyncClient(transport=httpx.MockTransport(stalled_upstream)) as c:
+        yield c
+
+
 async def render_timed(metrics: UpstreamMetrics, client: httpx.AsyncClient) -> tuple[str, float]:
     """render() and how long it took (it must never raise)."""
     start = trio.current_time()
@@ -502,9 +530,11 @@ async def test_render_real_page(upstream: Upstream, client: httpx.AsyncClient) -
     text = await metrics.render(client)
     assert text == relabel_page(REAL.read_text(), OURS)
     assert upstream.accept == "text/plain; version=0.0.4"
-    assert metrics.up and metrics.last_error is None
+    assert metrics.up
+    assert metrics.last_error is None
     assert metrics.last_bytes == len(upstream.page)
-    assert metrics.last_duration_s is not None and metrics.last_duration_s >= 0
+    assert metrics.last_duration_s is not None
+    assert metrics.last_duration_s >= 0
 
 
 @pytest.mark.parametrize("path", BAD, ids=[p.name for p in BAD])
@@ -514,8 +544,10 @@ async def test_render_hostile_page(
     """A hostile page gives "" and up=False with a reason; nothing raises."""
     metrics = UpstreamMetrics(upstream.url(f"/{path.name}"), OURS)
     text, _ = await render_timed(metrics, client)
-    assert text == "" and not metrics.up
-    assert metrics.last_error and upstream.url(f"/{path.name}") in metrics.last_error
+    assert text == ""
+    assert not metrics.up
+    assert metrics.last_error
+    assert upstream.url(f"/{path.name}") in metrics.last_error
 
 
 async def test_render_openmetrics_and_http_errors(
@@ -530,29 +562,37 @@ async def test_render_openmetrics_and_http_errors(
     ):
         metrics = UpstreamMetrics(upstream.url(path), OURS)
         assert await metrics.render(client) == ""
-        assert not metrics.up and metrics.last_error and reason in metrics.last_error
+        assert not metrics.up
+        assert metrics.last_error
+        assert reason in metrics.last_error
 
 
 @pytest.mark.parametrize("path", ["/hang-headers", "/hang-body", "/trickle-forever"])
 async def test_hanging_or_trickling_upstream_bounded_by_timeout(
-    upstream: Upstream, client: httpx.AsyncClient, path: str
+    autojump_clock: trio.testing.MockClock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+    stalled_client: httpx.AsyncClient,
+    path: str,
 ) -> None:
     """No headers, a stalled body, or a body that never ends: all cut at timeout_s overall."""
-    metrics = UpstreamMetrics(upstream.url(path), OURS, timeout_s=0.5)
-    text, took = await render_timed(metrics, client)
-    assert text == "" and not metrics.up
-    assert metrics.last_error and "within 0.5 s" in metrics.last_error
+    metrics = UpstreamMetrics(STALLED + path, OURS, timeout_s=0.5)
+    text, took = await render_timed(metrics, stalled_client)
+    assert text == ""
+    assert not metrics.up
+    assert metrics.last_error
+    assert "within 0.5 s" in metrics.last_error
     assert 0.4 < took < 3.0  # a liveness bound, not a performance target
 
 
 async def test_scrape_budget_shortens_the_timeout(
-    upstream: Upstream, client: httpx.AsyncClient
+    autojump_clock: trio.testing.MockClock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+    stalled_client: httpx.AsyncClient,
 ) -> None:
     """The scraper's deadline (budget_s) wins over a longer configured timeout."""
-    metrics = UpstreamMetrics(upstream.url("/hang-headers"), OURS, timeout_s=30)
+    metrics = UpstreamMetrics(STALLED + "/hang-headers", OURS, timeout_s=30)
     with trio.fail_after(10):
-        assert await metrics.render(client, budget_s=0.3) == ""
-    assert metrics.last_error and "within 0.3 s" in metrics.last_error
+        assert await metrics.render(stalled_client, budget_s=0.3) == ""
+    assert metrics.last_error
+    assert "within 0.3 s" in metrics.last_error
 
 
 async def test_slow_but_finishing_upstream_is_fine(
@@ -571,8 +611,10 @@ async def test_huge_page_capped_while_streaming(
     limit = 1024 * 1024
     metrics = UpstreamMetrics(upstream.url("/huge"), OURS, max_bytes=limit, timeout_s=20)
     text, _ = await render_timed(metrics, client)
-    assert text == "" and not metrics.up
-    assert metrics.last_error and "limit" in metrics.last_error
+    assert text == ""
+    assert not metrics.up
+    assert metrics.last_error
+    assert "limit" in metrics.last_error
     assert limit < metrics.last_bytes < limit + 256 * 1024
     assert upstream.sent < 20 * 1024 * 1024
 
@@ -583,7 +625,8 @@ async def test_declared_huge_page_refused_before_reading(
     """A Content-Length over max_bytes is refused without reading the body."""
     metrics = UpstreamMetrics(upstream.url("/huge-declared"), OURS, max_bytes=1024 * 1024)
     assert await metrics.render(client) == ""
-    assert metrics.last_error and "2097152 bytes" in metrics.last_error
+    assert metrics.last_error
+    assert "2097152 bytes" in metrics.last_error
     assert metrics.last_bytes == 0
 
 
@@ -591,8 +634,10 @@ async def test_connection_refused(client: httpx.AsyncClient) -> None:
     """Nothing listening: up=False, "cannot connect", quickly."""
     metrics = UpstreamMetrics(f"http://127.0.0.1:{free_port()}/metrics", OURS)
     text, took = await render_timed(metrics, client)
-    assert text == "" and not metrics.up
-    assert metrics.last_error and "cannot connect" in metrics.last_error
+    assert text == ""
+    assert not metrics.up
+    assert metrics.last_error
+    assert "cannot connect" in metrics.last_error
     assert took < 3.0
 
 
@@ -617,20 +662,25 @@ async def test_cache_expires_and_upstream_recovers(
     """A broken page then a good one: up goes False then True again after cache_s."""
     upstream.page = b"not a metrics page\n"
     metrics = UpstreamMetrics(upstream.url("/metrics"), OURS, cache_s=0.2)
-    assert await metrics.render(client) == "" and not metrics.up
+    assert await metrics.render(client) == ""
+    assert not metrics.up
     upstream.page = REAL.read_bytes()
     assert await metrics.render(client) == ""  # still the cached failure
     await trio.sleep(0.3)
-    assert await metrics.render(client) != "" and metrics.up and metrics.last_error is None
+    assert await metrics.render(client) != ""
+    assert metrics.up
+    assert metrics.last_error is None
     assert upstream.hits == 2
 
 
-async def test_cancellation_propagates(upstream: Upstream, client: httpx.AsyncClient) -> None:
+async def test_cancellation_propagates(
+    autojump_clock: trio.testing.MockClock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+    stalled_client: httpx.AsyncClient,
+) -> None:
     """render() swallows upstream failures but not the caller's own cancellation."""
-    metrics = UpstreamMetrics(upstream.url("/hang-headers"), OURS, timeout_s=30)
+    metrics = UpstreamMetrics(STALLED + "/hang-headers", OURS, timeout_s=30)
     with trio.move_on_after(0.3) as scope:
-        await metrics.render(client)
+        await metrics.render(stalled_client)
     assert scope.cancelled_caught
-    upstream.page = REAL.read_bytes()
-    metrics.url = upstream.url("/metrics")
-    assert await metrics.render(client) != ""  # the lock was released
+    metrics.url = STALLED + "/metrics"
+    assert await metrics.render(stalled_client) != ""  # the lock was released

@@ -79,10 +79,12 @@ def test_foreign_schema_and_garbage_are_problems_naming_the_file(job: JobDir) ->
     broken.write_text("{not json")
     got = read_records(job)
     assert list(got.by_name) == ["decode-0"]
-    assert str(foreign) in got.problems["decode-1"] and "99" in got.problems["decode-1"]
+    assert str(foreign) in got.problems["decode-1"]
+    assert "99" in got.problems["decode-1"]
     assert str(broken) in got.problems["decode-2"]
 
 
 def test_missing_folder_is_empty(tmp_path: Path) -> None:
     got = read_records(JobDir(tmp_path / "nothing"))
-    assert got.by_name == {} and got.problems == {}
+    assert got.by_name == {}
+    assert got.problems == {}

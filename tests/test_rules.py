@@ -25,7 +25,7 @@ EXTRA = f"{KV}.kv_connector_extra_config"
 Mutation = Callable[[dict[str, Any]], None]
 
 
-def b200() -> dict[str, Any]:
+def b200() -> Any:
     return yaml.safe_load((DATA / "b200-nixl-glm5.yaml").read_text())
 
 
@@ -40,15 +40,15 @@ def failure(data: dict[str, Any], cluster: ClusterConfig | None = CLUSTER) -> In
     return info.value
 
 
-def prefill(d: dict[str, Any]) -> dict[str, Any]:
+def prefill(d: dict[str, Any]) -> Any:
     return d["roles"]["prefill"]
 
 
-def decode(d: dict[str, Any]) -> dict[str, Any]:
+def decode(d: dict[str, Any]) -> Any:
     return d["roles"]["decode"]
 
 
-def connector(d: dict[str, Any]) -> dict[str, Any]:
+def connector(d: dict[str, Any]) -> Any:
     """Turn the JSON string into a mapping (both forms are accepted) and return it."""
     import json
 
@@ -80,43 +80,43 @@ def both(*mutations: Mutation) -> Mutation:
     return mutate
 
 
-def frontend(d: dict[str, Any]) -> dict[str, Any]:
+def frontend(d: dict[str, Any]) -> Any:
     return d["frontend"]
 
 
-def fargs(d: dict[str, Any]) -> dict[str, Any]:
+def fargs(d: dict[str, Any]) -> Any:
     return d["frontend"]["args"]
 
 
-def pargs(d: dict[str, Any]) -> dict[str, Any]:
+def pargs(d: dict[str, Any]) -> Any:
     return prefill(d)["args"]
 
 
-def dargs(d: dict[str, Any]) -> dict[str, Any]:
+def dargs(d: dict[str, Any]) -> Any:
     return decode(d)["args"]
 
 
-def penv(d: dict[str, Any]) -> dict[str, Any]:
+def penv(d: dict[str, Any]) -> Any:
     return prefill(d).setdefault("env", {})
 
 
-def denv(d: dict[str, Any]) -> dict[str, Any]:
+def denv(d: dict[str, Any]) -> Any:
     return decode(d).setdefault("env", {})
 
 
-def extra(d: dict[str, Any]) -> dict[str, Any]:
+def extra(d: dict[str, Any]) -> Any:
     return connector(d)["kv_connector_extra_config"]
 
 
-def model(d: dict[str, Any]) -> dict[str, Any]:
+def model(d: dict[str, Any]) -> Any:
     return d["model"]
 
 
-def top(d: dict[str, Any]) -> dict[str, Any]:
+def top(d: dict[str, Any]) -> Any:
     return d
 
 
-def roles(d: dict[str, Any]) -> dict[str, Any]:
+def roles(d: dict[str, Any]) -> Any:
     return d["roles"]
 
 
@@ -317,6 +317,33 @@ INVALID: list[tuple[str, Mutation, str]] = [
     ("sidecar", setter(decode, "sidecar", True), "roles.decode.sidecar"),
     ("router port range", setter(top, "agent", {"router_port": 70000}), "agent.router_port"),
     (
+        "empty prefill command",
+        setter(top, "agent", {"prefill_command": []}),
+        "agent.prefill_command",
+    ),
+    (
+        "blank word in the prefill command",
+        setter(top, "agent", {"prefill_command": ["vllm", " "]}),
+        "agent.prefill_command[1]",
+    ),
+    ("blank decode python", setter(top, "agent", {"decode_python": ""}), "agent.decode_python"),
+    (
+        "router python with spaces",
+        setter(top, "agent", {"router_python": " python"}),
+        "agent.router_python",
+    ),
+    ("relative scratch dir", setter(top, "agent", {"scratch_dir": "tmp"}), "agent.scratch_dir"),
+    (
+        "canary attempt timeout",
+        setter(top, "agent", {"canary": {"attempt_timeout_s": 0}}),
+        "agent.canary.attempt_timeout_s",
+    ),
+    (
+        "prefill command not a list",
+        setter(top, "agent", {"prefill_command": "vllm serve"}),
+        "agent.prefill_command",
+    ),
+    (
         "health interval",
         setter(top, "health_check", {"interval_seconds": 0}),
         "health_check.interval_seconds",
@@ -466,3 +493,18 @@ def test_mutations_do_not_share_state() -> None:
     a, b = b200(), copy.deepcopy(b200())
     setter(dargs, "transport", "mooncake")(a)
     assert dargs(b)["transport"] == "nixl"
+
+
+def test_agent_logs_location_and_node_dir() -> None:
+    """agent.logs: location job|node and an absolute node_dir, each error naming its key."""
+    data = b200()
+    data["agent"] = {"logs": {"location": "node", "node_dir": "/local/tilert-logs"}}
+    assert load(data).recipe.agent.logs.location == "node"
+    data["agent"]["logs"] = {"location": "nfs"}
+    exc = failure(data)
+    assert "agent.logs.location" in _paths(exc.problems)
+    assert "'job', 'node'" in str(exc)
+    data["agent"]["logs"] = {"location": "node", "node_dir": "tilert-logs", "max_bytes": 0}
+    exc = failure(data)
+    assert {"agent.logs.node_dir", "agent.logs.max_bytes"} <= set(_paths(exc.problems))
+    assert "not an absolute path" in str(exc)

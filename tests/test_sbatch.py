@@ -20,6 +20,8 @@ from agent.recipe.loader import load_recipe
 from agent.recipe.planner import make_plan
 from submit.slurm.render import default_agent_command, job_name, render_sbatch
 from tests.golden import GOLDEN_DIR, RECIPES, match
+from tests.infra.slurm import LocalSlurm
+from tests.kit import wait_for
 
 SHELLCHECK = shutil.which("shellcheck")
 GOLDEN_JOB = JobDir(Path("/shared/jobs/glm5-run"))
@@ -103,9 +105,11 @@ def test_no_gpu_and_shared_nodes() -> None:
     plan = plan_for("local-demo")
     plan = msgspec.structs.replace(plan, slurm=msgspec.structs.replace(plan.slurm, exclusive=False))
     text = render_sbatch(plan, GOLDEN_JOB, GOLDEN_AGENT)
-    assert "--gpus-per-node" not in text and "--gres" not in text
+    assert "--gpus-per-node" not in text
+    assert "--gres" not in text
     assert "#SBATCH --exclusive" not in text
-    assert "--relative=0" in text and "--relative=1" in text
+    assert "--relative=0" in text
+    assert "--relative=1" in text
     assert "--nodes=2 --ntasks=2" in text  # the decode group: one agent per node
 
 
@@ -306,24 +310,20 @@ def submit_on_slurm(
     return root, job_id
 
 
-def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
 @pytest.mark.slurm
 def test_on_slurm_steps_place_agents_and_drain_on_term(
-    slurm, slurm_cluster_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+    slurm: LocalSlurm,
+    slurm_cluster_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     root, job_id = submit_on_slurm(slurm, slurm_cluster_file, tmp_path, monkeypatch)
     seen = root.parent
-    wait_for(lambda: len(list(seen.glob("seen.*"))) == 3)
+    wait_for(
+        "a seen.* file from each of the 3 stub agents",
+        lambda: len(list(seen.glob("seen.*"))) == 3,
+        20,
+    )
     placed = {p.suffix[1:]: p.read_text().split()[0] for p in seen.glob("seen.*")}
     # --relative: the prefill on the allocation's first node, the decode group on the next two.
     assert placed == {"node1": "prefill", "node2": "decode", "node3": "decode"}
@@ -336,8 +336,11 @@ def test_on_slurm_steps_place_agents_and_drain_on_term(
 
 @pytest.mark.slurm
 def test_on_slurm_a_failed_step_ends_the_job(
-    slurm, slurm_cluster_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+    slurm: LocalSlurm,
+    slurm_cluster_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("STUB_FAIL_ROLE", "decode")
     _, job_id = submit_on_slurm(slurm, slurm_cluster_file, tmp_path, monkeypatch)
     assert slurm.wait_job_end(job_id, timeout=30) in {"CANCELLED", "FAILED"}

@@ -9,9 +9,9 @@ import socket
 import struct
 import sys
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -22,15 +22,16 @@ from agent.facts import DECODE_KV_LAYOUT, PREFILL_KV_LAYOUT, TILERT_MODELS
 from agent.node.ports import is_bindable
 from agent.standins import kvlink, tokens, wire
 from agent.standins.faults import Faults
+from tests.infra.ports import free_port
 from tests.infra.standin_stack import (
     DEMO_MODEL,
     Proc,
     decode_argv,
-    free_port,
     prefill_argv,
     standin_env,
     wait_http,
 )
+from tests.kit import wait_for
 
 REPLY = tokens.FIRST_TOKEN_TEXT + tokens.CONTINUATION_TEXT
 
@@ -94,8 +95,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.stop()
 
 
+# Starts a stand-in process (argv, extra env) that the fixture stops at teardown.
+Spawn = Callable[..., "Proc"]
+
+
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator:
+def spawn(tmp_path: Path) -> Iterator[Spawn]:
     """Start extra stand-in processes; all are stopped at teardown."""
     procs: list[Proc] = []
 
@@ -109,18 +114,22 @@ def spawn(tmp_path: Path) -> Iterator:
         proc.stop()
 
 
-def chat(base: str, ctrl_port: int | None = None, **extra: object) -> dict:
-    body: dict = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+def chat(base: str, ctrl_port: int | None = None, **extra: object) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+    }
     body.update(logprobs=True, top_logprobs=1)
     if ctrl_port is not None:
         body["kv_transfer_params"] = {"tilert_host": "127.0.0.1", "tilert_ctrl_port": ctrl_port}
     body.update(extra)
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=10)
     assert r.status_code == 200, r.text
-    return r.json()
+    return cast(dict[str, Any], r.json())
 
 
-def ndjson(r: httpx.Response) -> list[dict]:
+def ndjson(r: httpx.Response) -> list[dict[str, Any]]:
     return [json.loads(line) for line in r.text.splitlines() if line.strip()]
 
 
@@ -132,7 +141,22 @@ def test_prefill_endpoints(stack: Stack) -> None:
     assert (r.status_code, r.content) == (200, b"")
     models = httpx.get(f"{stack.prefill_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["demo"]
-    assert httpx.post(f"{stack.prefill_url}/tokenize", json={}).status_code == 404
+    assert httpx.post(f"{stack.prefill_url}/tokenize", json={}).status_code == 400
+    # /tokenize answers with the demo tokenizer's ids (tests/test_real_router.py checks them
+    # against the router's own tokenizer), the chat template applied.
+    said = httpx.post(
+        f"{stack.prefill_url}/tokenize",
+        json={"model": "demo", "messages": [{"role": "user", "content": "hi"}]},
+    ).json()
+    # <|im_start|> user \n hi <|im_end|> \n <|im_start|> assistant \n
+    im_start = tokens.SPECIAL_TOKENS.index(tokens.BOS_TOKEN)
+    assert said["tokens"][0] == im_start
+    assert said["tokens"].count(im_start) == 2
+    assert said["tokens"].count(tokens.EOS_ID) == 1
+    assert said["count"] == len(said["tokens"])
+    assert said["max_model_len"] == 4096
+    plain = httpx.post(f"{stack.prefill_url}/tokenize", json={"prompt": "hi"}).json()
+    assert 1 <= plain["count"] <= 2
     reply = chat(stack.prefill_url)
     assert reply["id"].startswith("chatcmpl-")
     assert (
@@ -193,13 +217,15 @@ def test_metrics_move_with_requests(stack: Stack) -> None:
     assert ("vllm:kv_cache_usage_perc", "") in after
 
 
-# --- decode and the ctrl-port handshake ------------------------------------------------------------
+# --- decode and the ctrl-port handshake
+# ------------------------------------------------------------
 
 
 def test_decode_endpoints_and_unknown_flags(stack: Stack) -> None:
     assert httpx.get(f"{stack.decode_url(0)}/health").json() == {"status": "ok"}
     caps = httpx.get(f"{stack.decode_url(0)}/capabilities").json()
-    assert caps["engine"] != "StubEngine" and caps["profile"] == "glm5"
+    assert caps["engine"] != "StubEngine"
+    assert caps["profile"] == "glm5"
     assert set(caps["capabilities"]) >= {"penalties", "ignore_eos"}
     assert httpx.get(f"{stack.decode_url(0)}/decode_status").json() == {
         "status": "idle",
@@ -220,11 +246,14 @@ def test_handshake_then_streamed_decode(stack: Stack) -> None:
     lines = ndjson(r)
     ids = [t for line in lines[:-1] for t in line["t"]]
     done = lines[-1]
-    assert done["done"] is True and done["n"] == len(ids) and done["finish_reason"] == "stop"
+    assert done["done"] is True
+    assert done["n"] == len(ids)
+    assert done["finish_reason"] == "stop"
     assert done["seq_len"] == reply["usage"]["prompt_tokens"]
     assert tokens.render(ids) == REPLY
     log = stack.procs[0].output()
-    assert f"request {rid}: all ranks done" in log and "(8/8)" in log
+    assert f"request {rid}: all ranks done" in log
+    assert "(8/8)" in log
 
 
 def test_non_streamed_decode_is_cut_at_max_tokens(stack: Stack) -> None:
@@ -237,10 +266,8 @@ def test_non_streamed_decode_is_cut_at_max_tokens(stack: Stack) -> None:
     }
     r = httpx.post(f"{stack.decode_url(0)}/pd/decode", json=body, timeout=20)
     out = r.json()
-    assert (
-        tokens.render(out["token_ids"]) == REPLY[:4]
-        and out["timing_ms"]["finish_reason"] == "length"
-    )
+    assert tokens.render(out["token_ids"]) == REPLY[:4]
+    assert out["timing_ms"]["finish_reason"] == "length"
 
 
 def test_busy_429_and_kv_timeout_504(stack: Stack) -> None:
@@ -254,19 +281,22 @@ def test_busy_429_and_kv_timeout_504(stack: Stack) -> None:
         )
     )
     waiting.start()
-    deadline = time.monotonic() + 5
-    while httpx.get(f"{stack.decode_url(1)}/decode_status").json()["status"] != "busy":
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for(
+        "decode-1 busy with the first request",
+        lambda: httpx.get(f"{stack.decode_url(1)}/decode_status").json()["status"] == "busy",
+        5,
+        interval=0.02,
+    )
     second = httpx.post(url, json={"rid": "other", "first_token_id": 1}, timeout=10)
-    assert second.status_code == 429 and second.json()["error"] == "busy"
+    assert second.status_code == 429
+    assert second.json()["error"] == "busy"
     waiting.join(10)
     assert results[0].status_code == 504
     assert results[0].json() == {"error": "kv_transfer_timeout", "rid": "never-sent"}
     assert httpx.get(f"{stack.decode_url(1)}/decode_status").json()["status"] == "idle"
 
 
-def test_hang_up_clears_busy_and_cancel(spawn) -> None:
+def test_hang_up_clears_busy_and_cancel(spawn: Spawn) -> None:
     http, ctrl = free_port(), free_port()
     proc = spawn(decode_argv(http, ctrl), TILERT_MOCK_NO_KV="1", TILERT_MOCK_TOKEN_DELAY_S="0.2")
     base = f"http://127.0.0.1:{http}"
@@ -276,27 +306,29 @@ def test_hang_up_clears_busy_and_cancel(spawn) -> None:
         lines = r.iter_lines()  # keep a reference: a collected iterator closes the response
         assert json.loads(next(lines)) == {"t": [tokens.first_token_id()]}
         assert httpx.get(f"{base}/decode_status").json() == {"status": "busy", "current_rid": "r1"}
-    deadline = time.monotonic() + 2
-    while httpx.get(f"{base}/decode_status").json()["status"] != "idle":
-        assert time.monotonic() < deadline, "client hang-up left the node busy"
-        time.sleep(0.05)
+    wait_for(
+        "the node idle after the client hung up (else the hang-up left it busy)",
+        lambda: httpx.get(f"{base}/decode_status").json()["status"] == "idle",
+        2,
+    )
     assert httpx.post(f"{base}/pd/cancel", json={"rid": "nope"}).status_code == 404
     with httpx.stream("POST", f"{base}/pd/decode", json={**body, "rid": "r2"}, timeout=10) as r:
         lines = r.iter_lines()
         next(lines)
         assert httpx.post(f"{base}/pd/cancel", json={"rid": "r2"}).json() == {"cancelled": "r2"}
         rest = [json.loads(line) for line in lines if line]
-    assert rest[-1]["done"] and rest[-1]["finish_reason"] == "cancelled"
+    assert rest[-1]["done"]
+    assert rest[-1]["finish_reason"] == "cancelled"
     proc.signal(signal.SIGTERM)
     assert proc.wait(5) == 143
 
 
-def _frame(sock: socket.socket, msg: dict) -> None:
+def _frame(sock: socket.socket, msg: dict[str, Any]) -> None:
     data = json.dumps(msg).encode()
     sock.sendall(struct.pack("!I", len(data)) + data)
 
 
-def _read(sock: socket.socket) -> dict:
+def _read(sock: socket.socket) -> dict[str, Any]:
     buf = b""
     while len(buf) < 4:
         buf += sock.recv(4 - len(buf))
@@ -304,21 +336,23 @@ def _read(sock: socket.socket) -> dict:
     data = b""
     while len(data) < n:
         data += sock.recv(n - len(data))
-    return json.loads(data)
+    return cast(dict[str, Any], json.loads(data))
 
 
-def test_wire_protocol_refusals(spawn) -> None:
+def test_wire_protocol_refusals(spawn: Spawn) -> None:
     http, ctrl = free_port(), free_port()
     proc = spawn(decode_argv(http, ctrl, "--max-seq-len", "100"), TILERT_PD_SENDERS="2")
     wait_http(f"http://127.0.0.1:{http}/health", proc)
 
-    def connect() -> tuple[socket.socket, dict]:
+    def connect() -> tuple[socket.socket, dict[str, Any]]:
         sock = socket.create_connection(("127.0.0.1", ctrl), timeout=5)
         return sock, _read(sock)
 
     sock, hello = connect()
-    assert hello["magic"] == "tilert-pd" and hello["protocol_version"] == 2
-    assert hello["layout_version"] == 10 and hello["transport"] == "mooncake"
+    assert hello["magic"] == "tilert-pd"
+    assert hello["protocol_version"] == 2
+    assert hello["layout_version"] == 10
+    assert hello["transport"] == "mooncake"
     assert (hello["senders"], hello["max_seq_len"], hello["busy"]) == (2, 100, False)
     _frame(sock, {"rid": "a", "rank": 0, "seq_len": 101, "last_prompt_token": 1})
     assert _read(sock)["error"] == "seq_len exceeds max_seq_len"
@@ -326,7 +360,9 @@ def test_wire_protocol_refusals(spawn) -> None:
     sock, _ = connect()
     _frame(sock, {"rid": "a", "rank": 0, "seq_len": 10})
     ack = _read(sock)
-    assert ack["accepted"] is True and ack["rid"] == "a" and ack["rank"] == 0
+    assert ack["accepted"] is True
+    assert ack["rid"] == "a"
+    assert ack["rank"] == 0
     _frame(sock, {"done": True, "rid": "a", "rank": 0, "generation": ack["generation"]})
     sock.close()
     sock, _ = connect()
@@ -381,7 +417,9 @@ async def test_kvlink_sender_and_receiver_in_process(
     sender = kvlink.Sender(config, nursery, no_kv=False)
     await sender.send(kvlink.Transfer("r1", "127.0.0.1", port, 10, {"temperature": 0.5}))
     slot = await receiver.wait_complete("r1", 5, trio.Event())
-    assert slot is not None and slot.done_ranks == {0, 1} and slot.seq_len == 10
+    assert slot is not None
+    assert slot.done_ranks == {0, 1}
+    assert slot.seq_len == 10
     receiver.release("r1")
     # A decode that does not match is refused before admission, and nothing is admitted.
     other = kvlink.Sender(dataclasses.replace(config, transport="nixl"), nursery, no_kv=False)
@@ -390,7 +428,8 @@ async def test_kvlink_sender_and_receiver_in_process(
     too_long = kvlink.Transfer("r3", "127.0.0.1", port, 101, {})
     await sender.send(too_long)
     assert "seq 101 exceeds decode max_seq_len 100" in caplog.text
-    assert receiver.current is None and not receiver.completed
+    assert receiver.current is None
+    assert not receiver.completed
 
 
 # --- router stand-in ---------------------------------------------------------------------------
@@ -415,7 +454,7 @@ def test_router_standin_serves_both_paths(stack: Stack) -> None:
     assert httpx.get(f"{stack.router_url}/health").json()["decode_free"] == 2
 
 
-def test_router_standin_repeated_decode_keeps_last(spawn) -> None:
+def test_router_standin_repeated_decode_keeps_last(spawn: Spawn) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "agent.standins.router", "--vllm-url", "http://127.0.0.1:1"]
     argv += ["--decode", "127.0.0.1:1:2", "--decode", "127.0.0.1:3:4", "--host", "127.0.0.1"]
@@ -441,17 +480,17 @@ def test_fault_target_selects_one_engine() -> None:
     assert Faults.from_env({}).exit_code == 1
 
 
-def test_startup_delay_keeps_port_free(spawn) -> None:
+def test_startup_delay_keeps_port_free(spawn: Spawn) -> None:
     http, ctrl = free_port(), free_port()
     proc = spawn(decode_argv(http, ctrl), TILERT_MOCK_STARTUP_DELAY_S="1.5")
-    time.sleep(0.5)
+    wait_for("the stand-in to start loading", lambda: "loading TileRT engine" in proc.output(), 10)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{http}/health", timeout=1)
     assert is_bindable(ctrl)
     wait_http(f"http://127.0.0.1:{http}/health", proc)
 
 
-def test_crash_after_requests_exit_zero_like_vllm(spawn) -> None:
+def test_crash_after_requests_exit_zero_like_vllm(spawn: Spawn) -> None:
     port = free_port()
     proc = spawn(
         prefill_argv(port), TILERT_MOCK_CRASH_AFTER_REQUESTS="1", TILERT_MOCK_EXIT_CODE="0"
@@ -462,7 +501,7 @@ def test_crash_after_requests_exit_zero_like_vllm(spawn) -> None:
     assert "EngineDeadError" in proc.output()
 
 
-def test_crash_after_seconds_only_for_the_target(spawn) -> None:
+def test_crash_after_seconds_only_for_the_target(spawn: Spawn) -> None:
     target = {"TILERT_MOCK_CRASH_AFTER_S": "0.5", "TILERT_MOCK_FAULT_TARGET": "decode-1"}
     ports = [(free_port(), free_port()) for _ in range(2)]
     victim = spawn(decode_argv(*ports[0]), TILERT_AGENT_NAME="decode-1", **target)
@@ -473,7 +512,7 @@ def test_crash_after_seconds_only_for_the_target(spawn) -> None:
     assert bystander.popen.poll() is None
 
 
-def test_hang_health(spawn) -> None:
+def test_hang_health(spawn: Spawn) -> None:
     http, ctrl = free_port(), free_port()
     proc = spawn(decode_argv(http, ctrl), TILERT_MOCK_HANG_HEALTH="1")
     wait_http(f"http://127.0.0.1:{http}/capabilities", proc)
@@ -481,7 +520,7 @@ def test_hang_health(spawn) -> None:
         httpx.get(f"http://127.0.0.1:{http}/health", timeout=0.5)
 
 
-def test_prefill_no_kv_metrics_file_and_sigterm(stack: Stack, spawn, tmp_path: Path) -> None:
+def test_prefill_no_kv_metrics_file_and_sigterm(stack: Stack, spawn: Spawn, tmp_path: Path) -> None:
     port = free_port()
     metrics = tmp_path / "metrics.txt"
     argv = [a for a in prefill_argv(port, "--enforce-eager") if a != "--return-tokens-as-token-ids"]
@@ -491,9 +530,8 @@ def test_prefill_no_kv_metrics_file_and_sigterm(stack: Stack, spawn, tmp_path: P
     assert httpx.get(f"{base}/metrics").status_code == 500
     metrics.write_text("# a page\nvllm:x 1\n")
     r = httpx.get(f"{base}/metrics")
-    assert r.text == "# a page\nvllm:x 1\n" and r.headers["content-type"].startswith(
-        "text/plain; version=0.0.4"
-    )
+    assert r.text == "# a page\nvllm:x 1\n"
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     metrics.write_text("vllm:x 2\n")
     assert httpx.get(f"{base}/metrics").text == "vllm:x 2\n"
     _http, ctrl = stack.decodes[1]

@@ -1,4 +1,5 @@
-"""tilert-submit: the job directory, --dry-run, --set, bad input, and submit via a stand-in sbatch."""
+"""tilert-submit: the job directory, --dry-run, --set, bad input, and submit via a stand-in
+sbatch."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def test_dry_run_lays_out_the_job_directory(
     job = JobDir(root)
     status = job.read_status()
     assert status.state == "pending"
-    assert status.slurm_job_id is None and status.router_url is None
+    assert status.slurm_job_id is None
+    assert status.router_url is None
     plan = load_plan(job.plan.read_bytes())
     assert status.model == plan.model
     assert [a.name for a in status.agents] == [
@@ -90,7 +92,7 @@ def test_dry_run_lays_out_the_job_directory(
     ] + [f"decode-{i}" for i in range(plan.decode.nodes)]
     assert str(root) in job.sbatch.read_text()
     # The agents re-load J/recipe.yaml without the cluster file and get the same launch plan.
-    again = make_plan(load_recipe(job.recipe), mock=plan.mock)
+    again = make_plan(load_recipe(job.recipe), mock=plan.standins)
     for role in ("prefill", "decode"):
         assert again.role(role).program == plan.role(role).program
         assert again.role(role).args == plan.role(role).args
@@ -105,7 +107,8 @@ def test_dry_run_local_mock_demo(tmp_path: Path, capsys: pytest.CaptureFixture[s
     captured = capsys.readouterr()
     assert captured.err == ""  # the demo validates with no warning
     plan = load_plan((root / "plan.json").read_bytes())
-    assert plan.mock and plan.launcher == "process"
+    assert plan.standins == ["prefill", "decode", "router"]
+    assert plan.launcher == "process"
     assert plan.network_interface == "lo"  # --local: everything on loopback
     assert "agent.standins.prefill" in captured.out
 
@@ -117,11 +120,13 @@ def test_default_job_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert root.parent == tmp_path / "tilert-jobs"
     assert root.name.startswith("local-demo-")
     stamp = root.name.removeprefix("local-demo-")
-    assert len(stamp) == len("20260101-120000") and stamp[8] == "-"
+    assert len(stamp) == len("20260101-120000")
+    assert stamp[8] == "-"
     # A second run in the same second gets its own directory.
     assert main([str(DEMO), "--dry-run"]) == 0
     second = Path(capsys.readouterr().out.splitlines()[0].removeprefix("Job directory: "))
-    assert second != root and second.parent == root.parent
+    assert second != root
+    assert second.parent == root.parent
 
 
 def test_set_round_trip(tmp_path: Path) -> None:
@@ -147,7 +152,8 @@ def test_set_round_trip(tmp_path: Path) -> None:
     assert plan.decode.args[-2:] == ["--pd-buffer-device", "cpu"]
     assert "DEMO_API_KEY" in plan.prefill.secret_env
     recipe_text = (root / "recipe.yaml").read_text()
-    assert "MY_FLAG" in recipe_text and "8123" in recipe_text
+    assert "MY_FLAG" in recipe_text
+    assert "8123" in recipe_text
     # Secrets are masked in everything written.
     for path in root.rglob("*"):
         if path.is_file():
@@ -198,7 +204,8 @@ def test_bad_recipe_exits_2_with_every_problem(
     bad.write_text(DEMO.read_text().replace("name: local-demo", "name: 'x$(touch y)'"))
     assert main([str(bad), "--dry-run", "--job-dir", str(tmp_path / "J")]) == 2
     err = capsys.readouterr().err
-    assert "name" in err and "Traceback" not in err
+    assert "name" in err
+    assert "Traceback" not in err
     assert not (tmp_path / "J").exists()
 
 
@@ -207,7 +214,8 @@ def test_warnings_go_to_stderr_and_exit_0(
 ) -> None:
     assert main(args_for("b200", tmp_path / "J", "--dry-run")) == 0
     captured = capsys.readouterr()
-    assert "warning" in captured.err and "model.path" in captured.err
+    assert "warning" in captured.err
+    assert "model.path" in captured.err
     assert captured.out.startswith("Job directory: ")
     assert "warning:" not in captured.out
 
@@ -261,7 +269,8 @@ def test_submit_records_the_slurm_job_id(
     assert f"  tilert-submit logs {root} -f" in out
     assert f"  tilert-submit stop {root}" in out
     status = JobDir(root).read_status()
-    assert status.slurm_job_id == "777" and status.state == "pending"
+    assert status.slurm_job_id == "777"
+    assert status.state == "pending"
     argv_seen = (log / "sbatch.argv").read_text().splitlines()
     assert argv_seen == ["--parsable", "--export=ALL", str(root / "sbatch.sh")]
     # The recipe's secret reached sbatch through its environment, and no file holds it.
@@ -280,9 +289,12 @@ def test_submit_without_slurm_exits_1_and_says_so(
     root = tmp_path / "J"
     assert main([str(DEMO), "--job-dir", str(root)]) == 1
     err = capsys.readouterr().err
-    assert "sbatch is not on PATH" in err and "--local" in err
+    assert "sbatch is not on PATH" in err
+    assert "--local" in err
     status = JobDir(root).read_status()
-    assert status.state == "failed" and status.error and "sbatch" in status.error
+    assert status.state == "failed"
+    assert status.error
+    assert "sbatch" in status.error
 
 
 def test_sbatch_refusal_is_reported(
@@ -314,3 +326,73 @@ def test_a_recipe_named_like_a_command(tmp_path: Path) -> None:
         DEMO.read_text().replace("./local-demo-model", str(RECIPES / "local-demo-model"))
     )
     assert main(["./status", "--dry-run", "--job-dir", str(tmp_path / "J")]) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "standins"),
+    [
+        (["--mock"], ["prefill", "decode", "router"]),
+        (["--mock", "decode"], ["decode"]),
+        (["--mock=router,prefill"], ["prefill", "router"]),
+        (["--mock", "all"], ["prefill", "decode", "router"]),
+        ([], []),
+    ],
+)
+def test_mock_names_the_roles_it_replaces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], standins: list[str]
+) -> None:
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--dry-run", "--local", *flags, "--job-dir", str(root)]) == 0
+    plan = load_plan((root / "plan.json").read_bytes())
+    assert plan.standins == standins
+    out = capsys.readouterr().out
+    stand_ins = next(line for line in out.splitlines() if line.startswith("  stand-ins:"))
+    for name in ("prefill", "decode"):
+        assert (name in stand_ins) == (name in standins), stand_ins
+    # The prefill's command is the stand-in only when it is named.
+    assert ("agent.standins.prefill" in out) == ("prefill" in standins)
+    assert "agent.prefill_command" in out
+    assert "agent.decode_python" in out
+    status = JobDir(root).read_status()
+    assert status.standins == [n for n in standins if n != "router"]
+
+
+def test_mock_before_the_recipe_still_means_every_role(tmp_path: Path) -> None:
+    root = tmp_path / "J"
+    assert main(["--mock", str(DEMO), "--dry-run", "--job-dir", str(root)]) == 0
+    assert load_plan((root / "plan.json").read_bytes()).standins == ["prefill", "decode", "router"]
+
+
+def test_mock_with_an_unknown_role_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([str(DEMO), "--dry-run", "--mock", "decoder", "--job-dir", str(tmp_path / "J")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --mock: 'decoder' is not a role" in err
+    assert "prefill, decode, router" in err
+
+
+def test_prefill_command_and_decode_python_reach_the_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "J"
+    sets = [
+        "--set",
+        "agent.prefill_command=[/opt/site/bin/launch-vllm, --profile, big]",
+        "--set",
+        "agent.decode_python=/opt/tilert/bin/python",
+    ]
+    assert main([str(DEMO), "--dry-run", *sets, "--job-dir", str(root)]) == 0
+    plan = load_plan((root / "plan.json").read_bytes())
+    assert plan.prefill.program == [
+        "/opt/site/bin/launch-vllm",
+        "--profile",
+        "big",
+        str(RECIPES / "local-demo-model"),
+    ]
+    assert plan.decode.program == ["/opt/tilert/bin/python", "-m", "tilert.pd_vllm.decode_server"]
+    out = capsys.readouterr().out
+    assert "/opt/site/bin/launch-vllm --profile big (agent.prefill_command)" in out
+    assert f"/opt/site/bin/launch-vllm --profile big {RECIPES / 'local-demo-model'}" in out

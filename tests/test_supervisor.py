@@ -15,6 +15,7 @@ import trio
 from agent.launch import LaunchSpec, ProcessLauncher
 from agent.node.logpump import LogSink
 from agent.node.supervisor import EngineSupervisor, Policy
+from tests import kit
 from tests.infra.ports import free_port
 
 PY = sys.executable
@@ -132,9 +133,7 @@ async def test_stop_sigterms_then_sigkills_after_grace(tmp_path: Path) -> None:
     h = Harness(tmp_path, SERVE, policy(stop_grace_s=0.5), STUBBORN="1")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(h.sup.run)
-        with trio.fail_after(10):
-            while h.sup.state != "healthy":
-                await trio.sleep(0.02)
+        await kit.until(lambda: h.sup.state == "healthy", "the engine healthy")
         pid = h.sup.status().pid
         assert pid is not None
         t0 = time.monotonic()
@@ -145,16 +144,15 @@ async def test_stop_sigterms_then_sigkills_after_grace(tmp_path: Path) -> None:
     assert h.sup.state == "stopped"
     assert h.states[-2:] == ["stopping", "stopped"]
     assert h.sup.status().pid is None
-    assert h.sup.process is not None and h.sup.process.returncode == -9
+    assert h.sup.process is not None
+    assert h.sup.process.returncode == -9
 
 
 async def test_stop_during_backoff_ends_stopped(tmp_path: Path) -> None:
     h = Harness(tmp_path, "import sys; sys.exit(1)", policy(backoff_initial_s=30, backoff_max_s=30))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(h.sup.run)
-        with trio.fail_after(10):
-            while h.sup.state != "restarting":
-                await trio.sleep(0.02)
+        await kit.until(lambda: h.sup.state == "restarting", "the engine restarting")
         with trio.fail_after(5):
             await h.sup.stop()
     assert h.sup.state == "stopped"
@@ -172,14 +170,10 @@ async def test_a_foreign_answer_on_our_port_is_not_our_engine(tmp_path: Path) ->
         [PY, "-c", SERVE], env={**ENV, "PORT": str(foreign_port)}
     )
     try:
-        deadline = time.monotonic() + 10
-        while not _listening(foreign_port) and time.monotonic() < deadline:
-            await trio.sleep(0.02)
+        await kit.until(lambda: _listening(foreign_port), "the foreign server listening")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(h.sup.run)
-            with trio.fail_after(15):
-                while h.sup.state != "healthy":
-                    await trio.sleep(0.02)
+            await kit.until(lambda: h.sup.state == "healthy", "the engine healthy on new ports", 15)
             assert h.moves == 1, "the foreign answer must move the engine to new ports"
             assert h.port != foreign_port
             assert h.sup.restarts == 0  # a port move is not a crash

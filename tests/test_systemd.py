@@ -75,7 +75,7 @@ def test_service_settings_fit_the_agent() -> None:
     service = read_unit(SERVICE)["Service"]
     assert service["KillMode"] == "control-group"
     assert service["Restart"] == "on-failure"
-    # Exit code 2 is bad input (DESIGN.md): a restart cannot fix it.
+    # Exit code 2 is bad input (docs/cli.md): a restart cannot fix it.
     assert service["RestartPreventExitStatus"] == "2"
     # systemd must not SIGKILL the agent while it still stops its engines within kill_wait_s.
     stop_s = int(service["TimeoutStopSec"])

@@ -1,6 +1,6 @@
 """Weights converted once, under a lock, atomically, before anyone serves them (docs/weights.md).
 
-Real ``tilert-agent`` processes (tests/agentkit.py) and local jobs (tests/e2ekit.py) with the
+Real ``tilert-agent`` processes and local jobs (tests/kit: ``AgentProc``, ``LocalJob``) with the
 converter stand-in (``agent.standins.converter``), its switches set through
 ``--set roles.decode.env.TILERT_MOCK_CONVERT_...`` or the agent's environment.
 """
@@ -22,8 +22,18 @@ import psutil
 import pytest
 
 from agent.node.weightsfolder import MARKER_NAME, inspect
-from tests.agentkit import AgentProc, Agents, make_job, running_agents, wait_for
-from tests.e2ekit import LocalJob, agent_entry, e2e_sets, wait_state, wait_status
+from tests.kit import (
+    AgentProc,
+    Agents,
+    LocalJob,
+    agent_entry,
+    isolated_sets,
+    make_job,
+    running_agents,
+    wait_for,
+    wait_state,
+    wait_status,
+)
 
 SLOW = "0.25"  # seconds per shard: a conversion of 4 shards takes about a second
 
@@ -104,16 +114,20 @@ def test_two_decode_agents_racing_on_one_folder_convert_it_once(
 
     wait_for("one agent waiting for the other's conversion", one_waits, 20)
     holder = waiter["convert"]["holder"]
-    assert holder != waiter["name"] and holder in ("decode-0", "decode-1")
-    assert waiter["convert"]["holder_node"] and waiter["convert"]["holder_job"] == str(job)
+    assert holder != waiter["name"]
+    assert holder in ("decode-0", "decode-1")
+    assert waiter["convert"]["holder_node"]
+    assert waiter["convert"]["holder_job"] == str(job)
     assert f"waiting for {holder} on " in waiter["reason"]
     for agent in both:
         agent.wait_state("healthy", timeout=30)
     assert len(conversions(job)) == 1, conversions(job)
     assert conversions(job)[0].startswith(holder)
     found = inspect(weights)
-    assert found.complete and found.marker is not None, found.problems
-    assert found.marker.agent == holder and found.marker.job == str(job)
+    assert found.complete, found.problems
+    assert found.marker is not None, found.problems
+    assert found.marker.agent == holder
+    assert found.marker.job == str(job)
     assert siblings(weights) == []  # no lock, no conversion folder left
 
 
@@ -151,10 +165,12 @@ def test_sigkilled_conversion_leaves_nothing_complete_and_the_next_job_takes_ove
     assert status["convert"]["holder_job"] == str(first)
     taker.wait_state("healthy", timeout=30)
     log = agent_log(taker)
-    assert "taking it over" in log and "left by a conversion that died" in log
+    assert "taking it over" in log
+    assert "left by a conversion that died" in log
     assert len(conversions(second)) == 1
     found = inspect(weights)
-    assert found.complete and found.marker is not None
+    assert found.complete
+    assert found.marker is not None
     assert found.marker.job == str(second)
     assert siblings(weights) == []
 
@@ -187,8 +203,10 @@ def test_a_folder_missing_a_shard_is_refused_before_the_engine_starts(
     agent = agents.start(job, "decode", 0)
     status = agent.wait_state("failed", timeout=20)
     reason = status["reason"]
-    assert shard.name in reason and "missing" in reason, reason
-    assert "roles.decode.convert" in reason and "tilert-submit convert" in reason, reason
+    assert shard.name in reason, reason
+    assert "missing" in reason, reason
+    assert "roles.decode.convert" in reason, reason
+    assert "tilert-submit convert" in reason, reason
     assert not (job / "logs" / "decode-0" / "engine.log").exists()  # no engine was started
     assert status["pid"] is None
 
@@ -201,7 +219,9 @@ def test_an_incomplete_folder_with_convert_is_replaced(tmp_path: Path, agents: A
     agents.start(job, "decode", 0).wait_state("healthy", timeout=30)
     assert len(conversions(job)) == 1
     found = inspect(weights)
-    assert found.complete and found.marker is not None and found.marker.job == str(job)
+    assert found.complete
+    assert found.marker is not None
+    assert found.marker.job == str(job)
     assert siblings(weights) == []
 
 
@@ -211,7 +231,8 @@ def test_a_folder_holding_other_files_is_not_deleted(tmp_path: Path, agents: Age
     (weights / "notes.txt").write_text("not weights")
     agent = agents.start(weights_job(tmp_path / "a", weights), "decode", 0)
     reason = agent.wait_state("failed", timeout=20)["reason"]
-    assert "notes.txt" in reason and "never deletes" in reason, reason
+    assert "notes.txt" in reason, reason
+    assert "never deletes" in reason, reason
     assert (weights / "notes.txt").read_text() == "not weights"
     assert siblings(weights) == []
 
@@ -225,7 +246,8 @@ def test_a_stopped_conversion_cleans_up(tmp_path: Path, agents: Agents) -> None:
     agent.signal(signal.SIGTERM)
     assert agent.wait(timeout=20) == 0
     assert not converters_of(tmp_path)
-    assert siblings(weights) == [] and not weights.exists()
+    assert siblings(weights) == []
+    assert not weights.exists()
 
 
 def test_the_conversion_budget_stops_a_slow_converter(tmp_path: Path, agents: Agents) -> None:
@@ -237,9 +259,11 @@ def test_the_conversion_budget_stops_a_slow_converter(tmp_path: Path, agents: Ag
         "agent.convert_budget_s=1",
     )
     reason = agents.start(job, "decode", 0).wait_state("failed", timeout=30)["reason"]
-    assert "agent.convert_budget_s" in reason and "convert.log" in reason, reason
+    assert "agent.convert_budget_s" in reason, reason
+    assert "convert.log" in reason, reason
     assert not converters_of(tmp_path)
-    assert siblings(weights) == [] and not weights.exists()
+    assert siblings(weights) == []
+    assert not weights.exists()
 
 
 def _small_disk_checks(agent: AgentProc, job: Path, weights: Path) -> None:
@@ -296,7 +320,7 @@ def test_a_too_small_tmpfs_fails_clearly_with_nothing_half_written(
 
 def test_a_local_job_converting_then_serving_ends_ready(tmp_path: Path) -> None:
     weights = tmp_path / "shared" / "glm5"
-    sets, _ = e2e_sets(
+    sets, _ = isolated_sets(
         None,
         f"roles.decode.args.model-weights-dir={weights}",
         f"roles.decode.convert={{source: {checkpoint(tmp_path / 'hf')}}}",
@@ -321,7 +345,8 @@ def test_a_local_job_converting_then_serving_ends_ready(tmp_path: Path) -> None:
         assert len(conversions(job)) == 1
         assert inspect(weights).complete
         code, left = local.stop(timeout=30)
-        assert code == 0 and not left
+        assert code == 0
+        assert not left
     assert wait_state(job, "stopped", 5)["state"] == "stopped"
 
 
@@ -333,7 +358,7 @@ def test_a_converter_killed_half_way_fails_the_job_and_the_next_one_converts(
     the next run converts from scratch."""
     weights = tmp_path / "shared" / "glm5"
     hf = checkpoint(tmp_path / "hf")
-    sets, _ = e2e_sets(
+    sets, _ = isolated_sets(
         None,
         f"roles.decode.args.model-weights-dir={weights}",
         f"roles.decode.convert={{source: {hf}}}",
@@ -360,15 +385,17 @@ def test_a_converter_killed_half_way_fails_the_job_and_the_next_one_converts(
         psutil.Process(pid).kill()
         failed = wait_state(job, "failed", 30)
     error = failed["error"]
-    assert "convert.log" in error and "killed by signal 9" in error, error
+    assert "convert.log" in error, error
+    assert "killed by signal 9" in error, error
     other = next(a for a in failed["agents"] if a["name"] not in (holder["name"], "prefill-0"))
     assert "ended without completing" in other["reason"], other
     assert conversions(job) == [c for c in conversions(job) if c.startswith(holder["name"])]
-    assert not inspect(weights).complete and not weights.exists()
+    assert not inspect(weights).complete
+    assert not weights.exists()
     assert siblings(weights) == []
 
     again = tmp_path / "again"
-    sets, _ = e2e_sets(
+    sets, _ = isolated_sets(
         None,
         f"roles.decode.args.model-weights-dir={weights}",
         f"roles.decode.convert={{source: {hf}}}",
@@ -387,7 +414,7 @@ def test_convert_job_locally(tmp_path: Path) -> None:
     cluster = tmp_path / "srtslurm.yaml"
     cluster.write_text("network_interface: lo\nlauncher: process\n")
     job = tmp_path / "job"
-    from tests.e2ekit import submit_cmd
+    from tests.kit import submit_cmd
 
     done = submit_cmd(
         "convert",
@@ -407,13 +434,16 @@ def test_convert_job_locally(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith(f"Job directory: {job}")
     status = json.loads((job / "status.json").read_text())
-    assert status["state"] == "stopped" and status["error"] is None, status
+    assert status["state"] == "stopped", status
+    assert status["error"] is None, status
     assert [a["name"] for a in status["agents"]] == ["decode-0"]
     assert inspect(weights).complete
     shown = submit_cmd("status", str(job))
-    assert shown.returncode == 0 and "complete" in shown.stdout, shown.stdout
+    assert shown.returncode == 0, shown.stdout
+    assert "complete" in shown.stdout, shown.stdout
     logs = submit_cmd("logs", str(job), "decode-0:convert")
-    assert logs.returncode == 0 and "decode-0:convert | " in logs.stdout, logs.stderr
+    assert logs.returncode == 0, logs.stderr
+    assert "decode-0:convert | " in logs.stdout, logs.stderr
     assert "Index file" in logs.stdout
     # Again: the folder is complete, nothing is converted.
     again = submit_cmd(

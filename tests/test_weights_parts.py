@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -48,7 +48,7 @@ def b200(**convert: Any) -> dict[str, Any]:
     data = yaml.safe_load((DATA / "b200-nixl-glm5.yaml").read_text())
     if convert:
         data["roles"]["decode"]["convert"] = convert
-    return data
+    return cast(dict[str, Any], data)
 
 
 def load(data: dict[str, Any], cluster: ClusterConfig | None = CLUSTER) -> Any:
@@ -189,15 +189,18 @@ def test_convert_belongs_to_the_decode_and_budgets_are_positive() -> None:
     data["agent"] = {"convert_budget_s": 0, "convert_lock_stale_s": -1}
     found = problems(data)
     assert "roles.prefill.convert" in found
-    assert "agent.convert_budget_s" in found and "agent.convert_lock_stale_s" in found
+    assert "agent.convert_budget_s" in found
+    assert "agent.convert_lock_stale_s" in found
 
 
 def test_convert_job_plan() -> None:
     plan = convert_job_plan(make_plan(load(b200(source="/hf")), mock=False))
     assert (plan.prefill.nodes, plan.decode.nodes, plan.decode.first_node) == (0, 1, 0)
-    assert plan.slurm.nodes == 1 and plan.slurm.gpus_per_node == 0
+    assert plan.slurm.nodes == 1
+    assert plan.slurm.gpus_per_node == 0
     assert plan.name.endswith("-convert")
-    assert not isinstance(plan.convert, msgspec.UnsetType) and plan.convert.only
+    assert not isinstance(plan.convert, msgspec.UnsetType)
+    assert plan.convert.only
     with pytest.raises(InputError) as info:
         convert_job_plan(make_plan(load(b200()), mock=False))
     assert info.value.problems[0].path == "roles.decode.convert"
@@ -209,14 +212,16 @@ def test_convert_job_plan() -> None:
 def test_complete_folder(converted: Path) -> None:
     found = inspect(converted)
     assert found.complete, found.problems
-    assert found.shard_count == 4 and found.marker is not None
+    assert found.shard_count == 4
+    assert found.marker is not None
     assert found.marker.index_sha256 == sha256_file(converted / "model.safetensors.index.json")
 
 
 def test_without_marker_is_incomplete_even_with_every_shard(converted: Path) -> None:
     (converted / MARKER_NAME).unlink()
     found = inspect(converted)
-    assert not found.complete and found.shards_complete
+    assert not found.complete
+    assert found.shards_complete
     assert MARKER_NAME in found.summary()
 
 
@@ -226,7 +231,8 @@ def test_missing_and_cut_shards_are_named(converted: Path) -> None:
     with open(shards[1], "r+b") as f:
         f.truncate(100)
     found = inspect(converted)
-    assert not found.complete and not found.shards_complete
+    assert not found.complete
+    assert not found.shards_complete
     assert f"{shards[0].name} is missing" in found.summary()
     assert f"{shards[1].name} is " in found.summary()
 
@@ -243,7 +249,8 @@ def test_replace_folder_keeps_old_or_new(tmp_path: Path, converted: Path) -> Non
     (old / "model.safetensors-00001-of-00009.safetensors").write_bytes(b"x")
     replace_folder(converted, old, tmp_path / "aside")
     assert inspect(old).complete
-    assert not converted.exists() and not (tmp_path / "aside").exists()
+    assert not converted.exists()
+    assert not (tmp_path / "aside").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     replace_folder(old, empty, tmp_path / "aside")
@@ -270,7 +277,9 @@ def test_lock_is_exclusive_and_released(tmp_path: Path) -> None:
     assert held is not None
     assert try_acquire(path, info("b")) is None
     seen = observe(path)
-    assert seen is not None and seen.info is not None and seen.info.token == "a"
+    assert seen is not None
+    assert seen.info is not None
+    assert seen.info.token == "a"
     held.release()
     assert not path.exists()
     assert observe(path) is None
@@ -287,7 +296,9 @@ def test_staleness_is_unchanged_content_on_the_waiters_clock(tmp_path: Path) -> 
     assert not watch.stale(first, now=109.0)
     held.beat(bytes_written=5, rate_bytes_s=1.0)  # a beat resets the clock
     beaten = observe(path)
-    assert beaten is not None and beaten.info is not None and beaten.info.bytes_written == 5
+    assert beaten is not None
+    assert beaten.info is not None
+    assert beaten.info.bytes_written == 5
     assert not watch.stale(beaten, now=109.5)
     assert not watch.stale(beaten, now=119.0)
     assert watch.stale(beaten, now=119.6)
@@ -335,12 +346,14 @@ def test_siblings_and_leftovers(tmp_path: Path) -> None:
 def test_weights_paths_through_pyxis_mounts() -> None:
     mounts = ["/shared/w:/tilert_weights", "/shared/models:/models:ro"]
     paths = weights_paths("/tilert_weights/glm5", mounts, "pyxis")
-    assert paths.host == Path("/shared/w/glm5") and paths.siblings_visible
+    assert paths.host == Path("/shared/w/glm5")
+    assert paths.siblings_visible
     assert paths.engine_path(Path("/shared/w/.glm5.tilert-converting-1")) == (
         "/tilert_weights/.glm5.tilert-converting-1"
     )
     itself = weights_paths("/tilert_weights", mounts, "pyxis")
-    assert itself.host == Path("/shared/w") and not itself.siblings_visible
+    assert itself.host == Path("/shared/w")
+    assert not itself.siblings_visible
     assert weights_paths("/x/y", [], "process").host == Path("/x/y")
     with pytest.raises(WeightsError, match="not under any"):
         weights_paths("/elsewhere/glm5", mounts, "pyxis")
@@ -361,15 +374,18 @@ def test_standin_writes_like_the_converter(tmp_path: Path) -> None:
         "model.safetensors.index.json",
     ]
     found = inspect(save, marker_required=False)
-    assert found.shards_complete and found.shard_count == 3
+    assert found.shards_complete
+    assert found.shard_count == 3
 
 
 def test_standin_refuses_what_the_converter_refuses(tmp_path: Path) -> None:
     done = convert(tmp_path / "out", tmp_path / "nothing")
-    assert done.returncode == 1 and "Model directory" in done.stderr
+    assert done.returncode == 1
+    assert "Model directory" in done.stderr
     argv = [*CONVERTER, "--model_type", "glm5", "--model_dir", "x", "--save_dir", "y"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "Invalid model type: glm5" in done.stderr
+    assert done.returncode == 1
+    assert "Invalid model type: glm5" in done.stderr
 
 
 def test_standin_append_mtp(converted: Path, tmp_path: Path) -> None:
@@ -377,7 +393,8 @@ def test_standin_append_mtp(converted: Path, tmp_path: Path) -> None:
     done = convert(converted, tmp_path / "hf", "--append_mtp")
     assert done.returncode == 0, done.stderr
     after = inspect(converted, marker_required=False)
-    assert after.shards_complete and after.shard_count == before + 1
+    assert after.shards_complete
+    assert after.shard_count == before + 1
     assert (converted / "model_mtp_layer61-00001.safetensors").is_file()
     assert "SHA-256 differs" in inspect(converted).summary()  # the marker no longer holds
 
@@ -443,15 +460,19 @@ def test_submit_convert_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["convert", str(DEMO), "--dry-run", "--mock", "--job-dir", str(root), *sets]) == 0
     out = capsys.readouterr().out
     assert "Convert job local-demo-convert" in out
-    assert "--model_type glm-5" in out and "agent.standins.converter" in out
+    assert "--model_type glm-5" in out
+    assert "agent.standins.converter" in out
     plan = load_plan((root / "plan.json").read_bytes())
-    assert plan.prefill.nodes == 0 and plan.decode.nodes == 1
+    assert plan.prefill.nodes == 0
+    assert plan.decode.nodes == 1
     assert [a["name"] for a in json.loads((root / "status.json").read_text())["agents"]] == [
         "decode-0"
     ]
     script = (root / "sbatch.sh").read_text()
-    assert script.count("\nsrun ") == 1 and "--role decode" in script
-    assert "#SBATCH --nodes=1" in script and "--gpus-per-node" not in script
+    assert script.count("\nsrun ") == 1
+    assert "--role decode" in script
+    assert "#SBATCH --nodes=1" in script
+    assert "--gpus-per-node" not in script
     assert "--gres" not in script
     assert subprocess.run(["bash", "-n", str(root / "sbatch.sh")], check=False).returncode == 0
 
@@ -501,12 +522,13 @@ async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
         job=Job(tmp_path),
         identity=Identity("decode", 0, "n", "127.0.0.1", None),
         launcher=ProcessLauncher(),
-        launch_spec=lambda name, argv, env, image: LaunchSpec(name=name, argv=argv, env=env),
+        launch_spec=lambda name, argv, env, _image: LaunchSpec(name=name, argv=argv, env=env),
         log=logging.getLogger("test"),
         on_change=lambda: None,
     )
     assert await gate.ready()  # /tilert_weights/... does not exist here: it was not looked at
-    assert gate.status() is None and gate.failure is None
+    assert gate.status() is None
+    assert gate.failure is None
 
 
 # ---- the head: a converting worker is not late -----------------------------------------------
@@ -534,7 +556,8 @@ def test_a_converting_worker_is_not_late_and_not_healthy() -> None:
     busy = JobView(
         agents={"prefill-0": row("prefill-0", "healthy"), "decode-0": row("decode-0", "converting")}
     )
-    assert converting(busy) and gate(busy, now=1.0) is None
+    assert converting(busy)
+    assert gate(busy, now=1.0) is None
     assert "decode-0 (converting)" in waiting_for(busy)
     done = JobView(
         agents={"prefill-0": row("prefill-0", "healthy"), "decode-0": row("decode-0", "starting")}

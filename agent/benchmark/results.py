@@ -1,4 +1,4 @@
-"""AIPerf's summary of one level (``profile_export_aiperf.json``) -> the fields of a ``LevelResult``.
+"""AIPerf's summary of one level (``profile_export_aiperf.json``) -> a ``LevelResult``'s fields.
 
 AIPerf 0.13 writes each metric as ``{"unit": ..., "avg": ..., "p50": ...}``; a metric with no
 sample (no failed request, say) is absent. Token counts are the server's (the runner asks for

@@ -26,7 +26,7 @@ from agent.job.benchmark import (
     head_run,
     pending_block,
 )
-from agent.job.logfiles import log_path
+from agent.job.logfiles import log_path, make_log_dir
 from agent.job.names import BENCHMARK_NAME, parse_agent_name
 from agent.job.records import RendezvousRecord
 from agent.launch import Launcher, LaunchSpec, make_launcher
@@ -46,7 +46,8 @@ class BenchmarkStage:
         self.plan = plan
         self.on_done = on_done
         self.files = head_run(ctx.job.root)
-        self.env = benchmark_env(ctx.plan, plan)
+        scratch = ctx.scratch_folder(BENCHMARK_NAME) if ctx.scratch_folder else None
+        self.env = benchmark_env(ctx.plan, plan, scratch=scratch)
         self.run: BenchmarkRun | None = None
         self._unstarted = pending_block(plan)
 
@@ -90,7 +91,7 @@ class BenchmarkStage:
             launcher=launcher,
             build_spec=self._spec,
             env=self.env,
-            log_path=log_path(ctx.job, BENCHMARK_NAME),
+            log_path=log_path(ctx.job, BENCHMARK_NAME, plan=ctx.plan),
             log_max_bytes=ctx.plan.agent.log_max_bytes,
             log_backups=ctx.plan.agent.log_backups,
             log=ctx.log,
@@ -126,6 +127,7 @@ class BenchmarkStage:
 
     async def run_when_ready(self, records: Mapping[str, RendezvousRecord]) -> None:
         """Run the benchmark now (the job is ready), then hand the summary to the head."""
+        make_log_dir(self.ctx.job, BENCHMARK_NAME, self.ctx.plan)
         self.run = self._make_run(self._launcher(records), records)
         self.ctx.log.info(
             "head: benchmark (%s) starting; results in %s, log %s",

@@ -1,8 +1,11 @@
 """The proof that the job serves: one streaming chat per decode node, through the router, at once.
 
 The router's ``/health`` proves nothing about the decodes behind it; a chat that streams text does.
-Each canary is retried until the budget (``agent.canary.timeout_s``) is spent: a router that has
-just turned healthy may still be connecting to its decodes.
+Each attempt is bounded (``agent.canary.attempt_timeout_s``) and retried until the canary budget
+(``agent.canary.timeout_s``) is spent: a router that has just turned healthy may still be
+connecting to its decodes, and a first request to a freshly started vLLM can take tens of seconds.
+Every failed attempt says why (``CanaryFailed``): a timeout, a refused connection, the HTTP status
+and body, an error chunk, or a stream without text.
 """
 
 from __future__ import annotations
@@ -24,7 +27,24 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 class CanaryFailed(Exception):
-    """One canary attempt streamed no text (retried while the budget lasts)."""
+    """One canary attempt streamed no text; the message is the cause (retried while budget
+    lasts)."""
+
+
+def failure_cause(exc: BaseException) -> str:
+    """What went wrong in one attempt, in words (httpx's own messages can be empty)."""
+    if isinstance(exc, CanaryFailed):
+        return str(exc)
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.ConnectTimeout):
+        return f"timeout: no connection to the router within {CONNECT_TIMEOUT_S:g}s"
+    if isinstance(exc, httpx.ConnectError):
+        return f"connection refused or failed: {detail}"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timeout: {detail}"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return f"the router broke the connection: {detail}"
+    return f"{type(exc).__name__}: {detail}"
 
 
 def canary_text(line: str) -> str:
@@ -61,6 +81,8 @@ class Canary:
     prompt: str
     max_tokens: int
     timeout_s: float
+    # Each attempt's bound (never more than what is left of ``timeout_s``).
+    attempt_timeout_s: float = 60.0
 
     @classmethod
     def for_plan(cls, plan: Plan, router_url: str) -> Canary:
@@ -71,6 +93,7 @@ class Canary:
             prompt=plan.agent.canary_prompt,
             max_tokens=plan.agent.canary_max_tokens,
             timeout_s=plan.agent.canary_timeout_s,
+            attempt_timeout_s=plan.agent.canary_attempt_timeout_s,
         )
 
     def body(self) -> dict[str, Any]:
@@ -81,6 +104,24 @@ class Canary:
             "max_tokens": self.max_tokens,
             "stream": True,
         }
+
+
+async def _attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> str:
+    """One canary chat: the text it streamed; ``CanaryFailed`` (or httpx's error) otherwise."""
+    text = ""
+    events = 0
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace").strip()[:300]
+            raise CanaryFailed(
+                f"router answered HTTP {response.status_code}: {detail or '(no body)'}"
+            )
+        async for line in response.aiter_lines():
+            events += line.startswith("data:")
+            text += canary_text(line)
+    if not text.strip():
+        raise CanaryFailed(f"router streamed no text ({events} event(s), then the stream ended)")
+    return text
 
 
 async def run_canaries(
@@ -99,29 +140,32 @@ async def run_canaries(
     errors: list[str] = []
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
+        attempts = 0
         while True:
             t0 = trio.current_time()
-            try:
-                text = ""
-                async with client.stream("POST", url, json=body) as response:
-                    if response.status_code != 200:
-                        detail = (await response.aread()).decode(errors="replace")[:300]
-                        raise CanaryFailed(f"router answered {response.status_code}: {detail}")
-                    async for line in response.aiter_lines():
-                        text += canary_text(line)
-                if text.strip():
+            # The last attempt may overrun the budget a little rather than be cut to nothing.
+            bound = min(canary.attempt_timeout_s, max(deadline - t0, CANARY_RETRY_S))
+            attempts += 1
+            cause = ""
+            with trio.move_on_after(max(bound, 0.0)) as scope:
+                try:
+                    text = await _attempt(client, url, body)
+                except (CanaryFailed, httpx.HTTPError) as exc:
+                    cause = failure_cause(exc)
+                else:
                     latencies.append(trio.current_time() - t0)
                     log.info("head: canary %d/%d answered %r", i + 1, count, text[:60])
                     return
-                raise CanaryFailed("router streamed no text")
-            except (CanaryFailed, httpx.HTTPError) as exc:
-                if trio.current_time() > deadline:
-                    errors.append(f"canary {i + 1}: {exc}")
-                    return
-                log.info("head: canary %d/%d not yet: %s", i + 1, count, exc)
-                await trio.sleep(CANARY_RETRY_S)
+            if scope.cancelled_caught:
+                cause = f"timeout: no answer within {bound:g}s (agent.canary.attempt_timeout_s)"
+            if trio.current_time() >= deadline:
+                errors.append(f"canary {i + 1}: {cause} (attempt {attempts})")
+                return
+            log.info("head: canary %d/%d not yet: %s", i + 1, count, cause)
+            await trio.sleep(CANARY_RETRY_S)
 
-    timeout = httpx.Timeout(canary.timeout_s, connect=CONNECT_TIMEOUT_S)
+    # The attempt's own bound cuts a slow read; httpx's timeouts only back it up.
+    timeout = httpx.Timeout(canary.attempt_timeout_s, connect=CONNECT_TIMEOUT_S)
     async with (
         httpx.AsyncClient(timeout=timeout, transport=transport) as client,
         trio.open_nursery() as nursery,

@@ -43,3 +43,5 @@ class HeadContext:
     probe_observer: Callable[[str], Callable[[float], None]]
     # Stop everything this node runs: the router first, then the engine.
     stop_node: Callable[[], Awaitable[None]]
+    # process name -> its scratch folder (temp and caches; agent.launch.scratch), or None.
+    scratch_folder: Callable[[str], str] | None = None

@@ -1,7 +1,8 @@
 """The head's decisions, as plain functions over what it knows at one moment (a ``JobView``).
 
 May the router start (``gate``), which decode to drop (``to_drop``), can the job still serve
-(``fatal``), which state to show while serving (``serving_state``). No processes, sockets or clocks
+(``fatal``), must a canary prove it again (``proof_due``: after any restart), which state to show
+while serving (``serving_state``: ``ready`` only once proven). No processes, sockets or clocks
 here (the caller passes ``now``), so tests/test_head.py drives every decision with data.
 
 "Degrade, don't die": a failed decode is dropped and the job goes on without it; the job fails only
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from agent.job.names import HEAD_NAME, parse_agent_name
+from agent.job.names import HEAD_NAME, ROUTER_NAME, parse_agent_name
 from agent.job.records import JobAgent, JobState
 
 
@@ -26,7 +27,8 @@ class JobFailed(Exception):
 class JobView:
     """What the head knows at one moment, as plain data: the input of every decision."""
 
-    # Every agent the job expects (the head first), as status.json shows it: state, node, reason, log.
+    # Every agent the job expects (the head first), as status.json shows it: state, node, reason,
+    # log.
     agents: Mapping[str, JobAgent]
     # The monotonic time the head saw each agent turn healthy.
     healthy_since: Mapping[str, float | None] = field(default_factory=dict)
@@ -90,7 +92,8 @@ def to_drop(view: JobView, dropped: Collection[str]) -> list[str]:
 
 
 def version_mismatch(versions: Mapping[str, str]) -> str | None:
-    """Why the agents' tilert versions cannot work together, or None (the head's is the reference)."""
+    """Why the agents' tilert versions cannot work together, or None (the head's is the
+    reference)."""
     prefill = versions.get(HEAD_NAME)
     if not prefill:
         return None
@@ -121,11 +124,38 @@ def fatal(view: JobView) -> str | None:
     return version_mismatch(view.versions)
 
 
-def serving_state(view: JobView, dropped: Collection[str]) -> tuple[JobState, str]:
-    """The job's state while it serves, and why: ``ready`` only when nothing is missing."""
-    unhealthy = [n for n, a in view.agents.items() if n not in dropped and a.state != "healthy"]
+def unhealthy(view: JobView, dropped: Collection[str]) -> list[str]:
+    """What the serving job misses: each agent it uses that is not healthy, and the router."""
+    out = [n for n, a in view.agents.items() if n not in dropped and a.state != "healthy"]
     if view.router is not None and view.router.state != "healthy":
-        unhealthy.append(f"router ({view.router.state})")
-    if unhealthy or dropped:
-        return "degraded", ", ".join(unhealthy + [f"{n} dropped" for n in dropped])
+        out.append(f"router ({view.router.state})")
+    return out
+
+
+def restart_marks(view: JobView) -> dict[str, int]:
+    """Each agent's restart count, and the router's: a change means something restarted."""
+    marks = {name: agent.restarts for name, agent in view.agents.items()}
+    if view.router is not None:
+        marks[ROUTER_NAME] = view.router.restarts
+    return marks
+
+
+def proof_due(view: JobView, dropped: Collection[str], proven: Mapping[str, int] | None) -> bool:
+    """Whether a canary must run now: something restarted since the last one passed (``proven``
+    holds the restart marks of then) and everything the job uses is healthy again."""
+    return restart_marks(view) != proven and not unhealthy(view, dropped)
+
+
+def serving_state(
+    view: JobView, dropped: Collection[str], *, proven: bool = True, proof: str = ""
+) -> tuple[JobState, str]:
+    """The job's state while it serves, and why: ``ready`` only when nothing is missing and a
+    canary passed through the router since the last restart (``proven``; ``proof`` says where
+    the next one stands)."""
+    missing = unhealthy(view, dropped)
+    if missing or dropped or not proven:
+        reasons = missing + [f"{n} dropped" for n in dropped]
+        if not missing and not proven:
+            reasons.append(proof or "healthy again; waiting for a canary through the router")
+        return "degraded", ", ".join(reasons)
     return "ready", "every worker and the router healthy"

@@ -5,7 +5,8 @@ not through the shared file system) -> router started at once -> router ``/healt
 streaming chat per decode node at once (the router's ``/health`` proves nothing) -> ``ready``.
 Then "degrade, don't die": a restarting engine makes the job ``degraded``; a decode that ends
 ``failed`` is dropped and the router restarted without it; the job fails only when the prefill,
-the router, or every decode has failed.
+the router, or every decode has failed. Ready means proven, every time: after any engine or
+router restart the job stays ``degraded`` until canaries through the router pass again.
 
 ``Head`` runs the parts in that order and owns the job's state; what it knows is gathered into a
 ``JobView`` each round and the decisions are taken on it (``agent.head.decisions``). A recipe with
@@ -30,6 +31,8 @@ from agent.head.decisions import (
     failure_of,
     fatal,
     gate,
+    proof_due,
+    restart_marks,
     serving_state,
     startup_overrun,
     to_drop,
@@ -37,7 +40,7 @@ from agent.head.decisions import (
 )
 from agent.head.peers import Peers
 from agent.head.router import Router
-from agent.head.statuswriter import StatusWriter, read_local_pid
+from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
@@ -47,6 +50,7 @@ from agent.node.supervisor import EngineSupervisor
 
 GATE_POLL_S = 0.5  # re-evaluate at least this often while bringing the job up
 SERVE_POLL_S = 1.0  # and while serving (every change wakes the head before that)
+PROOF_RETRY_S = 5.0  # after a failed re-proof (its whole canary budget spent), try again after this
 
 
 class Head:
@@ -61,6 +65,7 @@ class Head:
         self.peers = Peers(
             self.expected,
             job=ctx.job,
+            plan=ctx.plan,
             own_status=ctx.own_status,
             log=ctx.log,
             on_change=self.poke,
@@ -71,7 +76,8 @@ class Head:
         self.state: JobState = "starting"
         self.error: str | None = None
         self.router_url: str | None = None  # shown while the router is ours to serve
-        self.local_pid = read_local_pid(ctx.job)
+        # Carried into every status.json: `stop` checks the supervisor by them.
+        self.local_pid, self.local_started_at = read_local_supervisor(ctx.job)
         self.status_file = StatusWriter(ctx.job, self._job_status)
         # The benchmark run once ready; a summary here once it ended the job (keep_serving false).
         bench = self.plan.benchmark
@@ -83,6 +89,12 @@ class Head:
         self.ended_by: BenchmarkSummary | None = None
         self._poke = trio.Event()
         self._stop = trio.Event()
+        # The restart marks (decisions.restart_marks) when a canary last passed: any restart
+        # since then keeps the job degraded until a canary passes again.
+        self.proven: dict[str, int] | None = None
+        self._proving = False
+        self._proof = ""  # where the next proof stands (shown in the degraded reason)
+        self._next_proof_at = 0.0
 
     # ---- what the node agent uses ------------------------------------------------------------
 
@@ -132,9 +144,11 @@ class Head:
             router_url=self.router_url,
             slurm_job_id=self.ctx.identity.slurm_job_id,
             local_pid=self.local_pid,
+            local_started_at=self.local_started_at,
             error=self.error,
             agents=list(view.agents.values()),
             router=view.router,
+            standins=[n for n in self.plan.standins if n != ROUTER_NAME or self.router.standin],
             benchmark=self.bench.status() if self.bench is not None else msgspec.UNSET,
         )
 
@@ -198,15 +212,13 @@ class Head:
                 return False
             self._check_fatal(self._view())
             await self._wait(GATE_POLL_S)
-        self.ctx.figures.canary_latency_s = await run_canaries(
-            Canary.for_plan(self.plan, self.router.url),
-            len(decodes),
-            log=self.log,
-            router_log=log_path(self.ctx.job, ROUTER_NAME),
-        )
+        marks = restart_marks(self._view())
+        self.ctx.figures.canary_latency_s = await self._canaries(len(decodes))
+        self.proven = marks
         self._set_state("degraded" if self.dropped else "ready", "canaries answered")
         self.log.info(
-            "READY: %s serving model %r at %s (%d decode node(s)); try: curl -sN %s/v1/chat/completions "
+            "READY: %s serving model %r at %s (%d decode node(s)); "
+            "try: curl -sN %s/v1/chat/completions "
             '-H \'Content-Type: application/json\' -d \'{"model": "%s", "stream": true, '
             '"messages": [{"role": "user", "content": "Hello"}]}\'',
             self.plan.name,
@@ -226,8 +238,40 @@ class Head:
             self._stop.set()
             self.poke()
 
-    async def _serve(self) -> None:
-        """While serving: degrade, drop failed decodes, fail only when nothing can serve."""
+    async def _canaries(self, count: int) -> list[float]:
+        return await run_canaries(
+            Canary.for_plan(self.plan, self.router.url),
+            count,
+            log=self.log,
+            router_log=log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan),
+        )
+
+    async def _prove(self, marks: dict[str, int], count: int) -> None:
+        """Canaries after a restart: the job is ``ready`` again only once they pass."""
+        self.log.info(
+            "head: every worker and the router healthy again; proving with %d canary(s)", count
+        )
+        self._proof = "healthy again; canary through the router running"
+        try:
+            latencies = await self._canaries(count)
+        except JobFailed as exc:
+            # Degrade, don't die: say why and try again.
+            self._proof = f"healthy again, but the canary failed: {exc}"
+            self._next_proof_at = time.monotonic() + PROOF_RETRY_S
+            self.log.warning("head: re-proof failed; retrying in %gs: %s", PROOF_RETRY_S, exc)
+        else:
+            self.ctx.figures.canary_latency_s = latencies
+            if restart_marks(self._view()) == marks:
+                self.proven = marks
+                self.log.info("head: canaries answered after the restart: serving again")
+            self._proof = ""
+        finally:
+            self._proving = False
+            self.poke()
+
+    async def _serve(self, nursery: trio.Nursery) -> None:
+        """While serving: degrade, drop failed decodes, re-prove after restarts, fail only when
+        nothing can serve."""
         while not self._stop.is_set():
             self.peers.refresh_own()
             view = self._view()
@@ -239,7 +283,16 @@ class Head:
                     self.log.warning("head: dropping %s from the router", self.dropped[name])
                 self.router.drop(newly)
                 view = self._view()  # the router is restarting now
-            self._set_state(*serving_state(view, self.dropped))
+            if (
+                proof_due(view, self.dropped, self.proven)
+                and not self._proving
+                and time.monotonic() >= self._next_proof_at
+            ):
+                self._proving = True
+                live = [n for n in view.decodes if n not in self.dropped]
+                nursery.start_soon(self._prove, restart_marks(view), len(live))
+            proven = restart_marks(view) == self.proven
+            self._set_state(*serving_state(view, self.dropped, proven=proven, proof=self._proof))
             await self._wait(SERVE_POLL_S)
 
     async def run(self) -> int:
@@ -252,7 +305,7 @@ class Head:
                 if await self._bring_up(nursery):
                     if self.bench is not None:
                         nursery.start_soon(self.bench.run_when_ready, self.peers.records())
-                    await self._serve()
+                    await self._serve(nursery)
             except JobFailed as exc:
                 self.error = str(exc)
                 self.log.error("head: job failed: %s", exc)

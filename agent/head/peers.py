@@ -1,4 +1,5 @@
-"""What the head knows of every agent: its record (where it is) and its live ``/status`` (how it is).
+"""What the head knows of every agent: its record (where it is) and its live ``/status`` (how it
+is).
 
 Records come from the rendezvous folder; states travel over each peer's long-polled ``/status``,
 not through the shared file system (which caches attributes for seconds). Every answer wakes the
@@ -19,6 +20,7 @@ import trio
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, parse_agent_name
 from agent.job.paths import JobDir
+from agent.job.plan import Plan
 from agent.job.records import AgentStatus, JobAgent, RendezvousRecord
 from agent.node.rendezvous import Records, watch_records
 
@@ -37,7 +39,8 @@ class Peer:
 
     @property
     def state(self) -> str:
-        """Its state for the job: its own, or ``missing``, ``starting``, ``unreachable``, ``stopped``."""
+        """Its state for the job: its own, or ``missing``, ``starting``, ``unreachable``,
+        ``stopped``."""
         if self.record is None:
             return "missing"
         if self.status is None:
@@ -64,6 +67,7 @@ class Peers:
         names: list[str],
         *,
         job: JobDir,
+        plan: Plan | None = None,
         own_status: Callable[[], AgentStatus],
         log: logging.Logger,
         on_change: Callable[[], None],
@@ -71,6 +75,8 @@ class Peers:
         self.by_name: dict[str, Peer] = {name: Peer() for name in names}
         self.problems: dict[str, str] = {}
         self.job = job
+        # Engine logs may live on each node's disk (agent.logs.location: node): the plan says.
+        self.plan = plan
         self.own_status = own_status
         self.log = log
         self.on_change = on_change
@@ -128,7 +134,7 @@ class Peers:
             state=self.state(name),
             restarts=status.restarts if status else 0,
             reason=reason,
-            log=str(log_path(self.job, name)),
+            log=str(log_path(self.job, name, plan=self.plan)),
             metrics_url=peer.record.metrics_url if peer.record else None,
             status_url=peer.record.status_url if peer.record else None,
             convert=status.convert if status and status.convert else msgspec.UNSET,

@@ -9,7 +9,6 @@ stand-in.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 
 import trio
@@ -52,16 +51,20 @@ class Router:
             modules=[ROUTER_MODULE],
             distributions=["tilert"],
             # The stand-ins need no setup; the script belongs to the real images.
-            setup_script=None if plan.mock else plan.setup_script,
+            setup_script=None if plan.standin("router") else plan.setup_script,
             configs_dir=plan.configs_dir,
             paths=paths,
         )
-        base = self.ctx.launch_spec("router-preflight", [], dict(os.environ), router.image)
+        # The router's own environment (frontend env, PATH, PYTHONPATH), as it will run.
+        env = router_command(
+            plan, prefill_url="", decodes=[], host=self.ctx.identity.address, use_standin=False
+        ).env
+        base = self.ctx.launch_spec("router-preflight", [], env, router.image)
         result = await preflight.run_preflight(self.ctx.launcher, base, checks)
         if result.ok:
             log.info("head: the real TileRT router is importable by %s", router.python)
             return
-        if plan.mock:
+        if plan.standin("router"):
             self.standin = True
             log.warning(
                 "head: --mock and %s cannot start the real router (%s): using the router stand-in",
@@ -85,6 +88,7 @@ class Router:
             decodes=endpoints,
             host=self.ctx.identity.address,
             use_standin=self.standin,
+            scratch=self.ctx.scratch_folder(ROUTER_NAME) if self.ctx.scratch_folder else None,
         )
         return self.ctx.launch_spec(ROUTER_NAME, cmd.argv, cmd.env, self.ctx.plan.router.image)
 
@@ -93,7 +97,7 @@ class Router:
         plan, ctx = self.ctx.plan, self.ctx
         self.decodes = decodes
         sink = LogSink(
-            log_path(ctx.job, ROUTER_NAME),
+            log_path(ctx.job, ROUTER_NAME, plan=ctx.plan),
             max_bytes=plan.agent.log_max_bytes,
             backups=plan.agent.log_backups,
         )
@@ -127,7 +131,8 @@ class Router:
         return self.supervisor.status() if self.supervisor is not None else None
 
     def entry(self, head_record: RendezvousRecord | None) -> JobAgent | None:
-        """The router's row in status.json (its URLs are the head agent's); None before it starts."""
+        """The router's row in status.json (its URLs are the head agent's); None before it
+        starts."""
         status = self.status()
         if status is None:
             return None
@@ -139,7 +144,7 @@ class Router:
             state=status.state,
             restarts=status.restarts,
             reason=status.reason,
-            log=str(log_path(self.ctx.job, ROUTER_NAME)),
+            log=str(log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan)),
             metrics_url=head_record.metrics_url if head_record else None,
             status_url=head_record.status_url if head_record else None,
         )

@@ -19,12 +19,13 @@ from agent.job.records import JobStatus, RendezvousRecord
 STATUS_REFRESH_S = 5.0
 
 
-def read_local_pid(job: JobDir) -> int | None:
-    """The ``--local`` supervisor's pid, which it recorded before it started any agent."""
+def read_local_supervisor(job: JobDir) -> tuple[int | None, float | None]:
+    """The ``--local`` supervisor's pid and start time, recorded before it started any agent."""
     try:
-        return job.read_status().local_pid
+        status = job.read_status()
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
+        return None, None
+    return status.local_pid, status.local_started_at
 
 
 class StatusWriter:
@@ -50,10 +51,11 @@ class StatusWriter:
             self.write(force=True)
 
     def write_targets(self, records: Mapping[str, RendezvousRecord]) -> None:
-        """targets.json: one ``host:port`` per agent that published its record, labelled ``agent``."""
+        """targets.json: one ``host:port`` per agent that published its record, labelled
+        ``agent``."""
         targets = []
         for name, record in records.items():
             hostport = record.metrics_url.split("//", 1)[1].split("/", 1)[0]
-            # No role/node/slurm_job_id here: the pages carry them (DESIGN.md).
+            # No role/node/slurm_job_id here: the pages carry them (docs/design.md, Observability).
             targets.append({"targets": [hostport], "labels": {"agent": name}})
         write_atomic(self.job.targets, msgspec.json.encode(targets) + b"\n", mode=0o644)

@@ -171,7 +171,8 @@ async def _send_response(
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (``::`` is dual-stack), ready to hand to ``serve``."""
+    """A listening TCP socket on ``host:port`` (``::`` is dual-stack), ready to hand to
+    ``serve``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

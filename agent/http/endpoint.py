@@ -4,11 +4,14 @@
 changed since ``version``, else when it changes or the timeout passes. That is how the head sees a
 worker turn healthy within milliseconds without polling a shared file system. ``/logs`` needs the
 job's bearer token (``J/token``); nothing served reveals environment values, tokens or prompts.
+``/logs`` reads with ``agent.job.logtail``, like ``tilert-submit logs`` on the job directory, so
+node-local logs (``agent.logs.location: node``) print the same through it (docs/logs.md).
 """
 
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -25,7 +28,8 @@ from agent.http.asgi import (
     text_response,
 )
 from agent.http.metrics import CONTENT_TYPE
-from agent.job.logtail import LogFollower, follow_file
+from agent.job.logfiles import rotated_files
+from agent.job.logtail import LIVE, LogLine, history, json_lines, open_log, text_lines
 from agent.job.records import AgentStatus
 
 MAX_LONG_POLL_S = 60.0
@@ -61,8 +65,39 @@ class StatusFeed:
         return self.current()
 
 
+class LogStreams:
+    """The ``/logs?follow=1`` streams open now, so that a stopping agent ends them cleanly.
+
+    Without this, the agent's exit would cut every stream before its last lines (the engine's
+    ``=== ... stopped ===`` marker): ``close`` makes each one read what is left, send it and end.
+    """
+
+    def __init__(self) -> None:
+        self.closing = trio.Event()
+        self._open = 0
+        self._none_open = trio.Event()
+        self._none_open.set()
+
+    def opened(self) -> None:
+        """A stream started."""
+        self._open += 1
+        self._none_open = trio.Event()
+
+    def ended(self) -> None:
+        """A stream ended."""
+        self._open -= 1
+        if self._open == 0:
+            self._none_open.set()
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """End every stream after a last read; returns when they have, or after ``timeout_s``."""
+        self.closing.set()
+        with trio.move_on_after(timeout_s):
+            await self._none_open.wait()
+
+
 def status_body(status: AgentStatus) -> dict[str, object]:
-    """The ``/status`` JSON: ``router`` only where there is one (prefill-0), as DESIGN.md says,
+    """The ``/status`` JSON: ``router`` only where there is one (prefill-0), as docs/agent.md says,
     and ``convert`` only while converting."""
     body = msgspec.structs.asdict(status)  # nested Structs stay Structs: msgspec encodes them
     for optional in ("router", "convert"):
@@ -82,7 +117,8 @@ def _number(request: Request, key: str, default: float) -> float:
 
 
 def _count(request: Request, key: str, default: int) -> int:
-    """A non-negative integer query parameter (``tail=nan`` or ``tail=-1`` is the client's error)."""
+    """A non-negative integer query parameter (``tail=nan`` or ``tail=-1`` is the client's
+    error)."""
     value = request.query.get(key)
     if value is None:
         return default
@@ -91,18 +127,46 @@ def _count(request: Request, key: str, default: int) -> int:
     return int(value)
 
 
+def _tail(request: Request) -> int | None:
+    """``tail=N`` (default 200), or ``tail=all`` for the whole history, rotated files first."""
+    if request.query.get("tail") == "all":
+        return None
+    return _count(request, "tail", 200)
+
+
+def _since(request: Request) -> float | None:
+    """``since=<Unix seconds>``: only lines received from then on."""
+    if request.query.get("since") is None:
+        return None
+    value = _number(request, "since", 0.0)
+    if not math.isfinite(value):
+        raise HTTPError(400, f"query parameter since={value!r} is not a time in Unix seconds")
+    return value
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` or one of its rotated files exists."""
+    return path.exists() or bool(rotated_files(path))
+
+
+def _flag(request: Request, key: str) -> bool:
+    return request.query.get(key) in ("1", "true", "yes")
+
+
 def build_app(
     *,
     feed: StatusFeed,
     metrics_page: Callable[[float | None], Awaitable[str]],
     token: Callable[[], str],
     log_files: Callable[[], dict[str, Path]],
+    log_streams: LogStreams | None = None,
 ) -> App:
     """The agent's ASGI app."""
+    streams = log_streams if log_streams is not None else LogStreams()
     app = App()
 
     @app.route("GET", "/healthz")
-    async def healthz(request: Request) -> Response | StreamingResponse:
+    async def healthz(_request: Request) -> Response | StreamingResponse:
         return text_response("ok\n")
 
     @app.route("GET", "/status")
@@ -140,19 +204,43 @@ def build_app(
         # Only names from this fixed map are served, so no request can reach outside J/logs.
         if name not in files:
             raise HTTPError(404, f"no log {name!r} here; known: {', '.join(sorted(files))}")
-        tail = _count(request, "tail", 200)
-        follow = request.query.get("follow") in ("1", "true", "yes")
+        tail = _tail(request)
+        since = _since(request)
+        timestamps = _flag(request, "timestamps")
+        follow = _flag(request, "follow")
+        form = request.query.get("format", "text")
+        if form not in ("text", "json"):
+            raise HTTPError(400, f"query parameter format={form!r}: use text or json")
+        as_json = form == "json"
         path = files[name]
-        if not follow:
-            # In a worker thread: J/logs is often NFS, where reading can stall for seconds, and
-            # the agent's probes and /status share this event loop.
-            reader = LogFollower(path, tail_lines=tail)
-            lines = await trio.to_thread.run_sync(reader.finish) if tail > 0 else []
-            return text_response("".join(line.rstrip("\n") + "\n" for line in lines))
+        if not follow and not await trio.to_thread.run_sync(_exists, path):
+            raise HTTPError(404, f"{path} does not exist yet")
+        reader = open_log(path, tail_lines=tail, since=since, timestamps=timestamps)
+
+        def wire_lines(lines: list[LogLine]) -> bytes:
+            return json_lines(lines) if as_json else text_lines(lines, timestamps)
 
         async def chunks() -> AsyncIterator[bytes]:
-            async for line in follow_file(path, tail_lines=tail):
-                yield (line.rstrip("\n") + "\n").encode()
+            # Streamed batch by batch, each read in a worker thread: J/logs is often NFS, where
+            # reading can stall for seconds, and the agent's probes and /status share this loop.
+            try:
+                past = history(reader, rotated=tail is None)
+                while (batch := await trio.to_thread.run_sync(next, past, None)) is not None:
+                    yield wire_lines(batch)
+                if not follow:
+                    if last := await trio.to_thread.run_sync(reader.finish):
+                        yield wire_lines(last)
+                    return
+                if as_json:
+                    yield LIVE
+                streams.opened()
+                try:
+                    async for batch in reader.batches(stop=streams.closing):
+                        yield wire_lines(batch)
+                finally:
+                    streams.ended()
+            finally:
+                reader.close()
 
         return StreamingResponse(chunks())
 

@@ -1,4 +1,5 @@
-"""vLLM's /metrics re-served by the prefill agent, with ``role``, ``node`` and ``slurm_job_id`` added.
+"""vLLM's /metrics re-served by the prefill agent, with ``role``, ``node`` and ``slurm_job_id``
+added.
 
 A strict line-based relabeller, not prometheus_client's parser: that parser folds ``X_total`` into
 family ``X``, splits ``X_created`` off and is lenient about what it accepts, so a page it accepted

@@ -3,9 +3,10 @@
 ``paths`` knows every path and mode in ``J/``; ``plan`` is ``J/plan.json``; ``records`` holds the
 rendezvous record, an agent's ``/status`` and ``status.json``; ``benchmark`` the benchmark's part of
 the plan, its status block and ``J/benchmark/summary.json``; ``names`` builds and parses the
-names of agents and the router; ``logfiles`` is the log layout and ``logtail`` reads logs onward;
+names of agents and the router; ``logfiles`` is the log layout, ``logtimes`` the receive-time
+index beside each engine log, and ``logtail`` reads logs (history, since, follow, the wire form);
 ``atomicfile`` writes files that others read; ``secrets`` decides what is masked.
 
-May import: the standard library, msgspec, trio (``logtail`` only), ``agent.facts`` and
-``agent.problems``. Nothing here starts a process or opens a socket.
+May import: the standard library, msgspec, trio (``logtail`` only, and only once it follows),
+``agent.facts`` and ``agent.problems``. Nothing here starts a process or opens a socket.
 """

@@ -1,8 +1,7 @@
 """The names of a job's processes, built and parsed in one place.
 
 Agents are ``prefill-0``, ``decode-0``, ``decode-1``, ...; the router is ``router``. The head agent
-(the one that gates and runs the router) is always ``prefill-0``; the benchmark client it runs is
-``benchmark``. Users type these names
+(the one that gates and runs the router) is always ``prefill-0``. Users type these names
 (``tilert-submit logs J decode-1``), folders and records are named after them.
 """
 
@@ -15,7 +14,7 @@ Role = Literal["prefill", "decode"]
 # Prefill first: the order of every listing (status table, logs, plan printout).
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 ROUTER_NAME = "router"
-# The benchmark client the head runs once the job is ready (``tilert-submit logs J benchmark``).
+# The benchmark the head runs once the job is ready (its log: ``logs J benchmark``).
 BENCHMARK_NAME = "benchmark"
 
 

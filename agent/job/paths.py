@@ -1,4 +1,4 @@
-"""The job directory layout (DESIGN.md): one place that knows every path and mode in ``J/``."""
+"""The job directory layout (docs/cli.md): one place that knows every path and mode in ``J/``."""
 
 from __future__ import annotations
 
@@ -80,7 +80,9 @@ class JobDir:
         write_atomic(self.status, msgspec.json.encode(status), mode=0o644)
 
     def create(self) -> None:
-        """Lay out an empty job directory with DESIGN.md's modes; the root must not exist or be empty."""
+        """Lay out an empty job directory with the modes docs/cli.md lists; the root must not exist
+        or be
+        empty."""
         if self.root.exists() and any(self.root.iterdir()):
             raise FileExistsError(f"{self.root} exists and is not empty")
         self.root.mkdir(parents=True, exist_ok=True)

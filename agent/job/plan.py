@@ -1,10 +1,12 @@
-"""The launch plan (``J/plan.json``): what every agent needs to start its engine, and nothing secret.
+"""The launch plan (``J/plan.json``): what every agent needs to start its engine, and nothing
+secret.
 
 The submitter's planner (``agent.planner``) writes it; every agent reads it. Commands are kept as
 ``program`` + ``args`` *without* the arguments the agent manages (hosts, ports, ``--engine``,
 ``--vllm-url``, ``--decode``): the agent adds those once it has chosen its ports
-(``agent.commands``). With ``mock`` the agent swaps the program for the project's stand-in and keeps
-the argument list, so the command builders are exercised exactly as in production.
+(``agent.commands``). For each process named in ``standins`` (``tilert-submit --mock [ROLES]``) the
+agent swaps the program for the project's stand-in and keeps the argument list, so the command
+builders are exercised exactly as in production.
 """
 
 from __future__ import annotations
@@ -28,6 +30,27 @@ DEFAULT_CONVERT_LOCK_STALE_S = 120.0
 
 RoleName = Literal["prefill", "decode"]
 LauncherName = Literal["process", "pyxis"]
+# The processes a stand-in can replace; the router's stand-in runs only where the real router
+# cannot be imported (docs/cli.md, --mock).
+StandinName = Literal["prefill", "decode", "router"]
+STANDIN_NAMES: tuple[StandinName, ...] = ("prefill", "decode", "router")
+
+
+def parse_standins(spec: str) -> list[StandinName]:
+    """``--mock``'s ROLES (``decode``, ``prefill,router``, ``all``) in canonical order.
+
+    ValueError names what is not a role.
+    """
+    names = {part.strip() for part in spec.split(",") if part.strip()}
+    if "all" in names:
+        names = (names - {"all"}) | set(STANDIN_NAMES)
+    unknown = sorted(names - set(STANDIN_NAMES))
+    if unknown or not names:
+        raise ValueError(
+            f"{', '.join(unknown) or spec!r} is not a role; name one or more of "
+            f"{', '.join(STANDIN_NAMES)} separated by commas, or all"
+        )
+    return [name for name in STANDIN_NAMES if name in names]
 
 
 class RolePlan(msgspec.Struct, kw_only=True):
@@ -74,7 +97,7 @@ class SlurmPlan(msgspec.Struct, kw_only=True):
     kill_wait_s: float
 
 
-class AgentPlan(msgspec.Struct, kw_only=True):
+class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     probe_startup_interval_s: float
     probe_interval_s: float
     probe_timeout_s: float
@@ -89,6 +112,12 @@ class AgentPlan(msgspec.Struct, kw_only=True):
     canary_prompt: str
     canary_max_tokens: int
     canary_timeout_s: float
+    canary_attempt_timeout_s: float
+    # agent.scratch_dir: None (per-job folder under the node's temp folder), "job", or a path.
+    scratch_dir: str | None
+    # agent.logs.location: node -> the node-local folder (None: engine logs in J/logs). Last and
+    # omitted when None, so plans of jobs with logs in the job directory read as before.
+    log_node_dir: str | None = None
 
 
 class ConvertPlan(msgspec.Struct, kw_only=True):
@@ -116,7 +145,8 @@ class Plan(msgspec.Struct, kw_only=True):
     name: str
     # The public model name clients send (the prefill's served-model-name, else the model path).
     model: str
-    mock: bool
+    # The processes the project's stand-ins replace (``--mock``: all three); [] in production.
+    standins: list[StandinName] = []
     launcher: LauncherName
     # Cluster file's network interface ("lo" means 127.0.0.1); None: the node's resolved address.
     network_interface: str | None
@@ -135,6 +165,10 @@ class Plan(msgspec.Struct, kw_only=True):
     convert: ConvertPlan | msgspec.UnsetType = msgspec.UNSET
     # Absent for ``benchmark.type: manual`` (docs/benchmark.md), so those plans read as before.
     benchmark: BenchmarkPlan | msgspec.UnsetType = msgspec.UNSET
+
+    def standin(self, name: StandinName) -> bool:
+        """Whether ``name``'s process is the project's stand-in (the router's: where needed)."""
+        return name in self.standins
 
     def role(self, name: str) -> RolePlan:
         """The plan of one role by name."""

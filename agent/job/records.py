@@ -1,6 +1,6 @@
 """Formats that cross processes and nodes: rendezvous records, agent ``/status``, ``status.json``.
 
-The field names are DESIGN.md's contracts; other people's tools read these files.
+The field names are contracts (docs/agent.md); other people's tools read these files.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ JobState = Literal[
 
 
 class RendezvousRecord(msgspec.Struct, kw_only=True):
-    """``J/rendezvous/<name>.json``: who is where. Written on port choice and on every port change."""
+    """``J/rendezvous/<name>.json``: who is where. Written on port choice and on every port
+    change."""
 
     schema: int = RECORD_SCHEMA
     name: str
@@ -101,17 +102,24 @@ class JobAgent(msgspec.Struct, kw_only=True):
 
 
 class JobStatus(msgspec.Struct, kw_only=True):
-    """``J/status.json``: the submitter writes ``pending``; the head agent every change and every 5 s."""
+    """``J/status.json``: the submitter writes ``pending``; the head agent every change and every 5
+    s."""
 
     state: JobState
     model: str
     router_url: str | None = None
     slurm_job_id: str | None = None
     local_pid: int | None = None
+    # The ``--local`` supervisor's start time (psutil ``create_time``): ``stop`` signals
+    # ``local_pid`` only while it still names the process that started then.
+    local_started_at: float | None = None
     updated_at: float = msgspec.field(default_factory=time.time)
     error: str | None = None
     agents: list[JobAgent] = []
     # The router, supervised by prefill-0 (not an agent of its own; ``logs J router`` shows it).
     router: JobAgent | None = None
+    # The processes that are the project's stand-ins (``--mock``): the plan's, the router only
+    # once the head found it cannot run the real one.
+    standins: list[str] = []
     # The benchmark the head runs once ready (docs/benchmark.md); absent without one.
     benchmark: BenchmarkStatus | msgspec.UnsetType = msgspec.UNSET

@@ -11,8 +11,10 @@ guarantees, and why, is in docs/launchers.md:
 - ``pyxis``: ``PyxisLauncher``, whose handles are ``PyxisStep`` (a nested ``srun --overlap`` step
   of the agent's job, in a pyxis container, stopped with ``scancel``).
 
-Beside the launchers, and imported as modules: ``commands`` (each engine's argv and environment)
-and ``preflight`` (seconds-long checks through the same launcher before the long load).
+Beside the launchers, and imported as modules: ``commands`` (each engine's argv and environment),
+``scratch`` (each engine's own temp and cache folders), ``preflight`` (seconds-long checks through
+the same launcher before the long load), ``enginechecks`` (what the preflight checks for an engine,
+and the TileRT connector stand-in decision) and ``interpreter`` (which Python runs a program).
 
 Words: an *engine* is the server a role runs (vLLM prefill, TileRT decode); the recipe's
 ``engine`` key names its *engine type*. A *process handle* is what a launcher returns for anything
@@ -20,7 +22,8 @@ it starts: an engine, the router, a preflight, or (``--local``) an agent. The ha
 called an engine here.
 
 May import: the standard library, trio, psutil, msgspec, and ``agent.facts``, ``agent.problems``,
-``agent.job`` (commands reads the plan); nothing of ``agent.recipe``, ``agent.node`` or above.
+``agent.job`` (commands reads the plan), ``agent.standins.vllm_connector`` (where the connector
+stand-in lies); nothing of ``agent.recipe``, ``agent.node`` or above.
 """
 
 from __future__ import annotations

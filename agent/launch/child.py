@@ -1,54 +1,121 @@
 """The child handling both backends share: PDEATHSIG, a pidfd wait, the lifeline, the tree sweep.
 
-A ``Child`` is a process the agent forked in its own process group (``pid == pgid``), stdin
-/dev/null, stdout+stderr on one pipe, ``PR_SET_PDEATHSIG=SIGKILL`` set in the child before exec,
-plus a *lifeline*: a tiny ``/bin/sh`` watcher inside that process group that holds the read end of
-a pipe whose only write end is the agent's. When the agent dies by any means (SIGKILL included) the
-pipe reaches EOF and the watcher acts (by default it SIGKILLs the whole group, grandchildren
-included).
+A ``Child`` is a process the agent started in its own process group (``pid == pgid``), stdin
+/dev/null, stdout+stderr on one pipe, ``PR_SET_PDEATHSIG=SIGKILL`` set in the child before the
+program runs, plus a *lifeline*: a tiny ``/bin/sh`` watcher inside that process group that holds
+the read end of a pipe whose only write end is the agent's. When the agent dies by any means
+(SIGKILL included) the pipe reaches EOF and the watcher acts (by default it SIGKILLs the whole
+group, grandchildren included).
+
+No Python runs in the child: ``subprocess.Popen`` gets no ``preexec_fn``, so CPython starts it with
+vfork, which holds the calling thread only until the child's first exec. A ``preexec_fn`` would
+hold the trio thread, deaf to SIGINT and SIGTERM, until the child execs, for as long as a stalled
+child likes (docs/launchers.md). PDEATHSIG is set instead by an exec chain that adds well under a
+millisecond: util-linux's ``setpriv --pdeathsig KILL`` sets it and execs ``/bin/sh``, which exits
+unless its parent is still the agent (the agent may have died before the ``prctl``, and then nothing
+would ever fire), and execs the program. ``pid`` is the program's own pid throughout.
 
 Why the main thread: ``PR_SET_PDEATHSIG`` fires when the parent *thread* exits, and trio's
-``run_process``/``open_process`` fork from a worker thread that retires after 10 s idle, which
-would SIGKILL the child 10 s after spawn. So children are forked here, in the trio thread, with
-``subprocess.Popen`` (a few milliseconds: measured 3-4 ms), and their exit is awaited through a
-pidfd (``os.pidfd_open`` + ``trio.lowlevel.wait_readable``), never through a thread.
+``run_process``/``open_process`` start processes from a worker thread that retires after 10 s idle,
+which would SIGKILL the child 10 s after spawn. So children are started here, in the trio thread,
+with ``subprocess.Popen``, and their exit is awaited through a pidfd (``os.pidfd_open`` +
+``trio.lowlevel.wait_readable``), never through a thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import errno
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
 import trio
 
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-_prctl = _libc.prctl
-_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-_prctl.restype = ctypes.c_int
-
+# Run by /bin/sh after setpriv set PDEATHSIG: $0 is the agent's pid, "$@" the rest of the chain.
+# A parent that died before the prctl left us orphaned: nothing would ever fire, so end here.
+_PARENT_CHECK = '[ "$PPID" = "$0" ] || exit 1; exec "$@"'
+# What a shell may add to the environment it passes on (dash and bash set PWD, bash sets SHLVL):
+# ``env`` puts them back as they were, so the program gets exactly the spec's environment.
+_SHELL_SET = ("PWD", "SHLVL")
 # The lifeline watcher: it ignores the polite signals its group receives on a graceful stop, and
 # when the agent's write end closes (the agent exited or died) it SIGKILLs its own process group.
 LIFELINE_KILL_GROUP = "trap '' TERM INT HUP QUIT; read _ ; kill -9 0"
+# Where the tools are looked for besides the agent's PATH (a batch environment may have a short
+# one).
+_SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: SIGKILL this child when its parent thread dies; exit if it already did."""
+@functools.cache
+def _wrapper_tools() -> tuple[str, str] | None:
+    """setpriv and env when setpriv knows ``--pdeathsig`` (util-linux 2.33+); None otherwise.
 
-    def preexec() -> None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # The parent may have died between fork and prctl: then nothing would ever fire.
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
+    Checked once per process, by running the whole chain.
+    """
+    search = os.environ.get("PATH", "") + os.pathsep + _SYSTEM_PATH
+    setpriv, env = shutil.which("setpriv", path=search), shutil.which("env", path=search)
+    if setpriv is None or env is None:
+        return None
+    probe = [setpriv, "--pdeathsig", "KILL", "/bin/sh", "-c", _PARENT_CHECK, str(os.getpid())]
+    try:
+        done = subprocess.run(
+            [*probe, env, "--", "/bin/sh", "-c", ":"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (setpriv, env) if done.returncode == 0 else None
 
-    return preexec
+
+def die_with_parent_prefix(env: dict[str, str]) -> list[str]:
+    """The argv prefix that sets PDEATHSIG and checks the parent before the program runs.
+
+    Empty where setpriv cannot set it (util-linux before 2.33): the lifeline still kills the
+    child when the agent dies, from the moment ``attach_lifeline`` returns (docs/launchers.md).
+    """
+    tools = _wrapper_tools()
+    if tools is None:
+        return []
+    setpriv, env_bin = tools
+    unset = [arg for name in _SHELL_SET if name not in env for arg in ("-u", name)]
+    restore = [f"PWD={env['PWD']}"] if "PWD" in env else []
+    return [
+        setpriv,
+        "--pdeathsig",
+        "KILL",
+        "/bin/sh",
+        "-c",
+        _PARENT_CHECK,
+        str(os.getpid()),
+        env_bin,
+        *unset,
+        "--",
+        *restore,
+    ]
+
+
+def _check_program(program: str, env: dict[str, str], cwd: Path | None) -> None:
+    """Raise what Popen would when ``program`` cannot be executed: the exec is in the wrapper
+    now."""
+    if os.sep in program:
+        found = os.path.join(cwd, program) if cwd is not None else program
+        if not os.path.isfile(found):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+        if not os.access(found, os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+        return
+    search = os.pathsep.join(os.get_exec_path(env))
+    if shutil.which(program, path=search) is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
 
 
 def _require_main_thread() -> None:
@@ -64,17 +131,23 @@ class Child:
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], cwd: Path | None) -> None:
         _require_main_thread()
+        argv = list(argv)
+        if not argv:
+            raise ValueError("an empty argv")
+        _check_program(argv[0], env, cwd)
+        # ``env`` would take a program named NAME=VALUE for an assignment: start it unwrapped.
+        prefix = die_with_parent_prefix(env) if "=" not in argv[0] else []
         read_fd, write_fd = os.pipe()
         try:
+            # No preexec_fn: the trio thread is held only until the wrapper's exec (see above).
             self.popen = subprocess.Popen(
-                list(argv),
+                [*prefix, *argv],
                 stdin=subprocess.DEVNULL,
                 stdout=write_fd,
                 stderr=write_fd,
                 env=env,
                 cwd=cwd,
                 process_group=0,
-                preexec_fn=_die_with_parent(os.getpid()),
                 close_fds=True,
             )
         except BaseException:

@@ -2,9 +2,10 @@
 
 The plan carries each role's program and the user's arguments; this module adds what the agent
 manages (hosts, ports, ``--engine tilert``, the router's ``--vllm-url`` and its ONE ``--decode``
-flag) and the environment (GPU visibility, ``TILERT_PD_PROBE_ADDR``, the agent's name). Under
-``--mock`` the program is swapped for the project's stand-in and the argument list is kept, so
-these builders run exactly as in production.
+flag) and the environment (GPU visibility, ``TILERT_PD_PROBE_ADDR``, the agent's name, the
+process's scratch folders). For a process the plan names in ``standins`` (``--mock``) the program
+is swapped for the project's stand-in and the argument list is kept, so these builders run
+exactly as in production.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import msgspec
 
 from agent.job.benchmark import BenchmarkPlan
 from agent.job.plan import Plan, RolePlan, RouterPlan
+from agent.launch.scratch import SCRATCH_ENV, scratch_env
 
 # The stand-in that replaces each real program under --mock
 # (docs/design.md: "Stand-ins are product code").
@@ -29,7 +31,7 @@ STANDIN_MODULES = {
 }
 GPU_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 # Variables the agent itself sets for engines (besides GPU visibility).
-MANAGED_ENV = ("TILERT_AGENT_NAME", "TILERT_PD_PROBE_ADDR", *GPU_ENV_NAMES)
+MANAGED_ENV = ("TILERT_AGENT_NAME", "TILERT_PD_PROBE_ADDR", *GPU_ENV_NAMES, *SCRATCH_ENV, "HF_HOME")
 
 
 def arg_value(args: list[str], flag: str) -> str | None:
@@ -71,6 +73,7 @@ def _base_env(
     secret_names: Sequence[str],
     agent_env: Mapping[str, str],
     name: str,
+    scratch: str | None,
 ) -> dict[str, str]:
     # Secrets reach engines from the agent's (submitting) environment, never from a file. Every
     # agent inherits every recipe secret, so one that the recipe gives to another process only
@@ -86,6 +89,8 @@ def _base_env(
         if secret in agent_env:
             env[secret] = agent_env[secret]
     env["TILERT_AGENT_NAME"] = name
+    if scratch is not None:
+        env.update(scratch_env(scratch, plan_env, agent_env))
     return env
 
 
@@ -97,13 +102,21 @@ def _gpu_env(env: dict[str, str], plan: Plan, role: RolePlan, agent_env: Mapping
 
 
 def prefill_command(
-    plan: Plan, *, name: str, host: str, http_port: int, agent_env: Mapping[str, str] = os.environ
+    plan: Plan,
+    *,
+    name: str,
+    host: str,
+    http_port: int,
+    scratch: str | None = None,
+    agent_env: Mapping[str, str] = os.environ,
 ) -> Command:
-    """``vllm serve MODEL <role args> --host H --port P``."""
+    """``vllm serve MODEL <role args> --host H --port P`` (``agent.prefill_command`` + MODEL)."""
     role = plan.prefill
-    program = [*_standin("prefill"), *role.program[1:]] if plan.mock else list(role.program)
+    # The stand-in takes `serve MODEL` whatever command starts the real vLLM.
+    model = role.program[-1:]
+    program = [*_standin("prefill"), "serve", *model] if plan.standin("prefill") else role.program
     argv = [*program, *role.args, "--host", host, "--port", str(http_port)]
-    env = _base_env(plan, role.env, role.secret_env, agent_env, name)
+    env = _base_env(plan, role.env, role.secret_env, agent_env, name, scratch)
     _gpu_env(env, plan, role, agent_env)
     return Command(argv, env)
 
@@ -115,11 +128,12 @@ def decode_command(
     address: str,
     http_port: int,
     ctrl_port: int,
+    scratch: str | None = None,
     agent_env: Mapping[str, str] = os.environ,
 ) -> Command:
     """``python -m tilert.pd_vllm.decode_server --engine tilert --http-port H --ctrl-port C ...``"""
     role = plan.decode
-    program = _standin("decode") if plan.mock else list(role.program)
+    program = _standin("decode") if plan.standin("decode") else list(role.program)
     # --engine defaults to a stub in TileRT 0.1.6: a real deployment must always say tilert.
     argv = [
         *program,
@@ -131,7 +145,7 @@ def decode_command(
         str(ctrl_port),
         *role.args,
     ]
-    env = _base_env(plan, role.env, role.secret_env, agent_env, name)
+    env = _base_env(plan, role.env, role.secret_env, agent_env, name, scratch)
     # TileRT finds its own IP with a UDP "connect" to this address (default 8.8.8.8, which fails
     # on nodes without a default route).
     env["TILERT_PD_PROBE_ADDR"] = address
@@ -146,6 +160,7 @@ def router_command(
     decodes: Sequence[DecodeEndpoint],
     host: str,
     use_standin: bool,
+    scratch: str | None = None,
     agent_env: Mapping[str, str] = os.environ,
 ) -> Command:
     """``<router_python> -m tilert.pd_vllm.pd_router --vllm-url U --decode h:c:p ... --port P``."""
@@ -164,17 +179,22 @@ def router_command(
         str(router.port),
         *router.args,
     ]
-    env = _base_env(plan, router.env, router.secret_env, agent_env, "router")
+    env = _base_env(plan, router.env, router.secret_env, agent_env, "router", scratch)
     for var in GPU_ENV_NAMES:
         env[var] = ""  # the router needs no GPU and must not grab one
     return Command(argv, env)
 
 
 def benchmark_env(
-    plan: Plan, bench: BenchmarkPlan, *, agent_env: Mapping[str, str] = os.environ
+    plan: Plan,
+    bench: BenchmarkPlan,
+    *,
+    scratch: str | None = None,
+    agent_env: Mapping[str, str] = os.environ,
 ) -> dict[str, str]:
-    """The benchmark client's environment: recipe ``environment`` + ``benchmark.env``, no GPU."""
-    env = _base_env(plan, bench.env, bench.secret_env, agent_env, "benchmark")
+    """The benchmark client's environment: recipe ``environment`` + ``benchmark.env``, its
+    scratch folder (the head's client; ``tilert-submit bench`` has none), no GPU."""
+    env = _base_env(plan, bench.env, bench.secret_env, agent_env, "benchmark", scratch)
     for var in GPU_ENV_NAMES:
         env[var] = ""  # the client needs no GPU and must not grab the engines'
     # Its progress lines reach the log as they are printed.
@@ -195,7 +215,7 @@ def convert_command(
     convert = plan.convert
     if isinstance(convert, msgspec.UnsetType):
         raise ValueError("the plan has no conversion (roles.decode.convert)")
-    program = _standin("converter") if plan.mock else list(convert.program)
+    program = _standin("converter") if plan.standin("decode") else list(convert.program)
     argv = [
         *program,
         "--model_type",
@@ -207,7 +227,7 @@ def convert_command(
     ]
     if append_mtp:
         argv.append("--append_mtp")
-    env = _base_env(plan, plan.decode.env, plan.decode.secret_env, agent_env, name)
+    env = _base_env(plan, plan.decode.env, plan.decode.secret_env, agent_env, name, None)
     # Its progress lines reach convert.log as they are printed, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"
     return Command(argv, env)

@@ -30,7 +30,8 @@ OUTPUT_TAIL_LINES = 15
 class PreflightChecks(msgspec.Struct, kw_only=True, frozen=True):
     """What one engine needs on its node."""
 
-    # The engine's interpreter: "python3" inside an image; under --mock the agent's sys.executable.
+    # The engine's interpreter: "python3" inside an image; the engine's own with the process
+    # launcher (agent.launch.interpreter); for a stand-in the agent's sys.executable.
     python: str
     modules: list[str] = []
     # Distributions whose versions are recorded (absent ones are not an error).
@@ -40,6 +41,10 @@ class PreflightChecks(msgspec.Struct, kw_only=True, frozen=True):
     configs_dir: str = "/configs"
     # Paths that must exist as the engine sees them (weights directory, absolute model paths).
     paths: list[str] = []
+    # Modules looked for without failing (what the agent decides on: is a real tilert there?).
+    optional_modules: list[str] = []
+    # Programs that must be found on the engine's PATH (a program that is not a Python script).
+    programs: list[str] = []
 
 
 class PreflightResult(msgspec.Struct, kw_only=True):
@@ -49,6 +54,8 @@ class PreflightResult(msgspec.Struct, kw_only=True):
     problems: list[str]
     versions: dict[str, str]
     setup_script: str | None
+    # Each optional module: found or not.
+    optional: dict[str, bool] = {}
 
 
 class _Report(msgspec.Struct):
@@ -60,14 +67,16 @@ class _Report(msgspec.Struct):
     versions: dict[str, str]
     missing_paths: list[str]
     setup_script: str | None
+    programs: dict[str, str | None] = {}
+    path: str = ""
 
 
 # Runs in the engine's interpreter: standard library only, Python 3.6+ syntax.
 PROGRAM = r"""
-import importlib.util, json, os, sys
+import importlib.util, json, os, shutil, sys
 spec = json.loads(sys.argv[1])
 modules = {}
-for name in spec["modules"]:
+for name in spec["modules"] + spec["optional_modules"]:
     try:
         modules[name] = None if importlib.util.find_spec(name) is not None else "not found"
     except BaseException as exc:  # a parent package that fails to import says why
@@ -89,6 +98,8 @@ report = {
     "versions": versions,
     "missing_paths": [p for p in spec["paths"] if not os.path.exists(p)],
     "setup_script": sys.argv[2] or None,
+    "programs": dict((p, shutil.which(p)) for p in spec["programs"]),
+    "path": os.environ.get("PATH", ""),
 }
 sys.stdout.flush()
 print("TILERT_PREFLIGHT " + json.dumps(report), flush=True)
@@ -116,7 +127,13 @@ def setup_script_candidates(script: str, configs_dir: str) -> list[str]:
 def preflight_argv(checks: PreflightChecks) -> list[str]:
     """The one command the preflight runs (bash only when a setup script must be sourced)."""
     spec = json.dumps(
-        {"modules": checks.modules, "distributions": checks.distributions, "paths": checks.paths}
+        {
+            "modules": checks.modules,
+            "optional_modules": checks.optional_modules,
+            "distributions": checks.distributions,
+            "paths": checks.paths,
+            "programs": checks.programs,
+        }
     )
     if checks.setup_script is None:
         return [checks.python, "-c", PROGRAM, spec, ""]
@@ -165,7 +182,9 @@ async def run_preflight(
     except OSError as exc:
         return _failed(
             f"cannot start the engine's interpreter {where} through the {launcher.name} launcher: "
-            f"{exc}; fix the interpreter (agent setting router_python, or the image) or PATH"
+            f"{exc}; fix the interpreter "
+            "(agent.prefill_command, decode_python or router_python, or "
+            "the image) or the engine's PATH"
         )
     text = output.decode(errors="replace")
     for line in text.splitlines():
@@ -195,7 +214,16 @@ async def run_preflight(
 
 def _judge(report: _Report, checks: PreflightChecks, where: str) -> PreflightResult:
     problems: list[str] = []
+    for program, found in report.programs.items():
+        if found is None:
+            problems.append(
+                f"program {program!r} is not found on the engine's PATH ({report.path}) as "
+                f"{where} sees it; install it there, or name the program by its absolute path "
+                "(agent.prefill_command), or set PATH in the role's env"
+            )
     for module, error in report.modules.items():
+        if module in checks.optional_modules:
+            continue
         if error is not None:
             problems.append(
                 f"module {module} cannot be found by {where} ({report.executable}, Python "
@@ -216,6 +244,11 @@ def _judge(report: _Report, checks: PreflightChecks, where: str) -> PreflightRes
             "(cluster file mounts)"
         )
     versions = {"python": report.python, **report.versions}
+    optional = {m: report.modules.get(m) is None for m in checks.optional_modules}
     return PreflightResult(
-        ok=not problems, problems=problems, versions=versions, setup_script=report.setup_script
+        ok=not problems,
+        problems=problems,
+        versions=versions,
+        setup_script=report.setup_script,
+        optional=optional,
     )

@@ -449,17 +449,17 @@ class WeightsGate:
     # ---- converting --------------------------------------------------------------------------
 
     def _converter_module(self, convert: ConvertPlan) -> str:
-        return STANDIN_MODULES["converter"] if self.plan.mock else convert.program[-1]
+        return STANDIN_MODULES["converter"] if self.plan.standin("decode") else convert.program[-1]
 
     async def _check_converter(self, convert: ConvertPlan) -> None:
         """Can this node run the converter on the checkpoint? Seconds, before taking the lock."""
         self._show("converting", "checking the converter (preflight)")
         checks = preflight.PreflightChecks(
-            python=sys.executable if self.plan.mock else convert.program[0],
+            python=sys.executable if self.plan.standin("decode") else convert.program[0],
             modules=[self._converter_module(convert)],
             distributions=["tilert"],
             # The stand-in needs no setup; the script belongs to the real image.
-            setup_script=None if self.plan.mock else self.plan.setup_script,
+            setup_script=None if self.plan.standin("decode") else self.plan.setup_script,
             configs_dir=self.plan.configs_dir,
             paths=[convert.source],
         )

@@ -8,19 +8,24 @@ pipe and blocking the engine), the probes and ``/status`` all at once. A thread 
 microseconds per batch of up to 1 MiB, so every batch goes through it, small ones included. When
 the queue is full the newest lines are dropped (counted, and noted in the file once it catches up);
 the ring of recent lines still gets every line, so a failure report shows what really happened.
-
+The time each batch was read from the pipe goes into the log file's side index (``engine.times``,
+``agent.job.logtimes``), so ``tilert-submit logs --timestamps`` and ``--since`` know when each
+line arrived while the file keeps exactly the engine's bytes.
 """
 
+import errno
 import logging
 import logging.handlers
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
 import trio
 
+from agent.job.logtimes import TimesWriter, times_path
 from agent.job.paths import PRIVATE_DIR_MODE
 
 # Memory the queue may hold while the file is behind (beyond it, lines are dropped).
@@ -87,8 +92,8 @@ class LogSink:
         self.lines_dropped = 0
         self.bytes_dropped = 0
         self._ring: deque[bytes] = deque(maxlen=ring_lines)
-        # Items are (block of whole lines, engine lines in it, engine bytes in it).
-        self._queue: deque[tuple[bytes, int, int]] = deque()
+        # Items are (block of whole lines, engine lines in it, engine bytes in it, received at).
+        self._queue: deque[tuple[bytes, int, int, float]] = deque()
         self._queued_bytes = 0
         self._unnoted_lines = 0
         self._unnoted_bytes = 0
@@ -99,6 +104,7 @@ class LogSink:
         self._write_lock = trio.Lock()
         self._file_lock = threading.Lock()
         self._fd: int | None = None
+        self._times = TimesWriter()
         self._size = 0
         self._failing = False
 
@@ -176,7 +182,8 @@ class LogSink:
         """Queue a block for the file, after the notice of any drop before it."""
         if self._unnoted_lines and lines:
             self._note_drops()
-        self._queue.append((block, lines, nbytes))
+        # Called as the block is read (or noted): the time its lines were received.
+        self._queue.append((block, lines, nbytes, time.time()))
         self._queued_bytes += len(block)
         self._enqueued += 1
         self._lot.unpark_all()
@@ -200,7 +207,7 @@ class LogSink:
             self._note_drops()
             items = list(self._queue)
             self._take(len(items))
-            self._account(items, self._write_sync([item[0] for item in items]))
+            self._account(items, self._write_sync([(item[0], item[3]) for item in items]))
 
     def recent(self, n: int = 50) -> list[str]:
         """The last ``n`` lines (engine output and notes), decoded with ``errors="replace"``."""
@@ -224,13 +231,13 @@ class LogSink:
     def _take(self, count: int) -> None:
         """Remove ``count`` items from the front of the queue."""
         for _ in range(count):
-            block, _, _ = self._queue.popleft()
+            block = self._queue.popleft()[0]
             self._queued_bytes -= len(block)
 
     async def _write_batch(self) -> None:
         """Write up to ``_BATCH_BYTES`` of the queue in a worker thread, one batch at a time."""
         async with self._write_lock:
-            items: list[tuple[bytes, int, int]] = []
+            items: list[tuple[bytes, int, int, float]] = []
             size = 0
             for item in self._queue:
                 if items and size + len(item[0]) > _BATCH_BYTES:
@@ -242,7 +249,8 @@ class LogSink:
             # Taken off the queue before the write, so the reader has room while the thread works.
             self._take(len(items))
             try:
-                error = await trio.to_thread.run_sync(self._write_sync, [item[0] for item in items])
+                blocks = [(item[0], item[3]) for item in items]
+                error = await trio.to_thread.run_sync(self._write_sync, blocks)
             except BaseException:
                 # Cancelled before the thread started: nothing was written, keep it queued.
                 self._queue.extendleft(reversed(items))
@@ -250,7 +258,7 @@ class LogSink:
                 raise
             self._account(items, error)
 
-    def _account(self, items: list[tuple[bytes, int, int]], error: OSError | None) -> None:
+    def _account(self, items: list[tuple[bytes, int, int, float]], error: OSError | None) -> None:
         """Counters after a write: written, or dropped when the file system refused it."""
         lines = sum(item[1] for item in items)
         nbytes = sum(item[2] for item in items)
@@ -270,23 +278,25 @@ class LogSink:
             self._failing = True
             _log.warning("cannot write %s (%s); dropping engine output", self.path, error)
 
-    def _write_sync(self, blocks: list[bytes]) -> OSError | None:
-        """Append blocks to the file, rotating between lines (runs in a worker thread)."""
+    def _write_sync(self, blocks: list[tuple[bytes, float]]) -> OSError | None:
+        """Append (block, received at) to the file, rotating between lines (a worker thread)."""
         with self._file_lock:
             try:
-                for block in blocks:
-                    self._write_block(block)
+                for block, received in blocks:
+                    self._write_block(block, received)
             except OSError as exc:
                 self._close_fd()
                 return exc
         return None
 
-    def _write_block(self, block: bytes) -> None:
+    def _write_block(self, block: bytes, received: float) -> None:
         """Append whole lines; rotate before a line that would not fit."""
         if self._fd is None:
             self._open()
         while block:
             room = self.max_bytes - self._size
+            # The time goes into the index before the bytes: a reader that sees them finds it.
+            self._times.add(self._size, received)
             if len(block) <= room:
                 self._write_all(block)
                 return
@@ -301,10 +311,12 @@ class LogSink:
 
     def _write_all(self, data: bytes) -> None:
         """``os.write`` until every byte is written."""
-        assert self._fd is not None
+        fd = self._fd
+        if fd is None:  # _write_block opens the file first; a closed sink writes nothing
+            raise OSError(errno.EBADF, "the log file is closed", str(self.path))
         view = memoryview(data)
         while view:
-            done = os.write(self._fd, view)
+            done = os.write(fd, view)
             view = view[done:]
         self._size += len(data)
 
@@ -313,23 +325,36 @@ class LogSink:
         self.path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         self._size = os.fstat(self._fd).st_size
+        self._times.open(self.path, self._fd)
 
     def _rotate(self) -> None:
-        """``path`` -> ``path.1`` -> ... -> ``path.<backups>``, then a fresh ``path``."""
+        """``path`` -> ``path.1`` -> ... -> ``path.<backups>``, then a fresh ``path``.
+
+        Each file's times index (``engine.times``) moves with it.
+        """
         self._close_fd()
         if self.backups == 0:
             self.path.unlink(missing_ok=True)
+            times_path(self.path).unlink(missing_ok=True)
         else:
             for i in range(self.backups - 1, 0, -1):
                 older = self.path.with_name(f"{self.path.name}.{i}")
+                newer = self.path.with_name(f"{self.path.name}.{i + 1}")
                 if older.exists():
-                    os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+                    os.replace(older, newer)
+                if times_path(older).exists():
+                    os.replace(times_path(older), times_path(newer))
             if self.path.exists():
                 os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+            if times_path(self.path).exists():
+                os.replace(
+                    times_path(self.path), times_path(self.path.with_name(f"{self.path.name}.1"))
+                )
         self._open()
 
     def _close_fd(self) -> None:
-        """Close the file if open."""
+        """Close the file (and its times index) if open."""
+        self._times.close()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

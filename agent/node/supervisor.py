@@ -1,6 +1,6 @@
 """One engine's life: start, prove ready, watch, restart with backoff, give up, stop.
 
-States are DESIGN.md's ``/status`` vocabulary::
+States are the ``/status`` vocabulary of docs/agent.md::
 
     starting --(startup probe ok)--> healthy --(N probe failures)--> unhealthy --+
        |  ^                            |                                        |
@@ -11,12 +11,17 @@ States are DESIGN.md's ``/status`` vocabulary::
 An engine exit is a failure unless we are stopping (vLLM's API process exits 0 when its engine
 dies). An engine that exits with "address in use" before it was ever healthy gets new ports from
 ``on_address_in_use`` (no backoff, not a crash); once healthy, ports are sticky.
+
+The engine's log tells the same story in place, one marker line each (docs/logs.md): ``=== NAME
+generation N started, pid P: ARGV ===`` at every start, ``=== NAME restart N: WHY; ... ===`` when
+it is restarted, ``=== NAME failed: WHY ===`` when it is given up, ``=== NAME stopped ... ===``.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -138,6 +143,10 @@ class EngineSupervisor:
             uptime_s=(time.time() - self.started_at) if alive and self.started_at else None,
         )
 
+    def _mark(self, text: str) -> None:
+        """One marker line in the engine's log, where ``tilert-submit logs -f`` shows it."""
+        self.sink.note(f"=== {self.name} {text} ===")
+
     def _set(self, state: EngineState, reason: str) -> None:
         if state == self.state and reason == self.reason:
             return
@@ -194,6 +203,13 @@ class EngineSupervisor:
             await self._stop_engine(self.process)
         if self.stopping and self.state != "failed":
             self._set("stopped", "stopped on request")
+            engine = self.process
+            if engine is not None and engine.returncode is not None:
+                self._mark(
+                    f"stopped on request (engine pid {engine.pid} {_ended(engine.returncode)})"
+                )
+            else:
+                self._mark("stopped on request")
 
     async def _loop(self) -> None:
         async with httpx.AsyncClient(timeout=self.policy.timeout_s) as client:
@@ -204,6 +220,7 @@ class EngineSupervisor:
                 if self._relaunch_reason is not None:
                     reason, self._relaunch_reason = self._relaunch_reason, None
                     self._set("restarting", reason)
+                    self._mark(f"restart {self.restarts}: {reason}")
                     continue
                 now = time.monotonic()
                 self._restart_times.append(now)
@@ -221,10 +238,12 @@ class EngineSupervisor:
                 )
                 self.restarts += 1
                 self._set("restarting", f"{outcome}; restart {self.restarts} in {delay:.1f}s")
+                self._mark(f"restart {self.restarts}: {outcome}; starting again in {delay:.1f}s")
                 await trio.sleep(delay)
 
     def _fail(self, reason: str) -> None:
         self._set("failed", reason)
+        self._mark(f"failed: {reason}")
         lines = self.sink.recent(FAILURE_LOG_LINES)
         self.log.error(
             "%s failed: %s\n--- last %d lines of %s ---\n%s\n--- end ---",
@@ -302,9 +321,12 @@ class EngineSupervisor:
     def _exit_reason(self, engine: ProcessHandle) -> str:
         code = engine.returncode
         if code is not None and code < 0:
-            return f"engine pid {engine.pid} killed by signal {-code}"
+            return f"engine pid {engine.pid} {_ended(code)}"
         if code == 0:
-            return f"engine pid {engine.pid} exited with code 0 (an engine must not exit while serving)"
+            return (
+                f"engine pid {engine.pid} exited with code 0 "
+                "(an engine must not exit while serving)"
+            )
         return f"engine pid {engine.pid} exited with code {code}"
 
     async def _watch(
@@ -399,3 +421,14 @@ class EngineSupervisor:
                 lines = lines[i + 1 :]
                 break
         return any(ADDRESS_IN_USE.search(line) for line in lines)
+
+
+def _ended(code: int) -> str:
+    """How a process ended, in words: ``exited with code 1``, ``killed by signal 9 (SIGKILL)``."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = f" ({signal.Signals(-code).name})"
+    except ValueError:
+        name = ""
+    return f"killed by signal {-code}{name}"

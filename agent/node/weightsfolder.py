@@ -121,7 +121,8 @@ class Siblings:
         return self.folder.parent / f"{self._prefix}replaced-{token}"
 
     def leftovers(self, keep: str) -> list[Path]:
-        """Conversions and moved-aside folders of dead holders (not ``keep``'s), stale lock copies."""
+        """Conversions and moved-aside folders of dead holders (not ``keep``'s), stale lock
+        copies."""
         found = []
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.folder.parent):
@@ -240,7 +241,8 @@ def inspect(folder: Path, *, marker_required: bool = True) -> Inspection:
         what = "an index and every shard it names, but" if out.shards_complete else ""
         out.problems.insert(
             0,
-            f"{what} no {MARKER_NAME} (written by tilert-agent once a conversion has finished)".strip(),
+            f"{what} no {MARKER_NAME} "
+            "(written by tilert-agent once a conversion has finished)".strip(),
         )
         return out
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -104,7 +104,8 @@ def find_cluster_file(flag: str | None, env: Mapping[str, str], cwd: Path) -> Pa
 
 
 def relative_to_file(value: str, base_dir: Path) -> str:
-    """A ``./`` or ``../`` path made absolute against ``base_dir`` (its file's folder); else as is."""
+    """A ``./`` or ``../`` path made absolute against ``base_dir`` (its file's folder); else as
+    is."""
     if value.startswith(("./", "../")) or value in (".", ".."):
         return str((base_dir / value).resolve())
     return value

@@ -8,10 +8,11 @@ reported together instead of msgspec's first one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
+from agent.facts import DECODE_PYTHON, PREFILL_PROGRAM, ROUTER_PYTHON
 from agent.job.plan import DEFAULT_CONVERT_BUDGET_S, DEFAULT_CONVERT_LOCK_STALE_S
 
 # A scalar or structured value as YAML gives it. Engine args keep their YAML type until rendered.
@@ -169,17 +170,33 @@ class PerRole(_Strict):
 class Canary(_Strict):
     prompt: str = "Say hello."
     max_tokens: int = 8
+    # The whole proof's budget; each attempt (one chat) is cut at ``attempt_timeout_s`` and
+    # retried while the budget lasts.
     timeout_s: float = 180.0
+    attempt_timeout_s: float = 60.0
 
 
 class LogSettings(_Strict):
     max_bytes: int = 64 * 1024 * 1024
     backups: int = 3
+    # Where engine logs go: the job directory (``job``), or each node's own disk (``node``,
+    # in ``node_dir``/<job folder name>/), read through the agents' /logs (docs/logs.md).
+    location: Literal["job", "node"] = "job"
+    node_dir: str = "/tmp/tilert-logs"
 
 
 class AgentSection(_Strict):
     router_port: int = 8000
-    router_python: str = "python"
+    router_python: str = ROUTER_PYTHON
+    # The command that starts vLLM (the model path is appended): ``vllm serve`` by default; a
+    # site's own launcher, or ``[python, -m, vllm.entrypoints.openai.api_server]``.
+    prefill_command: list[str] = msgspec.field(default_factory=lambda: list(PREFILL_PROGRAM))
+    # The interpreter of TileRT's decode server, as ``router_python`` is the router's.
+    decode_python: str = DECODE_PYTHON
+    # Node-local scratch for the engines' temp and cache folders (TMPDIR, VLLM_CACHE_ROOT, ...):
+    # None means a per-job folder under the node's system temp folder; ``job`` the job directory;
+    # else an absolute path. Removed when the agent stops.
+    scratch_dir: str | None = None
     # Address the agent's own endpoint binds to; None means the node's address.
     bind: str | None = None
     ports: PortBases = msgspec.field(default_factory=PortBases)

@@ -6,12 +6,18 @@ recipe's own YAML rules (``2`` is an integer, ``true`` a boolean, ``"2"`` a stri
 null, ``{a: 1}`` a mapping). Missing mappings along the path are created, so new ``env`` and
 ``args`` keys can be added. ``--unset`` removes a key that is there (a key that is not is an
 error: a typo must not pass silently). The result is validated like the file itself.
+
+A VALUE ``@env:NAME`` or ``@file:PATH`` is read, as a string, from the submitter's environment
+variable NAME or from the file PATH (one trailing newline dropped): a secret given so never
+appears on a command line, where every user of the machine can read it (``ps``).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from agent.problems import InputError, Problem, error
@@ -19,6 +25,52 @@ from agent.recipe.typedyaml import YamlSyntaxError, load_scalar
 
 FLAG = "--set"
 UNSET_FLAG = "--unset"
+FROM_ENV = "@env:"
+FROM_FILE = "@file:"
+# A secret is a token or a password, not a document: a bigger file is a mistake.
+FROM_FILE_LIMIT = 64 * 1024
+
+
+def _read_secret_file(where: str, name: str) -> str:
+    path = Path(name).expanduser()
+    try:
+        with path.open("rb") as file:
+            data = file.read(FROM_FILE_LIMIT + 1)
+    except OSError as exc:
+        raise InputError(
+            [error(where, f"cannot read {path}: {exc.strerror or exc}", "name a readable file")]
+        ) from None
+    if len(data) > FROM_FILE_LIMIT:
+        raise InputError(
+            [
+                error(
+                    where,
+                    f"{path} is larger than {FROM_FILE_LIMIT // 1024} KiB",
+                    "name the file that holds only the value",
+                )
+            ]
+        )
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise InputError(
+            [error(where, f"{path} is not UTF-8 text", "store the value as text")]
+        ) from None
+    return text.removesuffix("\n").removesuffix("\r")
+
+
+def read_indirect(where: str, text: str) -> str | None:
+    """The string an ``@env:NAME`` / ``@file:PATH`` value names; None for a plain YAML value."""
+    if text.startswith(FROM_ENV):
+        name = text[len(FROM_ENV) :]
+        if name not in os.environ:
+            raise InputError(
+                [error(where, f"the environment has no variable {name!r}", f"export {name} first")]
+            )
+        return os.environ[name]
+    if text.startswith(FROM_FILE):
+        return _read_secret_file(where, text[len(FROM_FILE) :])
+    return None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -41,6 +93,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
                 )
             ]
         )
+    indirect = read_indirect(where, text)
+    if indirect is not None:
+        return [part.strip() for part in parts], indirect
     try:
         value = load_scalar(text)
     except YamlSyntaxError as exc:

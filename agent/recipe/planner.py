@@ -9,14 +9,23 @@ plan, byte for byte, so a golden test can pin it.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
 
-from agent.facts import DECODE_MODULE, PREFILL_PROGRAM, ROUTER_MODULE
+from agent.facts import DECODE_MODULE, ROUTER_MODULE
 from agent.job.benchmark import BenchmarkPlan
-from agent.job.plan import AgentPlan, LauncherName, Plan, RolePlan, RouterPlan, SlurmPlan
+from agent.job.plan import (
+    STANDIN_NAMES,
+    AgentPlan,
+    LauncherName,
+    Plan,
+    RolePlan,
+    RouterPlan,
+    SlurmPlan,
+    StandinName,
+)
 from agent.job.secrets import is_secret_name
 from agent.problems import InputError, error
 from agent.recipe.benchplan import benchmark_plan
@@ -194,7 +203,10 @@ def _mounts(recipe: Recipe) -> list[str]:
 def choose_launcher(
     cluster: ClusterConfig | None, *, mock: bool, launcher: str | None
 ) -> LauncherName:
-    """--mock forces ``process``; else the explicit launcher, the cluster's, or ``process``."""
+    """Any stand-in forces ``process``; else the explicit launcher, the cluster's, or ``process``.
+
+    Stand-ins run with the agent's own interpreter, which no engine image has.
+    """
     if mock:
         return "process"
     chosen = launcher or (cluster.launcher if cluster is not None else "process")
@@ -203,8 +215,19 @@ def choose_launcher(
     return chosen  # type: ignore[return-value]
 
 
-def make_plan(loaded: LoadedRecipe, *, mock: bool, launcher: str | None = None) -> Plan:
-    """The launch plan of a loaded (validated, resolved) recipe."""
+def make_plan(
+    loaded: LoadedRecipe,
+    *,
+    mock: bool | Collection[StandinName] = False,
+    launcher: str | None = None,
+) -> Plan:
+    """The launch plan of a loaded (validated, resolved) recipe.
+
+    ``mock``: True replaces every engine by its stand-in (``--mock``), a collection only those
+    named (``--mock decode``).
+    """
+    named = set(STANDIN_NAMES) if mock is True else set(mock or ())
+    standins = [name for name in STANDIN_NAMES if name in named]
     recipe = loaded.recipe
     # No cluster file: the site defaults every field of ClusterConfig states (one source).
     cluster = loaded.cluster or ClusterConfig()
@@ -214,14 +237,14 @@ def make_plan(loaded: LoadedRecipe, *, mock: bool, launcher: str | None = None) 
     prefill = _role_plan(
         recipe,
         "prefill",
-        program=[*PREFILL_PROGRAM, _model_argument(recipe)],
+        program=[*agent.prefill_command, _model_argument(recipe)],
         first_node=0,
         grace=graces["prefill"],
     )
     decode = _role_plan(
         recipe,
         "decode",
-        program=["python", "-m", DECODE_MODULE],
+        program=[agent.decode_python, "-m", DECODE_MODULE],
         first_node=prefill.nodes,
         grace=graces["decode"],
     )
@@ -240,8 +263,8 @@ def make_plan(loaded: LoadedRecipe, *, mock: bool, launcher: str | None = None) 
     return Plan(
         name=recipe.name or "",
         model=public_model_name(recipe) or _model_argument(recipe),
-        mock=mock,
-        launcher=choose_launcher(loaded.cluster, mock=mock, launcher=launcher),
+        standins=standins,
+        launcher=choose_launcher(loaded.cluster, mock=bool(standins), launcher=launcher),
         network_interface=cluster.network_interface,
         visible_devices_env=cluster.visible_devices_env,
         mounts=_mounts(recipe),
@@ -265,6 +288,9 @@ def make_plan(loaded: LoadedRecipe, *, mock: bool, launcher: str | None = None) 
             canary_prompt=agent.canary.prompt,
             canary_max_tokens=agent.canary.max_tokens,
             canary_timeout_s=agent.canary.timeout_s,
+            canary_attempt_timeout_s=agent.canary.attempt_timeout_s,
+            scratch_dir=agent.scratch_dir,
+            log_node_dir=agent.logs.node_dir if agent.logs.location == "node" else None,
         ),
         slurm=SlurmPlan(
             account=recipe.slurm.account,

@@ -17,13 +17,18 @@ The programs (what ``agent.launch.commands.STANDIN_MODULES`` runs):
 - ``converter``: TileRT's weight converter (``python -m agent.standins.converter ...``), run by a
   decode agent that converts its weights folder.
 
+Not a program but a folder for a REAL vLLM's import path: ``vllm_connector`` holds a
+``tilert.pd_vllm.prefill_connector`` whose ``TileRTConnector`` does TileRT's control-plane
+handshake with the ``kvlink`` sender and moves no KV (``--mock decode`` beside a real vLLM).
+
 What they share:
 
 - ``kvlink``: the two ends of the ctrl-port conversation, the connector's sender (prefill) and
   the receive server (decode);
 - ``wire``: that conversation's frames and messages, the rid, the layout version;
 - ``openai_api``: the OpenAI request fields and streamed-reply framing of prefill and router;
-- ``tokens``: the token ids they emit and their text without a tokenizer;
+- ``tokens``: the token ids they emit and their text without a tokenizer; ``bpe``: the model's
+  own byte-level BPE, for the prefill's ``/tokenize``;
 - ``faults``: the ``TILERT_MOCK_*`` fault switches; ``lifecycle``: parse, load, serve, stop.
 
 Imports: the standard library, third-party packages, ``agent.facts`` (what TileRT and vLLM are)

@@ -149,12 +149,12 @@ def build_app(
     state = DecodeState()
 
     @app.route("GET", "/health")
-    async def health(request: Request) -> Response:
+    async def health(_request: Request) -> Response:
         await faults.hold_health()
         return json_response({"status": "ok"})
 
     @app.route("GET", "/capabilities")
-    async def capabilities(request: Request) -> Response:
+    async def capabilities(_request: Request) -> Response:
         caps = {
             "penalties": kind.penalties,
             "ignore_eos": kind.ignore_eos,
@@ -163,7 +163,7 @@ def build_app(
         return json_response({"profile": profile, "engine": kind.name, "capabilities": caps})
 
     @app.route("GET", "/decode_status")
-    async def decode_status(request: Request) -> Response:
+    async def decode_status(_request: Request) -> Response:
         busy = state.current_rid is not None
         return json_response(
             {"status": "busy" if busy else "idle", "current_rid": state.current_rid}

@@ -87,7 +87,7 @@ class ConnectorConfig:
 
     def admission_window_s(self) -> float:
         """How long a refused rank keeps retrying (the decode extends its tombstone by it)."""
-        return ADMISSION_BACKOFF_S * (2 ** max(0, self.admission_attempts - 1) - 1)
+        return float(ADMISSION_BACKOFF_S * (2 ** max(0, self.admission_attempts - 1) - 1))
 
     def announce(self) -> None:
         """The connector's startup lines, with a warning for sender ranks that do not exist."""
@@ -406,7 +406,7 @@ class Receiver:
             )
             self.notify()
 
-    def writer_left(self, rid: str, generation: int) -> None:
+    def writer_left(self, _rid: str, generation: int) -> None:
         """A sender connection closed."""
         cur = self.current
         if cur is None or cur.generation != generation:

@@ -3,8 +3,11 @@
 ``/health`` (connection refused while "loading", then 200 with an empty body), ``/v1/models``,
 ``/version``, ``/metrics`` (vLLM's ``vllm:`` families, classic text), ``POST /v1/chat/completions``
 and ``POST /v1/completions`` (the router asks for ``max_tokens=1``; logprob tokens read
-``token_id:N`` with ``--return-tokens-as-token-ids``). No ``/tokenize``, which keeps TileRT's router
-on its chat path. With ``--kv-transfer-config`` naming ``TileRTConnector``, a request carrying
+``token_id:N`` with ``--return-tokens-as-token-ids``), ``POST /tokenize`` with the model's own
+token ids (``agent.standins.bpe``; one id per byte when the model folder has no byte-level BPE),
+so TileRT's router turns its router-side tokenization on and sends chats without logprobs to
+``/v1/completions`` as token ids, as it does against vLLM. With ``--kv-transfer-config`` naming
+``TileRTConnector``, a request carrying
 ``kv_transfer_params`` is handed to the connector's sending side (``agent.standins.kvlink``),
 which shakes hands with that decode node's ctrl port. SIGTERM exits 0, as vLLM does.
 """
@@ -37,6 +40,7 @@ from agent.http.asgi import (
     text_response,
 )
 from agent.standins import lifecycle, openai_api, tokens
+from agent.standins.bpe import ByteLevelBPE
 from agent.standins.faults import Crasher, Faults
 from agent.standins.kvlink import ConnectorConfig, Sender
 
@@ -145,7 +149,7 @@ class Metrics:
 
 
 def _prompt_text(body: dict[str, Any], is_chat: bool) -> str:
-    """The prompt as the model would see it (ChatML for chat), to count tokens."""
+    """The prompt as the model would see it (the demo model's ChatML template for chat)."""
     if not is_chat:
         prompt = body.get("prompt", "")
         if isinstance(prompt, list):
@@ -161,14 +165,8 @@ def _prompt_text(body: dict[str, Any], is_chat: bool) -> str:
             content = "".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
         role = m.get("role", "user") if isinstance(m, dict) else "user"
         parts.append(f"<|im_start|>{role}\n{content or ''}<|im_end|>\n")
-    return "".join(parts) + "<|im_start|>assistant\n"
-
-
-def _prompt_tokens(body: dict[str, Any], text: str) -> int:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    return max(1, len(text.encode()))
+    generation_prompt = "<|im_start|>assistant\n" if body.get("add_generation_prompt", True) else ""
+    return "".join(parts) + generation_prompt
 
 
 def _error(
@@ -198,6 +196,19 @@ class PrefillServer:
         self.crasher = crasher
         self.metrics = Metrics(self.served[0])
         self.sender = sender
+        # The model's tokenizer when its folder has one we can read (TileRT's router compares).
+        self.tokenizer = ByteLevelBPE.load(model)
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as the model's token ids (one per UTF-8 byte without a tokenizer)."""
+        return self.tokenizer.encode(text) if self.tokenizer else tokens.encode_bytes(text)
+
+    def prompt_tokens(self, body: dict[str, Any], text: str) -> int:
+        """How many tokens a request's prompt is (its ids when it sends ids)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        return max(1, len(self.encode(text)))
 
     def token_text(self, token_id: int) -> str:
         """How a logprob entry names a token."""
@@ -208,16 +219,16 @@ class PrefillServer:
         app = App()
 
         @app.route("GET", "/health")
-        async def health(request: Request) -> Response:
+        async def health(_request: Request) -> Response:
             await self.faults.hold_health()
             return Response(b"", 200, "application/octet-stream")
 
         @app.route("GET", "/version")
-        async def version(request: Request) -> Response:
+        async def version(_request: Request) -> Response:
             return json_response({"version": VERSION})
 
         @app.route("GET", "/v1/models")
-        async def models(request: Request) -> Response:
+        async def models(_request: Request) -> Response:
             data = [
                 {
                     "id": name,
@@ -233,7 +244,7 @@ class PrefillServer:
             return json_response({"object": "list", "data": data})
 
         @app.route("GET", "/metrics")
-        async def metrics(request: Request) -> Response:
+        async def metrics(_request: Request) -> Response:
             path = self.faults.metrics_file
             if path is None:
                 return Response(self.metrics.page(), 200, METRICS_CONTENT_TYPE)
@@ -242,6 +253,10 @@ class PrefillServer:
             except OSError as exc:
                 return text_response(f"cannot read TILERT_MOCK_METRICS_FILE: {exc}\n", 500)
             return Response(data, 200, METRICS_CONTENT_TYPE)
+
+        @app.route("POST", "/tokenize")
+        async def tokenize(request: Request) -> Response:
+            return self.tokenize(await request.json())
 
         @app.route("POST", "/v1/chat/completions")
         async def chat(request: Request) -> Response | StreamingResponse:
@@ -253,6 +268,28 @@ class PrefillServer:
 
         return app
 
+    def tokenize(self, body: Any) -> Response:
+        """vLLM's ``/tokenize``: a chat (``messages``, rendered with the template) or a prompt."""
+        if not isinstance(body, dict):
+            return _error("request body must be a JSON object", 400)
+        name = body.get("model") or self.served[0]
+        if name not in self.served:
+            return _error(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
+        if "messages" in body:
+            ids = self.encode(_prompt_text(body, is_chat=True))
+        elif isinstance(body.get("prompt"), str):
+            ids = self.encode(body["prompt"])
+        else:
+            return _error("either messages or prompt is required", 400)
+        return json_response(
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            }
+        )
+
     async def complete(self, body: Any, *, is_chat: bool) -> Response | StreamingResponse:
         """Answer one completion request, then hand its KV to the decode node it names."""
         t0 = time.monotonic()
@@ -262,7 +299,7 @@ class PrefillServer:
         if name not in self.served:
             return _error(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
         text = _prompt_text(body, is_chat)
-        n_prompt = _prompt_tokens(body, text)
+        n_prompt = self.prompt_tokens(body, text)
         max_tokens = openai_api.max_tokens(body, DEFAULT_MAX_TOKENS)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error("max_tokens must be at least 1", 400, param="max_tokens")

@@ -146,12 +146,12 @@ class Router:
         app = App()
 
         @app.route("GET", "/health")
-        async def health(request: Request) -> Response:
+        async def health(_request: Request) -> Response:
             free = sum(1 for n in self.pool.nodes if not n.busy)
             return json_response({"status": "ok", "decode_free": free})
 
         @app.route("GET", "/pool_status")
-        async def pool_status(request: Request) -> Response:
+        async def pool_status(_request: Request) -> Response:
             return json_response(
                 {"nodes": [{"host": n.host, "busy": n.busy} for n in self.pool.nodes]}
             )
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         log.error("cannot bind %s:%d: %s", args.host, args.port, exc)
         raise SystemExit(PORT_IN_USE_EXIT_CODE) from None
 
-    async def body(nursery: trio.Nursery, crasher: Crasher, shutdown: trio.Event) -> None:
+    async def body(_nursery: trio.Nursery, _crasher: Crasher, shutdown: trio.Event) -> None:
         router = Router(args, Pool(nodes, args.queue_timeout), detok)
         log.info(
             "router on :%d -> vllm=%s, %d decode node(s), parser=%s (stand-in)",

@@ -21,7 +21,7 @@ CONTINUATION_TEXT = "ello from the TileRT decode stand-in."
 
 
 @cache
-def _byte_symbols() -> dict[int, str]:
+def byte_symbols() -> dict[int, str]:
     """GPT-2's byte -> printable unicode symbol table (what ByteLevel pre-tokenization uses)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
     printable += range(ord("®"), ord("ÿ") + 1)
@@ -36,9 +36,9 @@ def _byte_symbols() -> dict[int, str]:
 
 @cache
 def _byte_ids() -> dict[int, int]:
-    ordered = sorted(_byte_symbols().values())
+    ordered = sorted(byte_symbols().values())
     rank = {symbol: i for i, symbol in enumerate(ordered)}
-    return {b: len(SPECIAL_TOKENS) + rank[s] for b, s in _byte_symbols().items()}
+    return {b: len(SPECIAL_TOKENS) + rank[s] for b, s in byte_symbols().items()}
 
 
 @cache

@@ -1,13 +1,24 @@
 """Jobs on this machine: the ``--local`` supervisor runs them in the foreground, SIGTERM stops them.
 
-The supervisor records its pid in status.json; it stops its agents (each drains its engines) when
-it gets SIGTERM, and they die with it if it is SIGKILLed.
+The submitter records its pid and start time in the first status.json, then becomes the
+supervisor (``submit.local.run``) by exec'ing it: same pid, a command line that names the job
+directory and carries no ``--set`` value, the secrets in its environment. It stops its agents (each
+drains its engines) when it gets SIGTERM, and they die with it if it is SIGKILLed.
+
+``stop`` signals only that process: a stale job directory's pid may name a stranger by now (pids
+are reused), so the pid's start time and command line are checked first, through a pidfd, which
+cannot be redirected to a new process between the check and the signal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import shlex
 import signal
+import sys
+import time
 from collections.abc import Mapping
 
 import psutil
@@ -15,7 +26,16 @@ import psutil
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobStatus
-from submit.backend import Backend, wait_until
+from submit import PROG
+from submit.backend import Backend, BackendError
+
+# The signals that stop a job. From the moment status.json names the submitter until the
+# supervisor listens for them they are blocked (pending, not lost): the mask survives the exec.
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+# A start time read again later may differ by the wall clock's adjustments since boot (psutil
+# derives it from the boot time, which moves with them); a pid reused within a second of the
+# supervisor's start that also names this job directory is not a case to design for.
+START_TIME_SLACK_S = 1.0
 
 
 def pid_alive(pid: int) -> bool:
@@ -35,10 +55,60 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def supervisor_argv(job: JobDir) -> list[str]:
+    """The supervisor's command line: this interpreter, the module, the absolute job directory."""
+    return [sys.executable, "-m", "submit.local.run", str(job.root.absolute())]
+
+
 def _pid(status: JobStatus) -> int:
     if not status.local_pid:
         raise ValueError("status.json names no local supervisor")
     return status.local_pid
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _names_job(cmdline: list[str], job: JobDir) -> bool:
+    """Whether an absolute argument of ``cmdline`` is the job directory itself."""
+    for arg in cmdline[1:]:
+        if os.path.isabs(arg):
+            with contextlib.suppress(OSError):
+                if os.path.samefile(arg, job.root):
+                    return True
+    return False
+
+
+def not_the_supervisor(job: JobDir, status: JobStatus) -> str | None:
+    """Why the live pid status.json names is not this job's supervisor, or None when it is."""
+    pid = _pid(status)
+    try:
+        proc = psutil.Process(pid)
+        started = proc.create_time()
+        cmdline = proc.cmdline()
+    except psutil.NoSuchProcess:
+        return f"pid {pid} is gone"
+    except psutil.Error as exc:
+        return f"pid {pid} cannot be inspected ({type(exc).__name__})"
+    if status.local_started_at is not None and (
+        abs(started - status.local_started_at) > START_TIME_SLACK_S
+    ):
+        return (
+            f"pid {pid} started at {_when(started)}, but this job's supervisor started at "
+            f"{_when(status.local_started_at)}: the pid now names another process"
+        )
+    if not _names_job(cmdline, job):
+        shown = shlex.join(cmdline)
+        shown = shown if len(shown) <= 120 else shown[:117] + "..."
+        return f"pid {pid} ({shown or 'no command line'}) does not name {job.root}"
+    return None
+
+
+def _wait_exit(pidfd: int, limit: float) -> bool:
+    """Whether the process behind ``pidfd`` exits within ``limit`` s (a pidfd reads as exited)."""
+    readable, _, _ = select.select([pidfd], [], [], max(limit, 0.0))
+    return bool(readable)
 
 
 class LocalBackend(Backend):
@@ -48,37 +118,77 @@ class LocalBackend(Backend):
         """Whether status.json records a local supervisor's pid."""
         return bool(status.local_pid)
 
-    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
-        """Run the agents here, in the foreground, until they fail or a signal stops them."""
-        # trio and the launchers only for the one command that runs agents.
-        from submit.local.run import run_local
+    def claim(self, status: JobStatus) -> None:
+        """Name this process (pid, start time) as the supervisor, and hold stop signals for it."""
+        # A `stop` may read status.json the moment it exists: its SIGTERM must wait for the
+        # supervisor's handler, not meet the default action (exit 143, the job `pending` for good).
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        status.local_pid = os.getpid()
+        status.local_started_at = psutil.Process().create_time()
 
-        return run_local(job, plan, dict(secrets))
+    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
+        """Become the supervisor (exec, same pid): it runs the agents here, in the foreground."""
+        del plan  # the supervisor reads J/plan.json
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.execve(sys.executable, supervisor_argv(job), {**os.environ, **secrets})
+        except OSError as exc:
+            raise BackendError(
+                f"cannot start the local supervisor {sys.executable}: {exc}"
+            ) from None
 
     def is_running(self, status: JobStatus) -> bool:
-        """Whether the supervisor process is alive."""
+        """Whether the supervisor's pid is alive (``stop`` checks it is the supervisor)."""
         return pid_alive(_pid(status))
 
     def gone(self, status: JobStatus) -> str:
         """The supervisor is gone."""
-        return f"the local supervisor (pid {_pid(status)}) is gone"
+        pid = _pid(status)
+        return f"the local supervisor (pid {pid}) is gone but status.json still says {status.state}"
 
     def summary(self, status: JobStatus) -> str:
         """The supervisor's pid."""
         return f"local supervisor pid: {_pid(status)}"
 
-    def stop(self, status: JobStatus, limit: float) -> int:
-        """SIGTERM the supervisor and wait for it to exit; SIGKILL it after ``limit``."""
+    def stop(self, job: JobDir, status: JobStatus, limit: float) -> int:
+        """SIGTERM the verified supervisor and wait for it to exit; SIGKILL it after ``limit``."""
         pid = _pid(status)
-        print(f"stopping the local job: SIGTERM to its supervisor pid {pid} (up to {limit:g}s)")
         try:
-            os.kill(pid, signal.SIGTERM)
+            pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             print("it had already exited")
             return 0
-        if wait_until(lambda: not pid_alive(pid), limit):
-            print("stopped")
+        try:
+            why = not_the_supervisor(job, status)
+            if why is not None:
+                print(
+                    f"{PROG}: not signalling pid {pid}: {why}. The "
+                    "job's supervisor is gone (status.json is stale); if you know better, stop "
+                    "that process yourself",
+                    file=sys.stderr,
+                )
+                return 1
+            if status.state == "stopping":
+                # A stop is under way (another `stop`, a Ctrl-C): a second signal would force it.
+                print(
+                    f"the local job is already stopping: waiting for pid {pid} (up to {limit:g}s)"
+                )
+            else:
+                print(
+                    f"stopping the local job: SIGTERM to its supervisor pid {pid} "
+                    f"(up to {limit:g}s)"
+                )
+                signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            if _wait_exit(pidfd, limit):
+                print("stopped")
+                return 0
+            print(
+                f"pid {pid} did not exit within {limit:g}s; "
+                "sending SIGKILL (its agents die with it)"
+            )
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             return 0
-        print(f"pid {pid} did not exit within {limit:g}s; sending SIGKILL (its agents die with it)")
-        os.kill(pid, signal.SIGKILL)
-        return 0
+        finally:
+            os.close(pidfd)

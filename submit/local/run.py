@@ -1,29 +1,49 @@
 """``tilert-submit RECIPE --local``: the same agents as local processes, in the foreground.
 
+``python -m submit.local.run J`` is what the submitter becomes once it has written the job
+directory (``LocalBackend.submit`` execs it: same pid, no ``--set`` values on its command line):
+it reads ``J/plan.json``, starts the agents, and watches the job until it fails, its head agent
+exits, tilert-submit's own limit passes before ready, or a signal asks it to stop.
+
 Agents start through the agent's own process launcher, so each has its own process group and dies
-with this process even when it is SIGKILLed (PR_SET_PDEATHSIG from the main thread); their engines
-die with them the same way. Ctrl-C or SIGTERM stops everything and exits 0.
+with this process even when it is SIGKILLed (PDEATHSIG and the lifeline); their engines die with
+them the same way. A line is printed before and after each start, so a start that hangs shows.
+
+Signals (docs/cli.md): SIGINT or SIGTERM stops every agent (each drains its engines), then exits
+0. The same signal again within ``SAME_REQUEST_S`` is the same request (two ``stop`` commands at
+once, a bouncing key); one after that, while the stop still runs, SIGKILLs every agent's process
+group and exits 128+N (130 for SIGINT, 143 for SIGTERM). SIGUSR1 prints every thread's stack to
+stderr (``faulthandler``): how to see where it is stuck.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 import trio
 
 from agent.job.names import HEAD_NAME, agent_name
 from agent.job.paths import JobDir
-from agent.job.plan import Plan
-from agent.job.records import JobStatus
+from agent.job.plan import Plan, load_plan
+from agent.job.records import JobAgent, JobStatus
 from agent.launch import LaunchSpec, ProcessHandle, make_launcher
 from agent.node.logpump import LogSink
+from submit.local.backend import STOP_SIGNALS
 
 PROGRESS_EVERY_S = 10.0
 POLL_S = 0.25
+# A second stop signal this soon after the first is the same request, not an order to force it.
+SAME_REQUEST_S = 1.0
+# Before the head's own clock runs: the agents' Python start and imports on a loaded machine.
+AGENT_START_S = 20.0
+FINAL_STATES = ("stopped", "failed")
 
 
 def agent_argv(job: JobDir, role: str, index: int) -> list[str]:
@@ -41,6 +61,14 @@ def agent_argv(job: JobDir, role: str, index: int) -> list[str]:
     ]
 
 
+def submit_limit(plan: Plan) -> float:
+    """How long tilert-submit waits for ready: all the head waits for, plus the agents' start."""
+    workers = max(plan.prefill.startup_budget_s, plan.decode.startup_budget_s)
+    # A canary is retried until its timeout, and its last request may take that long again.
+    canaries = 2 * plan.agent.canary_timeout_s
+    return workers + plan.router.startup_budget_s + canaries + AGENT_START_S
+
+
 def _read(job: JobDir) -> JobStatus | None:
     try:
         return job.read_status()
@@ -56,20 +84,34 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
+def _ended(entry: JobAgent, reason: str) -> None:
+    if entry.state not in FINAL_STATES:
+        entry.state, entry.reason = "stopped", reason
+
+
 class LocalRun:
     """The foreground supervisor of one local job's agents."""
 
-    def __init__(self, job: JobDir, plan: Plan, extra_env: dict[str, str]) -> None:
+    def __init__(self, job: JobDir, plan: Plan) -> None:
         self.job = job
         self.plan = plan
-        self.env = {**os.environ, **extra_env}
+        self.env = dict(os.environ)
         self.launcher = make_launcher("process", slurm_job_id=None, node=None)
         self.agents: dict[str, ProcessHandle] = {}
         self.sinks: dict[str, LogSink] = {}
-        self.limit = max(plan.prefill.startup_budget_s, plan.decode.startup_budget_s)
+        self.limit = submit_limit(plan)
         self.started = time.monotonic()
+        # Ready is due by then; pushed back while a worker converts its weights (as the head does).
+        self.deadline = self.started + self.limit
         # The agent whose exit ends the run: the head, or decode-0 of a convert job (no prefill).
         self.lead = HEAD_NAME if plan.prefill.nodes else agent_name("decode", 0)
+        self.stop = trio.Event()
+        self.first_signal_at: float | None = None
+        # 128+N once a second signal forced the stop; the exit code then.
+        self.forced: int | None = None
+        self.stopping = trio.CancelScope()
+        # Why the job failed when tilert-submit itself decided it (its limit, a dead head).
+        self.failure: str | None = None
 
     async def _start(self, nursery: trio.Nursery, role: str, index: int) -> None:
         name = agent_name(role, index)
@@ -78,68 +120,115 @@ class LocalRun:
         os.chmod(log_dir, 0o700)
         # The agent writes agent.log itself; its stderr is kept too, for crashes before logging.
         sink = LogSink(log_dir / "agent.stderr.log", max_bytes=8 * 1024 * 1024, backups=1)
-        engine = await self.launcher.start(
+        _say(f"starting {name} (log: {log_dir / 'agent.log'})")
+        agent = await self.launcher.start(
             LaunchSpec(name=name, argv=agent_argv(self.job, role, index), env=self.env)
         )
-        self.agents[name] = engine
+        _say(f"{name} started: pid {agent.pid}")
+        self.agents[name] = agent
         self.sinks[name] = sink
-        nursery.start_soon(sink.pump, engine.output)
+        nursery.start_soon(sink.pump, agent.output)
         # Reap it when it exits: ``returncode`` stays None until someone waits.
-        nursery.start_soon(engine.wait)
+        nursery.start_soon(agent.wait)
 
     async def _stop_agents(self) -> None:
         # Each agent drains its engines within their graces; the plan's drain time bounds that.
         grace = self.plan.drain_s()
-        async with trio.open_nursery() as nursery:
-            for engine in self.agents.values():
-                nursery.start_soon(engine.stop, grace)
+        with self.stopping:
+            async with trio.open_nursery() as nursery:
+                for agent in self.agents.values():
+                    nursery.start_soon(agent.stop, grace)
+
+    async def _on_signals(self, signals: AsyncIterator[int]) -> None:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            now = trio.current_time()
+            if self.first_signal_at is None:
+                self.first_signal_at = now
+                _say(
+                    f"{name} received: stopping every agent (another SIGINT or SIGTERM "
+                    f"after {SAME_REQUEST_S:g}s kills them at once)"
+                )
+                self.stop.set()
+            elif now - self.first_signal_at < SAME_REQUEST_S or self.forced is not None:
+                continue  # the same request again
+            else:
+                self.forced = 128 + signum
+                _say(f"{name} received again: killing every agent now")
+                for agent in self.agents.values():
+                    agent.kill()
+                self.stopping.cancel()
 
     async def run(self) -> int:
-        """Start the agents, show progress, wait for a signal or a failure."""
-        status = _read(self.job)
-        if status is not None:
-            status.local_pid = os.getpid()
-            self.job.write_status(status)
+        """Start the agents, show progress, wait for a signal, a failure or the limit."""
         code = 0
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            # Held since status.json named this process (LocalBackend.claim): delivered now.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             async with trio.open_nursery() as nursery:
-                for i in range(self.plan.prefill.nodes):
-                    await self._start(nursery, "prefill", i)
-                for i in range(self.plan.decode.workers):
-                    await self._start(nursery, "decode", i)
-                what = (
-                    f"waiting for the job to be ready (limit {self.limit:g}s)"
-                    if self.lead == HEAD_NAME
-                    else "converting the weights"
-                )
-                _say(
-                    f"started {len(self.agents)} agent{'s' if len(self.agents) != 1 else ''} "
-                    f"({', '.join(self.agents)}); {what}; Ctrl-C stops it"
-                )
-                stop = trio.Event()
-
-                async def on_signal() -> None:
-                    async for signum in signals:
-                        _say(f"{signal.Signals(signum).name} received: stopping every agent")
-                        stop.set()
-                        return
-
-                nursery.start_soon(on_signal)
-                code = await self._watch(stop)
+                nursery.start_soon(self._on_signals, signals)
+                starts = [("prefill", i) for i in range(self.plan.prefill.nodes)]
+                starts += [("decode", i) for i in range(self.plan.decode.workers)]
+                for role, index in starts:
+                    if not self.stop.is_set():
+                        await self._start(nursery, role, index)
+                if not self.stop.is_set():
+                    what = (
+                        f"waiting for the job to be ready (limit {self.limit:g}s)"
+                        if self.lead == HEAD_NAME
+                        else "converting the weights"
+                    )
+                    _say(
+                        f"started {len(self.agents)} agent{'s' if len(self.agents) != 1 else ''} "
+                        f"({', '.join(self.agents)}); {what}; Ctrl-C stops it"
+                    )
+                    code = await self._watch()
                 await self._stop_agents()
+                self._record_end()
                 for sink in self.sinks.values():
                     sink.close()
+                final = _read(self.job)
+                _say(
+                    f"job {final.state if final else 'unknown'}; "
+                    f"logs: tilert-submit logs {self.job.root}"
+                )
                 nursery.cancel_scope.cancel()
-        final = _read(self.job)
-        _say(f"job {final.state if final else 'unknown'}; logs: tilert-submit logs {self.job.root}")
-        return code
+        return self.forced or code
 
-    async def _watch(self, stop: trio.Event) -> int:
+    def _record_end(self) -> None:
+        """Say in status.json how the job ended when no agent could (all of them are gone now)."""
+        status = _read(self.job)
+        if status is None:
+            return
+        if self.failure is not None:
+            # The head, stopped by us, wrote `stopped`: the job failed all the same.
+            if status.state == "failed":
+                return
+            status.state, status.error = "failed", self.failure
+            reason = "stopped: the job failed"
+        elif status.state in FINAL_STATES:
+            return
+        else:
+            # Stopped (or killed) before the head wrote its last state, or before it started:
+            # without this, status.json would read `pending` or `ready` for good.
+            status.state = "stopped"
+            reason = "stopped by tilert-submit" + (" (killed)" if self.forced else "")
+        for entry in status.agents:
+            _ended(entry, reason)
+        if status.router is not None:
+            _ended(status.router, reason)
+        status.router_url = None
+        status.updated_at = time.time()
+        self.job.write_status(status)
+
+    async def _watch(self) -> int:
         last_line = ""
         last_print = 0.0
         ready_said = False
-        head = self.agents[self.lead]
-        while not stop.is_set():
+        lead = self.agents[self.lead]
+        # A convert job ends when its conversion does: no ready, and no limit of ours.
+        serving = self.lead == HEAD_NAME
+        while not self.stop.is_set():
             status = _read(self.job)
             elapsed = time.monotonic() - self.started
             if status is not None:
@@ -152,38 +241,28 @@ class LocalRun:
                 line = f"{status.state}: {_summary(status)}"
                 now = time.monotonic()
                 if line != last_line or (not ready_said and now - last_print > PROGRESS_EVERY_S):
-                    serving = self.lead == HEAD_NAME and not ready_said
-                    limit = f" / limit {self.limit:g}s" if serving else ""
+                    limit = f" / limit {self.limit:g}s" if serving and not ready_said else ""
                     _say(f"[{elapsed:6.1f}s{limit}] {line}")
                     last_line, last_print = line, now
-            if head.returncode is not None:
-                status = _read(self.job)
-                error = status.error if status and status.error else "see its agent.log"
-                if not head.returncode and (self.lead != HEAD_NAME or self._ended(status)):
-                    return 0  # a convert job that finished, or a job its benchmark ended
-                who = "the head agent prefill-0" if self.lead == HEAD_NAME else self.lead
-                _say(f"{who} exited with code {head.returncode}: {error}")
-                tail = self.sinks[self.lead].recent(20)
-                if tail:
-                    _say("last lines of its stderr:\n  " + "\n  ".join(tail))
-                if head.returncode and status is not None and status.state != "failed":
-                    # It died before it could say so (e.g. the router port was taken).
-                    last = tail[-1] if tail else "see its agent.log"
-                    status.state = "failed"
-                    status.error = (
-                        f"{self.lead} exited with code {head.returncode}: {last} "
-                        f"(log: {self.job.log_dir(self.lead) / 'agent.log'})"
-                    )
-                    status.router_url = None
-                    status.updated_at = time.time()
-                    self.job.write_status(status)
-                return 1 if head.returncode else 0
+                if any(a.state == "converting" for a in status.agents):
+                    self.deadline = max(self.deadline, now + self.limit)
+            if lead.returncode is not None:
+                return self._lead_exited(lead)
+            if serving and not ready_said and time.monotonic() > self.deadline:
+                last = f"{status.state}: {_summary(status)}" if status else "no status.json"
+                self.failure = (
+                    f"not ready within tilert-submit's limit of {self.limit:g}s (the startup, "
+                    f"router and canary budgets plus {AGENT_START_S:g}s to start the agents); "
+                    f"last seen: {last}"
+                )
+                _say(f"job failed: {self.failure}; stopping every agent")
+                return 1
             with trio.move_on_after(POLL_S):
-                await stop.wait()
+                await self.stop.wait()
         return 0
 
     @staticmethod
-    def _ended(status: JobStatus | None) -> bool:
+    def _benchmark_ended(status: JobStatus | None) -> bool:
         """Whether the head ended the job by itself (a benchmark with keep_serving false)."""
         if status is None or status.state != "stopped" or not status.benchmark:
             return False
@@ -191,6 +270,29 @@ class LocalRun:
             f"job stopped: its benchmark {status.benchmark.state} (see {status.benchmark.summary})"
         )
         return True
+
+    def _lead_exited(self, lead: ProcessHandle) -> int:
+        status = _read(self.job)
+        if not lead.returncode and (self.lead != HEAD_NAME or self._benchmark_ended(status)):
+            return 0  # a convert job that finished, or a job its benchmark ended
+        error = status.error if status and status.error else "see its agent.log"
+        who = "the head agent prefill-0" if self.lead == HEAD_NAME else self.lead
+        _say(f"{who} exited with code {lead.returncode}: {error}")
+        tail = self.sinks[self.lead].recent(20)
+        if tail:
+            _say("last lines of its stderr:\n  " + "\n  ".join(tail))
+        if lead.returncode and status is not None and status.state != "failed":
+            # It died before it could say so (e.g. the router port was taken): say it at once.
+            last = tail[-1] if tail else "see its agent.log"
+            self.failure = (
+                f"{self.lead} exited with code {lead.returncode}: {last} "
+                f"(log: {self.job.log_dir(self.lead) / 'agent.log'})"
+            )
+            status.state, status.error = "failed", self.failure
+            status.router_url = None
+            status.updated_at = time.time()
+            self.job.write_status(status)
+        return 1 if lead.returncode else 0
 
     def _say_ready(self, status: JobStatus, elapsed: float) -> None:
         url = status.router_url
@@ -204,6 +306,38 @@ class LocalRun:
         )
 
 
-def run_local(job: JobDir, plan: Plan, extra_env: dict[str, str] | None = None) -> int:
+def _held(signum: int, frame: object) -> None:
+    """Outside trio's receiver a stop signal changes nothing: the stop is already under way."""
+
+
+def run_local(job: JobDir, plan: Plan) -> int:
     """Run a job's agents locally until ready, then until SIGINT/SIGTERM; the exit code."""
-    return trio.run(LocalRun(job, plan, extra_env or {}).run)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Not SIG_IGN, which would discard a signal held since LocalBackend.claim. Not the defaults
+    # either: trio redelivers a signal its receiver got but nobody read when the receiver closes,
+    # and the default action would end this process with 143 before its last line.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _held)
+    return trio.run(LocalRun(job, plan).run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m submit.local.run J``: supervise the written job J (exec'd by the submitter)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(
+            "usage: python -m submit.local.run JOB_DIR (tilert-submit --local runs it)",
+            file=sys.stderr,
+        )
+        return 2
+    job = JobDir(Path(args[0]))
+    try:
+        plan = load_plan(job.plan.read_bytes())
+    except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        print(f"tilert-submit: {job.plan}: cannot read the plan: {exc}", file=sys.stderr)
+        return 1
+    return run_local(job, plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,11 +36,13 @@ def _job_id(status: JobStatus) -> str:
 class SlurmBackend(Backend):
     """A job whose agents run as the steps of one Slurm job (``J/sbatch.sh``)."""
 
+    ask_every_s = 5.0
+
     def owns(self, status: JobStatus) -> bool:
         """Whether status.json records a Slurm job id."""
         return bool(status.slurm_job_id)
 
-    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
+    def submit(self, job: JobDir, _plan: Plan, secrets: Mapping[str, str]) -> int:
         """sbatch ``J/sbatch.sh`` and record the job id in status.json (or the failure)."""
         # Secrets written in the recipe travel in sbatch's process environment (exported to the
         # agents), never in a file or argv; the recipe's value wins over the submitting shell's.
@@ -80,7 +82,7 @@ class SlurmBackend(Backend):
         """The Slurm job is not running."""
         return f"Slurm job {_job_id(status)} is not running (status.json: {status.state})"
 
-    def stop(self, status: JobStatus, limit: float) -> int:
+    def stop(self, _job: JobDir, status: JobStatus, limit: float) -> int:
         """TERM every task of the job, wait for it to end, scancel it for good after ``limit``."""
         job_id = _job_id(status)
         try:

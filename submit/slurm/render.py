@@ -1,4 +1,4 @@
-"""``J/sbatch.sh``: the dumb batch script (DESIGN.md "The sbatch script stays dumb").
+"""``J/sbatch.sh``: the dumb batch script (docs/design.md "The sbatch script stays dumb").
 
 The header comes from the plan (nodes, one task per node, GPUs, ``--exclusive``, account,
 partition, time, ``--signal=TERM@<lead>``); the body starts one ``srun`` step per role group,

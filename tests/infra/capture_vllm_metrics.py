@@ -41,7 +41,8 @@ CHATML = (
 
 
 def build_model(directory: Path) -> None:
-    """A random 2-layer Llama (about 2.4 MB) and a ~1000-token BPE trained on the stdlib's .py files."""
+    """A random 2-layer Llama (about 2.4 MB) and a ~1000-token BPE trained on the stdlib's .py
+    files."""
     import tokenizers  # the vLLM venv's own, imported here so --help works without it
     import torch
     import transformers
@@ -82,13 +83,6 @@ def build_model(directory: Path) -> None:
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-
-
-def free_port() -> int:
-    """A loopback port the kernel says is free now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def get(url: str, accept: str | None = None, timeout: float = 5.0) -> tuple[int, str, str]:
@@ -160,7 +154,11 @@ def main() -> int:
         root = Path(tmp)
         model = root / "model"
         build_model(model)
-        port = free_port()
+        # A port the kernel says is free now. Not tests/infra/ports.py: this script runs in
+        # vLLM's own venv, where this project is not installed.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         base = f"http://127.0.0.1:{port}"
         env = dict(
             os.environ,

@@ -4,28 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from agent.node.ports import is_bindable
+from tests.kit.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_MODEL = REPO / "recipes" / "local-demo-model"
-
-
-def free_port() -> int:
-    """A port bindable on IPv4 and :: now (random, so parallel test runs rarely collide)."""
-    for _ in range(200):
-        port = random.randint(20000, 59000)
-        if is_bindable(port):
-            return port
-    raise OSError("no free port")
 
 
 def standin_env(**extra: str) -> dict[str, str]:
@@ -83,18 +72,19 @@ class Proc:
 
 def wait_http(url: str, proc: Proc, timeout: float = 20.0) -> httpx.Response:
     """Poll ``url`` until it answers 200; fail early when ``proc`` exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def answer() -> httpx.Response:
         if proc.popen.poll() is not None:
             raise AssertionError(f"{proc.argv} exited {proc.popen.returncode}:\n{proc.output()}")
-        try:
-            r = httpx.get(url, timeout=2)
-            if r.status_code == 200:
-                return r
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{url} not ready within {timeout}s:\n{proc.output()}")
+        return httpx.get(url, timeout=2)
+
+    return wait_for(
+        f"{url} to answer 200",
+        answer,
+        timeout,
+        until=lambda r: r.status_code == 200,
+        detail=proc.output,
+    )
 
 
 def decode_argv(http: int, ctrl: int, *extra: str) -> list[str]:

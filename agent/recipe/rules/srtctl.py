@@ -341,6 +341,51 @@ def images(recipe: Recipe, launcher: str | None, out: list[Problem]) -> None:
         )
 
 
+def _programs(recipe: Recipe, out: list[Problem]) -> None:
+    """The commands and interpreters the agent starts, and where engines keep their scratch."""
+    agent = recipe.agent
+    if not agent.prefill_command:
+        out.append(
+            error(
+                "agent.prefill_command",
+                "is empty: the agent needs a program to start vLLM with",
+                "remove it to use `vllm serve`, or write e.g. "
+                "[python, -m, vllm.entrypoints.openai.api_server]",
+            )
+        )
+    for i, word in enumerate(agent.prefill_command):
+        if not word.strip():
+            out.append(
+                error(
+                    f"agent.prefill_command[{i}]",
+                    "is blank",
+                    "every word of the command must be a non-empty string",
+                )
+            )
+    for path, python in (
+        ("agent.decode_python", agent.decode_python),
+        ("agent.router_python", agent.router_python),
+    ):
+        if not python.strip() or python != python.strip():
+            out.append(
+                error(
+                    path,
+                    f"{python!r} is not an interpreter",
+                    "name a python executable (on the engine's PATH, or an absolute path)",
+                )
+            )
+    scratch = agent.scratch_dir
+    if scratch is not None and scratch != "job" and not scratch.startswith("/"):
+        out.append(
+            error(
+                "agent.scratch_dir",
+                f"{scratch!r} is neither `job` nor an absolute path",
+                "remove it (a per-job folder under the node's temp folder), write `job` (under "
+                "the job directory), or an absolute node-local path",
+            )
+        )
+
+
 def settings(recipe: Recipe, out: list[Problem]) -> None:
     """Health check, the agent's ports and timings, the prefill's GPU count."""
     hc = recipe.health_check
@@ -367,9 +412,23 @@ def settings(recipe: Recipe, out: list[Problem]) -> None:
         ("agent.restart.backoff_initial_s", agent.restart.backoff_initial_s),
         ("agent.restart.window_s", agent.restart.window_s),
         ("agent.canary.timeout_s", agent.canary.timeout_s),
+        ("agent.canary.attempt_timeout_s", agent.canary.attempt_timeout_s),
     ):
         if value <= 0:
             out.append(error(path, "must be positive", "remove it to use the default"))
+    if agent.logs.max_bytes < 1:
+        out.append(error("agent.logs.max_bytes", "must be positive", "e.g. 67108864 (64 MiB)"))
+    if agent.logs.backups < 0:
+        out.append(error("agent.logs.backups", "must be 0 or more", "remove it to keep 3"))
+    if not agent.logs.node_dir.startswith("/"):
+        out.append(
+            error(
+                "agent.logs.node_dir",
+                f"{agent.logs.node_dir!r} is not an absolute path",
+                "name a folder on each node's local disk, e.g. /tmp/tilert-logs",
+            )
+        )
+    _programs(recipe, out)
     prefill = recipe.roles.prefill
     if prefill is not None:
         _, _, gpus = role_layout(prefill, gpus_per_node(recipe))

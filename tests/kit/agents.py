@@ -1,9 +1,8 @@
-"""Real ``tilert-agent`` processes for tests: job directories, agents in their own groups, teardown.
+"""Real ``tilert-agent`` processes for tests, each in its own process group, always reaped.
 
-A job directory is made the way users make one (``tilert-submit RECIPE --mock --dry-run``) with a
-cluster file saying ``network_interface: lo`` and ``launcher: process``, so everything binds and
-advertises 127.0.0.1. Each agent runs in its own process group; ``Agents.close`` kills every
-process of every agent's tree (engines are in groups of their own), so nothing outlives a test.
+An agent runs on a job directory from ``make_job`` (tests/kit/jobs.py). ``Agents.close`` kills
+every process of every agent's tree, the engines too (they lead groups of their own), so nothing
+outlives a test.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,83 +19,8 @@ from typing import Any
 import httpx
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
-DEMO_RECIPE = REPO / "recipes" / "local-demo.yaml"
-BIN = Path(sys.executable).parent
-SUBMIT = str(BIN / "tilert-submit")
-AGENT = str(BIN / "tilert-agent")
-CLUSTER_FILE = "network_interface: lo\nlauncher: process\n"
-# The demo's generous settings, made small so failures show within a second or two.
-FAST = (
-    "agent.restart.backoff_initial_s=0.05",
-    "agent.restart.backoff_max_s=0.2",
-    "agent.probe.interval_s=0.1",
-    "agent.probe.timeout_s=0.5",
-    "agent.stop_grace_s.decode=2",
-    "agent.stop_grace_s.prefill=2",
-)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without inherited TILERT_* switches, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
-    env.update(PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-def make_job(root: Path, *sets: str, recipe: Path = DEMO_RECIPE, fast: bool = True) -> Path:
-    """``tilert-submit RECIPE --mock --dry-run --job-dir root/job --set ...``; the job directory."""
-    root.mkdir(parents=True, exist_ok=True)
-    cluster = root / "srtslurm.yaml"
-    cluster.write_text(CLUSTER_FILE)
-    job = root / "job"
-    argv = [SUBMIT, str(recipe), "--mock", "--dry-run", "--cluster", str(cluster)]
-    argv += ["--job-dir", str(job)]
-    for item in (*(FAST if fast else ()), *sets):
-        argv += ["--set", item]
-    done = subprocess.run(argv, capture_output=True, text=True, env=clean_env(), timeout=60)
-    if done.returncode != 0:
-        raise RuntimeError(f"tilert-submit failed ({done.returncode}):\n{done.stderr}")
-    return job
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
-    """Poll ``check`` until it returns something truthy; AssertionError naming ``what`` after."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
-            last = check()
-            if last:
-                return last
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out after {timeout:g}s waiting for {what} (last: {last!r})"
-            )
-        time.sleep(interval)
-
-
-def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def still_alive(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """The processes of ``procs`` still running (same pid *and* start time) after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    left.append(proc)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.02)
+from tests.kit.commands import AGENT, REPO, clean_env
+from tests.kit.waiting import wait_for
 
 
 class AgentProc:
@@ -110,7 +32,8 @@ class AgentProc:
         self.index = index
         self.name = f"{role}-{index}"
         self.popen = subprocess.Popen(
-            [AGENT, "--role", role, "--index", str(index), "--job-dir", str(job)],
+            [*AGENT, "--role", role, "--index", str(index), "--job-dir", str(job)],
+            cwd=REPO,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -134,16 +57,23 @@ class AgentProc:
         """``J/logs/<name>/agent.log``."""
         return self.job / "logs" / self.name / "agent.log"
 
+    def ended(self) -> bool:
+        """The agent process has exited."""
+        return self.popen.poll() is not None
+
     def record(self) -> dict[str, Any] | None:
         """The agent's rendezvous record now, or None."""
         try:
-            return json.loads(self.record_path.read_text())
+            data: dict[str, Any] = json.loads(self.record_path.read_text())
         except (FileNotFoundError, ValueError):
             return None
+        return data
 
     def wait_record(self, timeout: float = 15.0) -> dict[str, Any]:
         """The record, once it exists."""
-        return wait_for(f"{self.name}'s record", self._record_or_exit, timeout)
+        found = wait_for(f"{self.name}'s record", self._record_or_exit, timeout)
+        assert found is not None  # wait_for returns only a value that passed
+        return found
 
     def _record_or_exit(self) -> dict[str, Any] | None:
         self._check_running()
@@ -163,19 +93,20 @@ class AgentProc:
         """``GET /status``."""
         response = httpx.get(self.url("/status"), timeout=timeout)
         response.raise_for_status()
-        return response.json()
+        status: dict[str, Any] = response.json()
+        return status
 
     def wait_status(
         self, what: str, check: Callable[[dict[str, Any]], bool], timeout: float = 15.0
     ) -> dict[str, Any]:
         """The first ``/status`` for which ``check`` holds (AssertionError naming ``what``)."""
 
-        def probe() -> dict[str, Any] | None:
+        def probe() -> dict[str, Any]:
             status = self.status()
             self.remember_tree()
-            return status if check(status) else None
+            return status
 
-        return wait_for(f"{self.name} {what}", probe, timeout)
+        return wait_for(f"{self.name} {what}", probe, timeout, until=check)
 
     def wait_state(self, state: str, timeout: float = 15.0) -> dict[str, Any]:
         """The first ``/status`` in ``state``."""
@@ -229,7 +160,8 @@ class Agents:
         self.started: list[AgentProc] = []
 
     def start(self, job: Path, role: str = "decode", index: int = 0, **env: str) -> AgentProc:
-        """``tilert-agent --role ROLE --index N --job-dir JOB`` with a clean environment + ``env``."""
+        """``tilert-agent --role ROLE --index N --job-dir JOB`` with a clean environment +
+        ``env``."""
         agent = AgentProc(job, role, index, clean_env(**env))
         self.started.append(agent)
         return agent

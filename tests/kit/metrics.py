@@ -1,16 +1,14 @@
-"""Metrics-page helpers for the observability end-to-end tests (the job is tests/e2ekit.LocalJob).
+"""Reading a /metrics page: its samples, its families, one series by name and labels.
 
-Pages are read with prometheus_client's parser, which shares no code with ``agent/reexport.py``,
-so the comparison is an independent check of the re-export.
+Pages are read with prometheus_client's parser, which shares no code with the agent's re-export
+(agent/http/reexport.py), so a comparison is an independent check of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 Labels = frozenset[tuple[str, str]]
@@ -77,8 +75,3 @@ def one(page_samples: Iterable[Sample], name: str, **labels: str) -> Sample:
     found = list(find(page_samples, name, **labels))
     assert len(found) == 1, f"expected one {name}{labels}, found {found}"
     return found[0]
-
-
-def get(url: str, **kwargs: Any) -> httpx.Response:
-    """GET with a short timeout (the agents answer within milliseconds)."""
-    return httpx.get(url, timeout=10, **kwargs)

@@ -1,0 +1,144 @@
+"""What the preflight checks for one engine: the program and interpreter that will run it.
+
+With the process launcher the checks run with the engine's own interpreter and environment (the
+role's env included, so a recipe's PYTHONPATH counts): the interpreter is the program itself when
+it is a Python (``agent.decode_python``, ``[python, -m, vllm.entrypoints.openai.api_server]``),
+else the one its ``#!`` line names (a venv's ``vllm`` script); a program that names none (a
+site's launcher script) is checked for existence on the engine's PATH only. Under pyxis the checks
+run inside the engine's image. A stand-in is checked with the agent's own interpreter.
+
+The TileRT connector stand-in (``agent.standins.vllm_connector``) is decided here too: asked for
+with ``TILERT_STANDIN_CONNECTOR=1`` in the prefill's environment, allowed only beside stand-in
+decodes, and used only when the engine's interpreter has no real ``tilert``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from agent.facts import CONNECTOR_MODULE, DECODE_MODULE, ENGINE_DISTRIBUTIONS
+from agent.job.plan import Plan, RoleName
+from agent.launch.interpreter import is_python, python_of
+from agent.launch.preflight import PreflightChecks, PreflightResult
+from agent.standins.vllm_connector import CONNECTOR_PATH, SWITCH
+
+# What the connector stand-in needs in vLLM's environment (vLLM brings msgspec).
+CONNECTOR_STANDIN_MODULES = ("trio", "msgspec")
+# An interpreter inside an image (no PATH of ours to resolve it with).
+IMAGE_PYTHON = "python3"
+
+
+def standin_connector_asked(env: Mapping[str, str]) -> bool:
+    """Whether the prefill's environment asks for the connector stand-in."""
+    return env.get(SWITCH, "").strip() == "1"
+
+
+def _paths(plan: Plan, role: RoleName) -> list[str]:
+    """Paths the engine needs that must exist as it sees them (an absolute model).
+
+    The decode's weights folder is not one: the weights gate checks it (and converts it when the
+    recipe says so) after the preflight (docs/weights.md)."""
+    role_plan = plan.role(role)
+    paths = []
+    model = role_plan.program[-1] if role == "prefill" else ""
+    if model.startswith("/"):
+        paths.append(model)
+    return paths
+
+
+def engine_checks(plan: Plan, role: RoleName, env: Mapping[str, str]) -> PreflightChecks:
+    """The preflight of ``role``'s engine, run with ``env`` (the engine's own environment)."""
+    role_plan = plan.role(role)
+    if plan.standin(role):
+        return PreflightChecks(
+            python=sys.executable,
+            modules=[f"agent.standins.{role}"],
+            distributions=list(ENGINE_DISTRIBUTIONS),
+            # The stand-ins need no setup; the script belongs to the real images.
+            setup_script=None,
+            configs_dir=plan.configs_dir,
+        )
+    in_image = plan.launcher == "pyxis" and role_plan.image is not None
+    # The prefill's program is agent.prefill_command + MODEL; the decode's decode_python -m ...
+    program = role_plan.program[0]
+    programs = [] if is_python(program) else [program]
+    if in_image:
+        python: str | None = program if is_python(program) else IMAGE_PYTHON
+    else:
+        python = python_of(program, env.get("PATH"))
+    if role == "decode":
+        modules = [DECODE_MODULE]
+    elif standin_connector_asked(env):
+        modules = ["vllm", *CONNECTOR_STANDIN_MODULES]
+    else:
+        modules = ["vllm", CONNECTOR_MODULE]
+    optional = (
+        ["tilert", CONNECTOR_MODULE] if role == "prefill" and standin_connector_asked(env) else []
+    )
+    if python is None:
+        # A site's launcher: nothing names its Python, so only the program can be checked.
+        python, modules, optional = IMAGE_PYTHON if in_image else sys.executable, [], []
+    return PreflightChecks(
+        python=python,
+        modules=modules,
+        optional_modules=optional,
+        distributions=list(ENGINE_DISTRIBUTIONS),
+        setup_script=plan.setup_script,
+        configs_dir=plan.configs_dir,
+        paths=_paths(plan, role),
+        programs=programs,
+    )
+
+
+@dataclass(frozen=True)
+class ConnectorChoice:
+    """Whether the prefill gets the connector stand-in, and why (or why the job cannot run)."""
+
+    use_standin: bool
+    problem: str | None
+    note: str
+
+
+def connector_choice(
+    plan: Plan, env: Mapping[str, str], result: PreflightResult
+) -> ConnectorChoice:
+    """The connector stand-in decision for a real prefill after its preflight."""
+    if plan.standin("prefill") or not standin_connector_asked(env):
+        return ConnectorChoice(False, None, "")
+    if not plan.standin("decode"):
+        return ConnectorChoice(
+            False,
+            f"{SWITCH}=1 asks for the TileRT connector stand-in, which sends no KV, but the "
+            "decodes are real TileRT: they would wait out their KV timeout on every request; "
+            "run the decodes as stand-ins (--mock decode) or remove the setting",
+            "",
+        )
+    if result.optional.get("tilert"):
+        if not result.optional.get(CONNECTOR_MODULE):
+            return ConnectorChoice(
+                False,
+                f"{SWITCH}=1, but the engine's interpreter has a real tilert package without "
+                f"{CONNECTOR_MODULE}; the stand-in never shadows a real tilert: fix or remove "
+                "that installation, or remove the setting",
+                "",
+            )
+        return ConnectorChoice(
+            False,
+            None,
+            f"{SWITCH}=1 ignored: the engine's interpreter has a real tilert, which the "
+            "stand-in never shadows",
+        )
+    return ConnectorChoice(
+        True, None, f"the TileRT connector stand-in is on vLLM's PYTHONPATH ({CONNECTOR_PATH})"
+    )
+
+
+def with_standin_connector(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the connector stand-in first on PYTHONPATH."""
+    out = dict(env)
+    rest = out.get("PYTHONPATH", "")
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(CONNECTOR_PATH), rest) if p)
+    return out

@@ -1,0 +1,1 @@
+"""Stand-in ``tilert`` package: only ``pd_vllm.prefill_connector`` (see ``..``'s docstring)."""

@@ -1,0 +1,1 @@
+"""Stand-in ``tilert.pd_vllm``: the prefill connector only."""
