@@ -50,7 +50,7 @@ class ConvertJob:
         self.error: str | None = None
         # Carried into every status.json: `stop` checks the supervisor by them.
         self.local_pid, self.local_started_at = read_local_supervisor(job)
-        self.status_file = StatusWriter(job, self._job_status)
+        self.status_file = StatusWriter(job, self._job_status, node.writes)
 
     def _changed(self) -> None:
         self.status_file.write()

@@ -22,22 +22,31 @@ from agent.http.endpoint import LogStreams, StatusFeed, build_app
 from agent.http.metrics import AgentMetrics, HeadFigures
 from agent.http.reexport import UpstreamMetrics
 from agent.job.logfiles import convert_log_path, log_path, make_log_dir
-from agent.job.names import BENCHMARK_NAME, ROUTER_NAME
+from agent.job.names import BENCHMARK_NAME, ROUTER_NAME, agent_names
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
-from agent.job.records import AgentStatus, EngineStatus, RendezvousRecord
+from agent.job.records import AgentExit, AgentStatus, EngineStatus, RendezvousRecord
 from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
 from agent.launch.commands import MANAGED_ENV, Command, decode_command, prefill_command
 from agent.launch.enginechecks import connector_choice, engine_checks, with_standin_connector
 from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
+from agent.node.jobwrites import JobWrites
 from agent.node.logpump import LogSink
 from agent.node.ports import choose_port, choose_ports, is_bindable
 from agent.node.rendezvous import read_records, write_record
 from agent.node.supervisor import EngineSupervisor, policy_for
+from agent.problems import printable
 
 MAX_AGENT_PORT_TRIES = 50
+
+
+def _first_error(exc: BaseException) -> str:
+    """The first leaf of an exception (group), as ``Type: message`` on one line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return printable(f"{type(exc).__name__}: {exc}")
 
 
 class NodeAgent:
@@ -57,6 +66,8 @@ class NodeAgent:
         self.versions: dict[str, str] = {}
         self.feed = StatusFeed(self._snapshot)
         self.log_streams = LogStreams()
+        self.writes = JobWrites(log, self.changed)
+        self.exited: AgentExit | None = None
         self.engine: EngineSupervisor | None = None
         self.head: Head | None = None  # prefill-0 only
         self.head_figures = HeadFigures() if identity.is_head else None
@@ -75,6 +86,7 @@ class NodeAgent:
             backups=plan.agent.log_backups,
         )
         self.preflight_failure: str | None = None
+        self.start_failure: str | None = None  # why the agent could not start at all
         self.upstream = UpstreamMetrics(
             "",  # set once the http port is known
             self.metrics.base,
@@ -141,6 +153,7 @@ class NodeAgent:
             node=self.id.node,
             router=router,
             convert=self.weights.progress() if self.weights is not None else None,
+            problems=self.writes.problems(),
         )
 
     def changed(self) -> None:
@@ -163,13 +176,15 @@ class NodeAgent:
             figures=figures,
             probe_observer=self.metrics.observer,
             stop_node=self.stop_all,
+            writes=self.writes,
             scratch_folder=self.scratch.folder,
         )
 
     # ---- ports and the record --------------------------------------------------------------
 
     def _peer_ports(self) -> set[int]:
-        records = read_records(self.job).by_name
+        names = agent_names(self.plan.prefill.workers, self.plan.decode.workers)
+        records = read_records(self.job, set(names)).by_name
         return {
             port
             for name, rec in records.items()
@@ -186,8 +201,15 @@ class NodeAgent:
         self.ports.update(choose_ports(self._engine_port_names(), taken, offset=self.id.index))
 
     def publish(self) -> None:
-        """Write this agent's rendezvous record (on port choice and every change of ports)."""
-        base = f"http://{self.bind_host}:{self.ports['agent']}"
+        """Write this agent's rendezvous record (on port choice, every change of ports, exit).
+
+        A failed write is retried until it succeeds: the head cannot find an agent without it.
+        """
+        self.writes.write(str(self.job.record(self.id.name)), self._write_record)
+
+    def _write_record(self) -> None:
+        # Built at each attempt: a retry publishes the ports of now.
+        base = f"http://{self.bind_host}:{self.ports['agent']}" if "agent" in self.ports else ""
         write_record(
             self.job,
             RendezvousRecord(
@@ -197,9 +219,10 @@ class NodeAgent:
                 node=self.id.node,
                 address=self.id.address,
                 ports=dict(self.ports),
-                status_url=f"{base}/status",
-                metrics_url=f"{base}/metrics",
+                status_url=f"{base}/status" if base else "",
+                metrics_url=f"{base}/metrics" if base else "",
                 versions=dict(self.versions),
+                exited=self.exited,
             ),
         )
 
@@ -319,11 +342,39 @@ class NodeAgent:
     # ---- main ------------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Run until stopped (exit 0) or until the job fails (exit 1); then remove the scratch."""
+        """Run until stopped (exit 0) or until the job fails (exit 1); then say so in the record
+        and remove the scratch.
+
+        The record's last word (``exited``) lets the head take a failed agent as failed at once,
+        also when it crashed: an unexpected error is logged with its traceback, not raised.
+        """
         try:
-            return await self._run()
+            code = await self._run()
+        except Exception as exc:
+            self.log.exception("%s: crashed", self.id.name)
+            code, reason = 1, f"agent crashed: {_first_error(exc)}"
+        else:
+            reason = self._exit_reason(code)
         finally:
             self.scratch.remove()
+        self._last_word(code, reason)
+        return code
+
+    def _exit_reason(self, code: int) -> str:
+        if code == 0:
+            return "stopped on request"
+        if self.head is not None and self.head.error:
+            return self.head.error
+        if self.start_failure or self.preflight_failure:
+            return self.start_failure or self.preflight_failure or ""
+        if self.engine is not None and self.engine.state == "failed":
+            return f"engine failed: {self.engine.reason}"
+        return "see its agent.log"
+
+    def _last_word(self, code: int, reason: str) -> None:
+        """Publish the record once more with ``exited`` (one attempt: the agent is leaving)."""
+        self.exited = AgentExit(state="failed" if code else "stopped", reason=reason, code=code)
+        self.publish()
 
     async def _run(self) -> int:
         if self.id.is_head and not is_bindable(self.plan.router.port):
@@ -332,10 +383,16 @@ class NodeAgent:
                 "agent.router_port (clients rely on this port, so the agent does not move it)"
             )
             self.log.error("%s", error)
+            self.start_failure = error
             # Nobody else writes status.json for this job now: say it here, or it stays pending.
-            status = self.job.read_status()
-            status.state, status.error, status.updated_at = "failed", error, time.time()
-            self.job.write_status(status)
+            try:
+                status = self.job.read_status()
+                status.state, status.error, status.updated_at = "failed", error, time.time()
+                self.job.write_status(status)
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.log.error(
+                    "%s: cannot record the failure in %s: %s", self.id.name, self.job.status, exc
+                )
             return 1
         sock = self._bind_agent_socket()
         self.ports["agent"] = sock.getsockname()[1]
@@ -365,6 +422,7 @@ class NodeAgent:
             )
             await nursery.start(serve, app, sock)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+            nursery.start_soon(self.writes.retry)
             if self.head_figures is not None:  # prefill-0, the head agent
                 self.head = Head(self._head_context(self.head_figures))
             if await self.run_preflight() and (self.weights is None or await self.weights.ready()):

@@ -29,6 +29,21 @@ class Problem(msgspec.Struct, frozen=True):
     line: int | None = None
 
 
+def printable(value: str) -> str:
+    """``value`` with every unprintable character escaped (``\\n``, ``\\x00``, ``\\x1b``,
+    ``\\u2028``).
+
+    Messages are one line per problem, read in terminals and greppable logs: a newline, a NUL or an
+    escape sequence taken from a user value (a name, a reason from a record) must not start a
+    forged line, cut the message or drive the terminal.
+    """
+    if value.isprintable():
+        return value
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value
+    )
+
+
 def error(path: str, message: str, hint: str, line: int | None = None) -> Problem:
     """An error-severity problem."""
     return Problem(path=path, message=message, hint=hint, severity="error", line=line)

@@ -11,6 +11,7 @@ start their own.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -18,13 +19,19 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import psutil
 import pytest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.job.paths import JobDir
+from agent.job.plan import load_plan
+from agent.node.identity import resolve_identity
+from agent.node.rendezvous import read_records
+from agent.nodeagent import NodeAgent
 from tests.kit import (
     AGENT,
     REPO,
@@ -174,6 +181,30 @@ def test_long_poll_answers_after_timeout_without_change(steady: AgentProc) -> No
     assert time.monotonic() - t0 < 5
 
 
+def test_status_query_values_that_are_not_numbers_are_400(steady: AgentProc) -> None:
+    base = steady.url("/status")
+    for query in (
+        "after=nan",
+        "after=inf",
+        "after=-inf",
+        "after=1.5",
+        "after=x",
+        "after=" + "9" * 40,
+        "after=0&timeout=nan",
+        "after=0&timeout=inf",
+        "after=0&timeout=-1",
+        "after=0&timeout=1e999",
+        "after=0&timeout=soon",
+    ):
+        response = httpx.get(f"{base}?{query}", timeout=5)
+        assert response.status_code == 400, (query, response.status_code, response.text)
+        assert "query parameter" in response.text, response.text
+    # A huge timeout is cut to the maximum; after=-1 asks for the status at once.
+    response = httpx.get(f"{base}?after=-1&timeout=1e9", timeout=5)
+    assert response.status_code == 200
+    assert response.json()["name"] == "decode-0"
+
+
 def test_metrics_carry_role_node_and_job_labels(steady: AgentProc) -> None:
     node = steady.status()["node"]
     response = httpx.get(steady.url("/metrics"), timeout=5)
@@ -268,6 +299,32 @@ def test_engine_killed_restarts_on_same_ports_then_sigterm_stops_all(
     assert agent.wait(2 + 5) == 0  # stop grace 2 s (kit.FAST) + slack
     assert not still_alive(tree, 1.0)
     assert "stopped on request" in agent_log(agent)
+    last = agent.record()
+    assert last is not None
+    assert last["ports"] == record["ports"], last
+    assert (last["exited"]["state"], last["exited"]["code"]) == ("stopped", 0), last
+
+
+async def test_an_agent_that_crashes_leaves_its_last_word(tmp_path: Path) -> None:
+    """An unexpected error ends the agent with exit 1, logged with its traceback, and its record
+    says ``exited: failed`` with the error (the head takes it as failed at once)."""
+    job = JobDir(make_job(tmp_path))
+    plan = load_plan(job.plan.read_bytes())
+    log = logging.getLogger("test_agent.crash")
+    agent = NodeAgent(job=job, plan=plan, identity=resolve_identity("decode", 1, "lo"), log=log)
+
+    async def broken(spec: object) -> NoReturn:  # noqa: ARG001 (the launcher's signature)
+        raise RuntimeError("launcher bug\nsecond line")
+
+    agent.launcher.start = broken  # type: ignore[method-assign]
+    with trio.fail_after(30):
+        assert await agent.run() == 1
+    record = read_records(job, {"decode-1"}).by_name["decode-1"]
+    assert record.exited is not None
+    assert (record.exited.state, record.exited.code) == ("failed", 1)
+    assert record.exited.reason == "agent crashed: RuntimeError: launcher bug\\nsecond line"
+    assert record.ports
+    assert record.status_url
 
 
 def test_sigkill_of_agent_takes_the_engine_at_once(tmp_path: Path, agents: Agents) -> None:

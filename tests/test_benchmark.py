@@ -543,3 +543,16 @@ def test_bench_command_refuses_what_it_cannot_measure(
     assert "no benchmark results" in capsys.readouterr().err
     assert submit_main(["bench"]) == 2
     assert submit_main(["bench", str(tmp_path / "nope")]) == 2
+
+
+async def test_a_job_directory_that_refuses_writes_fails_the_run_not_the_agent(
+    tmp_path: Path, fake_aiperf: list[str]
+) -> None:
+    (tmp_path / "benchmark").write_text("a file where the results folder goes")
+    run = make_run(tmp_path, aiperf_plan(program=fake_aiperf))
+    summary = await run.run()
+    assert summary.state == "failed"
+    assert summary.error is not None
+    assert summary.error.startswith(f"cannot make {tmp_path / 'benchmark'}")
+    assert run.status().state == "failed"
+    assert run.status().summary is None  # summary.json could not be written either

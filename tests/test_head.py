@@ -37,11 +37,20 @@ from agent.head.decisions import (
     version_mismatch,
     waiting_for,
 )
-from agent.head.peers import Peer, Peers
+from agent.head.peers import UNREACHABLE_FAIL_S, Peer, Peers
 from agent.head.statuswriter import StatusWriter
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names, parse_agent_name
 from agent.job.paths import JobDir
-from agent.job.records import AgentStatus, EngineState, JobAgent, JobStatus, RendezvousRecord
+from agent.job.records import (
+    AgentExit,
+    AgentStatus,
+    EngineState,
+    JobAgent,
+    JobStatus,
+    RendezvousRecord,
+)
+from agent.node.jobwrites import JobWrites
+from agent.node.rendezvous import Records
 
 LOG = logging.getLogger("test_head")
 ROUTER_LOG = Path("/j/logs/prefill-0/router.log")
@@ -72,7 +81,6 @@ def view(
     healthy_since: Mapping[str, float | None] | None = None,
     router: str | None = None,
     versions: dict[str, str] | None = None,
-    problems: dict[str, str] | None = None,
 ) -> JobView:
     """A job of prefill-0 and ``decodes`` decodes, every one healthy unless ``states`` says."""
     states = states or {}
@@ -83,7 +91,6 @@ def view(
         },
         healthy_since=healthy_since or {},
         versions=versions or {},
-        record_problems=problems or {},
         router=row(ROUTER_NAME, router, reason="router reason") if router else None,
     )
 
@@ -274,11 +281,6 @@ def test_a_failed_router_is_fatal() -> None:
     )
 
 
-def test_an_unreadable_record_is_fatal() -> None:
-    problems = {"decode-0": "J/rendezvous/decode-0.json: rendezvous record schema 9"}
-    assert fatal(view(problems=problems)) == problems["decode-0"]
-
-
 def test_a_tilert_version_mismatch_is_fatal() -> None:
     versions = {HEAD_NAME: "0.1.6", "decode-0": "0.1.6", "decode-1": "0.1.7"}
     assert fatal(view(versions=versions)) == (
@@ -340,6 +342,7 @@ def test_peer_state_tells_missing_lost_and_stopped_apart() -> None:
     peer.reachable = False
     assert peer.state == "unreachable"
     peer.observe(status("stopping"), now=6.0)
+    peer.reachable = False
     assert peer.state == "stopped"
 
 
@@ -385,10 +388,137 @@ def test_peers_rows_feed_the_decisions(tmp_path: Path) -> None:
     assert "tilert versions differ" in (fatal(rows) or "")
 
 
+def test_a_record_that_stays_unreadable_fails_its_peer_not_the_job() -> None:
+    peer = Peer(record_problem="J/rendezvous/decode-1.json: not JSON, or cut short")
+    assert (peer.state, peer.reason) == (
+        "failed",
+        "J/rendezvous/decode-1.json: not JSON, or cut short",
+    )
+    rows = view({"decode-1": "failed"}, router="healthy")
+    assert fatal(rows) is None
+    assert to_drop(rows, dropped=()) == ["decode-1"]
+    assert gate(view({"decode-1": "failed"}), now=1.0) is not None  # not waited for
+
+
+def test_a_bad_file_over_a_good_record_keeps_the_peer_and_says_so() -> None:
+    peer = Peer(record=record("decode-1"))
+    peer.observe(status("healthy", "decode-1"), now=1.0)
+    peer.record_problem = "J/rendezvous/decode-1.json: a symbolic link, not followed"
+    assert peer.state == "healthy"
+    assert peer.reason == (
+        "serving; J/rendezvous/decode-1.json: a symbolic link, not followed "
+        "(its last good record is used)"
+    )
+
+
+def test_a_last_word_in_the_record_fails_the_peer_at_once() -> None:
+    last = record("decode-1")
+    last.exited = AgentExit(state="failed", reason="agent crashed: OSError: boom\nx", code=1)
+    peer = Peer(record=last)
+    assert peer.state == "failed"
+    assert peer.reason == "its agent exited with code 1: agent crashed: OSError: boom\\nx"
+    last.exited = AgentExit(state="stopped", reason="stopped on request", code=0)
+    assert peer.state == "stopped"
+
+
+def test_an_unreachable_peer_is_failed_after_the_bound_and_stays_failed() -> None:
+    peer = Peer(record=record("decode-1"))
+    peer.observe(status("healthy", "decode-1"), now=0.0)
+    assert peer.unanswered("connection refused", now=10.0) is False  # asked again at once
+    assert peer.state == "healthy"
+    assert peer.unanswered("connection refused", now=10.2) is True
+    assert (peer.state, peer.lost) == ("unreachable", None)
+    assert "not answering at http://10.0.0.1:9200/status (connection refused)" in peer.reason
+    assert peer.unanswered("connection refused", now=10.0 + UNREACHABLE_FAIL_S - 0.1) is False
+    assert peer.state == "unreachable"
+    assert peer.unanswered("connection refused", now=10.0 + UNREACHABLE_FAIL_S) is True
+    assert peer.state == "failed"
+    assert peer.reason == (
+        f"agent not answering for {UNREACHABLE_FAIL_S:g}s at http://10.0.0.1:9200/status "
+        "(connection refused); it last said healthy: taken as failed"
+    )
+    peer.observe(status("healthy", "decode-1"), now=20.0)  # back: it was dropped, for good
+    assert peer.state == "failed"
+
+
+def test_one_failed_poll_alone_shows_nothing() -> None:
+    # A long poll cut short by the head's own pause (frozen, starved) is asked again at once.
+    peer = Peer(record=record("decode-1"))
+    peer.observe(status("healthy", "decode-1"), now=0.0)
+    for now in (10.0, 20.0, 30.0):
+        assert peer.unanswered("timed out", now=now) is False
+        peer.observe(status("healthy", "decode-1"), now=now + 0.1)
+        assert peer.state == "healthy"
+        assert peer.reason == "serving"
+
+
+def test_a_peer_that_never_answered_turns_unreachable() -> None:
+    peer = Peer(record=record("decode-1"))
+    peer.unanswered("connection refused", now=0.0)
+    assert peer.state == "starting"
+    peer.unanswered("connection refused", now=0.2)
+    assert peer.state == "unreachable"
+    assert peer.unanswered("connection refused", now=UNREACHABLE_FAIL_S) is True
+    assert peer.state == "failed"
+    assert "it last said" not in peer.reason
+
+
+def test_an_answer_ends_an_outage_before_the_bound() -> None:
+    peer = Peer(record=record("decode-1"))
+    peer.observe(status("healthy", "decode-1"), now=0.0)
+    peer.unanswered("timed out", now=1.0)
+    peer.unanswered("timed out", now=2.0)
+    assert peer.state == "unreachable"
+    peer.observe(status("healthy", "decode-1"), now=4.0)
+    peer.unanswered("timed out", now=8.0)  # a new outage starts now, not at 1
+    assert peer.unanswered("timed out", now=8.0 + UNREACHABLE_FAIL_S - 0.1) is True
+    assert peer.state == "unreachable"
+
+
+def test_a_peer_that_said_it_was_stopping_and_went_away_stopped() -> None:
+    peer = Peer(record=record("decode-1"))
+    peer.observe(status("stopping", "decode-1"), now=0.0)
+    for now in (1.0, 1.2, 1.0 + 2 * UNREACHABLE_FAIL_S):
+        peer.unanswered("connection refused", now=now)
+    assert (peer.state, peer.lost) == ("stopped", None)
+
+
+async def test_peers_take_bad_files_and_strays_logging_each_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, LOG.name)
+    names = list(agent_names(1, 2))
+    peers = Peers(
+        names,
+        job=JobDir(tmp_path),
+        own_status=lambda: status("healthy", HEAD_NAME),
+        log=LOG,
+        on_change=lambda: None,
+    )
+    problem = "J/rendezvous/decode-1.json: empty"
+    found = Records(
+        by_name={"decode-0": record("decode-0")},
+        problems={"decode-1": problem},
+        strays=["notes.json"],
+    )
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            peers._take(found, nursery)
+        nursery.cancel_scope.cancel()
+    assert peers.state("decode-1") == "failed"
+    assert peers.entry("decode-1").reason == problem
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"head: ignoring notes.json in {tmp_path}/rendezvous: not the record of an agent of "
+        "this job (prefill-0, decode-0, decode-1)",
+        f"head: decode-1: {problem}",
+    ]
+
+
 def test_status_json_is_written_on_change_and_by_the_heartbeat(tmp_path: Path) -> None:
     job = JobDir(tmp_path)
     state = JobStatus(state="waiting", model="m")
-    writer = StatusWriter(job, lambda: state)
+    writer = StatusWriter(job, lambda: state, JobWrites(LOG, on_change=lambda: None))
     writer.write()
     assert job.read_status().state == "waiting"
     job.status.unlink()
@@ -554,3 +684,21 @@ async def test_a_canary_that_never_answers_fails_the_job_after_its_budget(
     # Retried every CANARY_RETRY_S until the budget was spent, and not much longer.
     assert attempts == pytest.approx(10.0 / CANARY_RETRY_S, abs=2)
     assert 10.0 <= trio.current_time() - start <= 10.0 + 2 * CANARY_RETRY_S
+
+
+def test_status_json_and_targets_that_cannot_be_written_never_raise(tmp_path: Path) -> None:
+    job = JobDir(tmp_path / "removed")
+    writes = JobWrites(LOG, on_change=lambda: None)
+    writer = StatusWriter(job, lambda: JobStatus(state="ready", model="m"), writes)
+    writer.write()
+    writer.write(force=True)
+    writer.write_targets({"decode-0": record("decode-0")})
+    assert writes.problems() == [
+        f"cannot write {job.status}: No such file or directory",
+        f"cannot write {job.targets}: No such file or directory",
+    ]
+    job.prometheus.mkdir(parents=True)
+    writer.write()  # changed or not: what failed is written once it can be
+    writer.write_targets({"decode-0": record("decode-0")})
+    assert writes.problems() == []
+    assert job.read_status().state == "ready"

@@ -314,11 +314,6 @@ def test_secrets_stay_out_of_argv_files_pages_and_logs(tmp_path: Path) -> None:
             assert secret.encode() not in data, path
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the stand-in decode binds '::' under --local (issue 9; fixed on the rob-serve branch: "
-    "drop this mark once it is merged)",
-)
 def test_every_socket_of_a_local_job_listens_on_loopback(tmp_path: Path) -> None:
     """docs/cli.md: under --local everything binds and advertises 127.0.0.1."""
     sets, _ = kit.isolated_sets(None)

@@ -1,4 +1,5 @@
-"""Rendezvous records: atomic rewrites, temp files skipped, foreign schemas reported by file."""
+"""Rendezvous records: atomic rewrites, temp files skipped, and every kind of bad file a problem of
+its agent only (never a crash, never another agent's record), retried before it counts."""
 
 from __future__ import annotations
 
@@ -7,10 +8,21 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import trio
 
 from agent.job.paths import JobDir
-from agent.job.records import RendezvousRecord
-from agent.node.rendezvous import read_records, write_record
+from agent.job.records import AgentExit, RendezvousRecord
+from agent.node.rendezvous import (
+    MAX_RECORD_BYTES,
+    RECORD_RETRY_S,
+    RecordRetry,
+    Records,
+    read_records,
+    watch_records,
+    write_record,
+)
+
+NAMES = {"prefill-0", "decode-0", "decode-1", "decode-2"}
 
 
 @pytest.fixture
@@ -37,7 +49,7 @@ def record(name: str = "decode-0", http: int = 6100) -> RendezvousRecord:
 
 def test_write_then_read(job: JobDir) -> None:
     write_record(job, record())
-    got = read_records(job)
+    got = read_records(job, NAMES)
     assert got.problems == {}
     assert got.by_name["decode-0"].ports["http"] == 6100
     assert oct(job.record("decode-0").stat().st_mode & 0o777) == "0o644"
@@ -52,7 +64,7 @@ def test_rewrite_is_atomic_and_leaves_no_temp_files(job: JobDir) -> None:
         write_record(job, record(http=6105))
         assert old.read() == first
     assert path.stat().st_ino != before  # replaced by rename, not rewritten in place
-    assert read_records(job).by_name["decode-0"].ports["http"] == 6105
+    assert read_records(job, NAMES).by_name["decode-0"].ports["http"] == 6105
     assert sorted(os.listdir(job.rendezvous)) == ["decode-0.json"]
     assert (
         msgspec.json.decode(path.read_bytes())["updated_at"]
@@ -64,7 +76,7 @@ def test_temp_files_are_ignored(job: JobDir) -> None:
     write_record(job, record())
     (job.rendezvous / ".decode-1.json.abc123.tmp").write_text('{"schema": 1, "na')
     (job.rendezvous / "notes.txt").write_text("hello")
-    got = read_records(job)
+    got = read_records(job, NAMES)
     assert list(got.by_name) == ["decode-0"]
     assert got.problems == {}
 
@@ -77,7 +89,7 @@ def test_foreign_schema_and_garbage_are_problems_naming_the_file(job: JobDir) ->
     foreign.write_bytes(msgspec.json.encode(data))
     broken = job.rendezvous / "decode-2.json"
     broken.write_text("{not json")
-    got = read_records(job)
+    got = read_records(job, NAMES)
     assert list(got.by_name) == ["decode-0"]
     assert str(foreign) in got.problems["decode-1"]
     assert "99" in got.problems["decode-1"]
@@ -85,6 +97,181 @@ def test_foreign_schema_and_garbage_are_problems_naming_the_file(job: JobDir) ->
 
 
 def test_missing_folder_is_empty(tmp_path: Path) -> None:
-    got = read_records(JobDir(tmp_path / "nothing"))
+    got = read_records(JobDir(tmp_path / "nothing"), NAMES)
     assert got.by_name == {}
     assert got.problems == {}
+
+
+# ---- one bad file makes at most its agent's record bad -----------------------------------------
+
+
+def good_bytes(name: str = "decode-1") -> bytes:
+    """What ``write_record`` writes for ``name``."""
+    return msgspec.json.encode(record(name))
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"", "empty"),
+        (b"   \n", "empty"),
+        (b'{"schema": 1, "name": "deco', "not JSON, or cut short"),  # as NFS shows a half write
+        (b"\x00\xff garbage", "not JSON"),
+        (b"[1, 2]", "schema None"),
+        (b'{"schema": 1, "name": "decode-1"}', "malformed rendezvous record"),
+        (b'{"schema": 1, "name": "decode-1"}' + b" " * (MAX_RECORD_BYTES + 1), "larger than"),
+    ],
+)
+def test_a_bad_record_is_a_problem_of_its_agent_only(
+    job: JobDir, content: bytes, said: str
+) -> None:
+    write_record(job, record("decode-0"))
+    job.record("decode-1").write_bytes(content)
+    got = read_records(job, NAMES)
+    assert list(got.by_name) == ["decode-0"]
+    assert list(got.problems) == ["decode-1"]
+    assert str(job.record("decode-1")) in got.problems["decode-1"]
+    assert said in got.problems["decode-1"], got.problems["decode-1"]
+
+
+def test_a_symlink_is_not_followed_even_to_a_good_record(job: JobDir, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "decode-1.json"
+    elsewhere.write_bytes(good_bytes())
+    job.record("decode-1").symlink_to(elsewhere)
+    got = read_records(job, NAMES)
+    assert got.by_name == {}
+    assert "symbolic link, not followed" in got.problems["decode-1"]
+
+
+def test_a_fifo_under_a_records_name_does_not_block(job: JobDir) -> None:
+    os.mkfifo(job.record("decode-1"))  # opening it for reading would wait for a writer
+    got = read_records(job, NAMES)
+    assert "not a regular file" in got.problems["decode-1"]
+
+
+def test_another_agents_record_is_not_accepted_under_this_name(job: JobDir) -> None:
+    job.record("decode-1").write_bytes(good_bytes("decode-0"))
+    got = read_records(job, NAMES)
+    assert got.by_name == {}
+    assert "the record of 'decode-0', not of decode-1" in got.problems["decode-1"]
+
+
+def test_a_record_whose_role_or_index_is_not_its_name_is_refused(job: JobDir) -> None:
+    data = msgspec.json.decode(good_bytes("decode-1"))
+    data["index"] = 0
+    job.record("decode-1").write_bytes(msgspec.json.encode(data))
+    data = msgspec.json.decode(good_bytes("decode-2"))
+    data["role"] = "prefill"
+    job.record("decode-2").write_bytes(msgspec.json.encode(data))
+    got = read_records(job, NAMES)
+    assert got.by_name == {}
+    assert "says role 'decode' index 0, which is not decode-1" in got.problems["decode-1"]
+    assert "says role 'prefill' index 2" in got.problems["decode-2"]
+
+
+def test_values_from_a_bad_record_are_shown_escaped(job: JobDir) -> None:
+    data = msgspec.json.decode(good_bytes("decode-1"))
+    data["name"] = "decode-0\nERROR forged line\x00"
+    job.record("decode-1").write_bytes(msgspec.json.encode(data))
+    problem = read_records(job, NAMES).problems["decode-1"]
+    assert "\n" not in problem
+    assert "\x00" not in problem
+    assert "'decode-0\\nERROR forged line\\x00'" in problem
+
+
+def test_files_no_expected_agent_writes_are_strays(job: JobDir) -> None:
+    write_record(job, record("decode-0"))
+    for stray in ("decode-7.json", "notes.json", "decode-01.json", "prefill-0 copy.json"):
+        (job.rendezvous / stray).write_bytes(good_bytes("decode-0"))
+    (job.rendezvous / "line\nbreak.json").write_text("x")
+    got = read_records(job, NAMES)
+    assert list(got.by_name) == ["decode-0"]
+    assert got.problems == {}
+    assert sorted(got.strays) == sorted(
+        [
+            "decode-7.json",
+            "notes.json",
+            "decode-01.json",
+            "prefill-0 copy.json",
+            "line\\nbreak.json",
+        ]
+    )
+
+
+def test_a_removed_folder_reads_as_empty(job: JobDir) -> None:
+    write_record(job, record("decode-0"))
+    job.rendezvous.rename(job.root / "elsewhere")
+    assert read_records(job, NAMES) == Records()
+
+
+def test_the_last_word_is_written_only_when_there_is_one(job: JobDir) -> None:
+    write_record(job, record("decode-0"))
+    assert "exited" not in msgspec.json.decode(job.record("decode-0").read_bytes())
+    last = record("decode-0")
+    last.exited = AgentExit(state="failed", reason="agent crashed: boom", code=1)
+    write_record(job, last)
+    got = read_records(job, NAMES).by_name["decode-0"]
+    assert got.exited is not None
+    assert (got.exited.state, got.exited.code) == ("failed", 1)
+
+
+# ---- transient problems are retried -----------------------------------------------------------
+
+
+def test_a_problem_counts_only_after_the_retry_and_the_last_good_record_stays(job: JobDir) -> None:
+    retry = RecordRetry(retry_s=3.0)
+    write_record(job, record("decode-1", http=6100))
+    seen = retry.take(read_records(job, NAMES), now=0.0)
+    assert seen.by_name["decode-1"].ports["http"] == 6100
+    assert seen.problems == {}
+    job.record("decode-1").write_bytes(b'{"schema": 1, "na')  # half-written, as NFS shows it
+    seen = retry.take(read_records(job, NAMES), now=1.0)
+    assert seen.problems == {}
+    assert seen.by_name["decode-1"].ports["http"] == 6100
+    seen = retry.take(read_records(job, NAMES), now=3.9)
+    assert seen.problems == {}
+    seen = retry.take(read_records(job, NAMES), now=4.0)
+    assert "cut short" in seen.problems["decode-1"]
+    assert seen.by_name["decode-1"].ports["http"] == 6100  # still where it was
+    write_record(job, record("decode-1", http=6105))
+    seen = retry.take(read_records(job, NAMES), now=5.0)
+    assert seen.problems == {}
+    assert seen.by_name["decode-1"].ports["http"] == 6105
+
+
+def test_a_problem_that_goes_away_starts_its_retry_afresh(job: JobDir) -> None:
+    retry = RecordRetry(retry_s=3.0)
+    job.record("decode-1").write_bytes(b"{")
+    assert retry.take(read_records(job, NAMES), now=0.0).problems == {}
+    job.record("decode-1").unlink()
+    assert retry.take(read_records(job, NAMES), now=2.0).problems == {}
+    job.record("decode-1").write_bytes(b"{")
+    assert retry.take(read_records(job, NAMES), now=4.0).problems == {}
+    assert retry.take(read_records(job, NAMES), now=7.0).problems != {}
+
+
+async def test_the_watcher_reports_a_lasting_problem_once_after_the_retry(
+    job: JobDir,
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    write_record(job, record("decode-1"))
+    calls: list[tuple[float, Records]] = []
+
+    def changed(records: Records) -> None:
+        calls.append((trio.current_time(), records))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_records, job, NAMES, changed)
+        await trio.sleep(1.0)
+        start = trio.current_time()
+        job.record("decode-1").write_text("garbage")
+        await trio.sleep(RECORD_RETRY_S + 1.0)
+        nursery.cancel_scope.cancel()
+    assert len(calls) == 2, calls
+    (t0, first), (t1, second) = calls
+    assert t0 == 0.0
+    assert first.problems == {}
+    assert list(first.by_name) == ["decode-1"]
+    assert RECORD_RETRY_S <= t1 - start <= RECORD_RETRY_S + 0.3
+    assert "not JSON" in second.problems["decode-1"]
+    assert list(second.by_name) == ["decode-1"]

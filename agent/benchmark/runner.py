@@ -141,17 +141,20 @@ class BenchmarkRun:
         """Every level (or the custom command), then the summary; never raises for a failure."""
         started = time.time()
         self._update(state="running", started_at=started)
-        self.files.root.mkdir(parents=True, exist_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        sink = LogSink(self.log_path, max_bytes=self.log_max_bytes, backups=self.log_backups)
         levels: list[LevelResult] = []
         error: str | None = None
         exit_code: int | None = None
         try:
+            self.files.root.mkdir(parents=True, exist_ok=True)
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a full or read-only job directory: a failed run, not a crash
+            error = f"cannot make {self.files.root}: {exc.strerror or exc}"
+        sink = LogSink(self.log_path, max_bytes=self.log_max_bytes, backups=self.log_backups)
+        try:
             with self._scope:
-                if self.plan.type == "aiperf":
+                if error is None and self.plan.type == "aiperf":
                     error = await self._levels(sink, levels)
-                else:
+                elif error is None:
                     error, exit_code = await self._custom(sink, levels)
             if self._scope.cancelled_caught:
                 at = f" during concurrency {self.block.level}" if self.block.level else ""
@@ -179,25 +182,26 @@ class BenchmarkRun:
             levels=levels,
         )
         with trio.CancelScope(shield=True):
-            summary = await trio.to_thread.run_sync(self._finish, summary)
+            summary, written = await trio.to_thread.run_sync(self._finish, summary)
         self.summary = summary
         self.log.info(
             "benchmark %s%s; summary %s",
             summary.state,
             f": {error}" if error else "",
-            self.files.summary,
+            self.files.summary if written is True else f"not written ({written})",
         )
         self._update(
             state=summary.state,
             error=error,
             ended_at=summary.ended_at,
-            summary=str(self.files.summary),
+            summary=str(self.files.summary) if written is True else None,
         )
         self.done.set()
         return summary
 
-    def _finish(self, summary: BenchmarkSummary) -> BenchmarkSummary:
-        """Plots (when matplotlib is here), then summary.json and the table (in a thread)."""
+    def _finish(self, summary: BenchmarkSummary) -> tuple[BenchmarkSummary, bool | str]:
+        """Plots (when matplotlib is here), then summary.json and the table (in a thread);
+        the summary, and True once written (else why not: the verdict stands all the same)."""
         try:
             title = f"{self.target.model} ({self.files.root.parent.name})"
             written = make_plots([Series("this job", summary.levels)], self.files.root, title)
@@ -206,14 +210,20 @@ class BenchmarkRun:
             summary = msgspec.structs.replace(summary, plots_note=str(exc))
         except Exception as exc:  # a chart must never cost the verdict
             summary = msgspec.structs.replace(summary, plots_note=f"plotting failed: {exc!r}")
-        write_summary(self.files, summary)
-        return summary
+        try:
+            write_summary(self.files, summary)
+        except OSError as exc:
+            return summary, f"{self.files.summary}: {exc.strerror or exc}"
+        return summary, True
 
     async def _levels(self, sink: LogSink, levels: list[LevelResult]) -> str | None:
         for index, concurrency in enumerate(self.plan.concurrencies):
             self._update(level=concurrency)
             folder = self.files.level_dir(concurrency)
-            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                return f"concurrency {concurrency}: cannot make {folder}: {exc.strerror or exc}"
             argv = aiperf_argv(self.plan, self.target, concurrency, folder)
             self.log.info(
                 "benchmark: concurrency %d (level %d of %d), results %s",

@@ -16,6 +16,7 @@ from agent.job.plan import Plan
 from agent.job.records import AgentStatus
 from agent.launch import Launcher, LaunchSpec
 from agent.node.identity import Identity
+from agent.node.jobwrites import JobWrites
 
 # (name, argv, env, image) -> a LaunchSpec with the job's mounts and the node's setup script.
 BuildSpec = Callable[[str, list[str], dict[str, str], str | None], LaunchSpec]
@@ -43,5 +44,7 @@ class HeadContext:
     probe_observer: Callable[[str], Callable[[float], None]]
     # Stop everything this node runs: the router first, then the engine.
     stop_node: Callable[[], Awaitable[None]]
+    # The node agent's writes into J/ (retried while they fail; the agent's /status shows them).
+    writes: JobWrites
     # process name -> its scratch folder (temp and caches; agent.launch.scratch), or None.
     scratch_folder: Callable[[str], str] | None = None

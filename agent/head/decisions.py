@@ -7,7 +7,8 @@ here (the caller passes ``now``), so tests/test_head.py drives every decision wi
 
 "Degrade, don't die": a failed decode is dropped and the job goes on without it; the job fails only
 when the prefill, the router or every decode has failed, or when the agents cannot work together
-(an unreadable record, different tilert versions).
+(different tilert versions). A bad file in the rendezvous folder makes at most its agent failed
+(``agent.head.peers``), never the job.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ class JobView:
     healthy_since: Mapping[str, float | None] = field(default_factory=dict)
     # The tilert version each agent's record names (agents whose preflight found one).
     versions: Mapping[str, str] = field(default_factory=dict)
-    # Records in the rendezvous folder that cannot be read, by agent name.
-    record_problems: Mapping[str, str] = field(default_factory=dict)
     # The router once started (its row in status.json).
     router: JobAgent | None = None
 
@@ -119,8 +118,6 @@ def fatal(view: JobView) -> str | None:
         )
     if view.router is not None and view.router.state == "failed":
         return f"router failed: {view.router.reason} (log: {view.router.log})"
-    if view.record_problems:
-        return "; ".join(view.record_problems.values())
     return version_mismatch(view.versions)
 
 

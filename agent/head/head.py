@@ -78,7 +78,7 @@ class Head:
         self.router_url: str | None = None  # shown while the router is ours to serve
         # Carried into every status.json: `stop` checks the supervisor by them.
         self.local_pid, self.local_started_at = read_local_supervisor(ctx.job)
-        self.status_file = StatusWriter(ctx.job, self._job_status)
+        self.status_file = StatusWriter(ctx.job, self._job_status, ctx.writes)
         # The benchmark run once ready; a summary here once it ended the job (keep_serving false).
         bench = self.plan.benchmark
         self.bench = (
@@ -132,7 +132,6 @@ class Head:
             agents={n: self.peers.entry(n, self.dropped.get(n)) for n in self.expected},
             healthy_since=self.peers.healthy_since(),
             versions=self.peers.versions(),
-            record_problems=self.peers.problems,
             router=self.router.entry(self.peers.by_name[HEAD_NAME].record),
         )
 

@@ -4,6 +4,10 @@ is).
 Records come from the rendezvous folder; states travel over each peer's long-polled ``/status``,
 not through the shared file system (which caches attributes for seconds). Every answer wakes the
 head at once. The head's own state is read from its own agent, never over HTTP.
+
+A peer is failed without its own word when its record stays unreadable past the retry (it never
+had a good one), when its record carries its last word (``exited``), or when it has not answered
+for ``UNREACHABLE_FAIL_S`` (killed, frozen, its node gone) while it had not said it was stopping.
 """
 
 from __future__ import annotations
@@ -23,9 +27,20 @@ from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, JobAgent, RendezvousRecord
 from agent.node.rendezvous import Records, watch_records
+from agent.problems import printable
 
-LONG_POLL_S = 20.0
+# A long poll asks the peer to answer within LONG_POLL_S even when nothing changed; one that has
+# not answered ANSWER_MARGIN_S later is not answering (stopped, hung, gone).
+LONG_POLL_S = 5.0
+ANSWER_MARGIN_S = 2.0
 RETRY_S = 0.2  # after a failed poll: the peer may be restarting its agent
+# Unreachable is not dead at once (a network blip, a slow node): a peer that has not answered
+# for this long, and whose record does not say it stopped, has failed (docs/reliability.md).
+UNREACHABLE_FAIL_S = 5.0
+# Failed polls in a row before a peer shows as unreachable: one alone can be the head's own pause
+# (a long poll cut short when the head was frozen or starved), and is asked again at once.
+UNREACHABLE_AFTER_POLLS = 2
+IDLE_POLL_S = 1.0  # a peer that exited or was lost: look again only for a new record
 
 
 @dataclass
@@ -36,15 +51,27 @@ class Peer:
     status: AgentStatus | None = None
     reachable: bool = False
     healthy_seen_at: float | None = None  # monotonic time the head saw it healthy
+    # Why its record cannot be read (lasting past the retry); it keeps its last good one if any.
+    record_problem: str | None = None
+    # Monotonic time of the first failed poll of the current outage, its error, the failed polls.
+    unreachable_since: float | None = None
+    unreachable_error: str = ""
+    failed_polls: int = 0
+    # Why the head took it as failed without its word (not answering past the bound); for good.
+    lost: str | None = None
 
     @property
     def state(self) -> str:
         """Its state for the job: its own, or ``missing``, ``starting``, ``unreachable``,
-        ``stopped``."""
+        ``stopped``, ``failed`` (a record that stays unreadable, its last word, or lost)."""
         if self.record is None:
-            return "missing"
+            return "failed" if self.record_problem else "missing"
+        if self.record.exited is not None:
+            return self.record.exited.state
+        if self.lost is not None:
+            return "failed"
         if self.status is None:
-            return "starting"
+            return "unreachable" if self.failed_polls >= UNREACHABLE_AFTER_POLLS else "starting"
         if not self.reachable:
             # An agent that said it was stopping and is gone has stopped: not a lost peer.
             if self.status.state in ("stopping", "stopped"):
@@ -52,11 +79,60 @@ class Peer:
             return "unreachable"
         return self.status.state
 
+    @property
+    def reason(self) -> str:
+        """Why it is in its state, in one line."""
+        if self.record is None:
+            return self.record_problem or "no rendezvous record yet"
+        if self.record.exited is not None:
+            exited = self.record.exited
+            return printable(f"its agent exited with code {exited.code}: {exited.reason}")
+        if self.lost is not None:
+            return self.lost
+        if self.status is None:
+            reason = "record published; waiting for its first /status answer"
+        else:
+            reason = printable(self.status.reason)
+        if self.failed_polls >= UNREACHABLE_AFTER_POLLS:
+            reason = (
+                f"not answering at {self.record.status_url} ({self.unreachable_error}); {reason}"
+            )
+        if self.record_problem:
+            reason += f"; {self.record_problem} (its last good record is used)"
+        return reason
+
     def observe(self, status: AgentStatus, now: float) -> None:
         """Take a new ``/status``; note when it turned healthy."""
         if status.state == "healthy" and (self.status is None or self.status.state != "healthy"):
             self.healthy_seen_at = now
         self.status = status
+        self.reachable = True
+        self.unreachable_since = None
+        self.failed_polls = 0
+
+    def unanswered(self, error: str, now: float) -> bool:
+        """A poll failed with ``error``; True when this changes what the head shows."""
+        self.unreachable_error = error
+        self.failed_polls += 1
+        if self.unreachable_since is None:
+            self.unreachable_since = now
+        if self.failed_polls == UNREACHABLE_AFTER_POLLS:
+            self.reachable = False
+            return True
+        stopping = self.status is not None and self.status.state in ("stopping", "stopped")
+        if (
+            self.lost is None
+            and not stopping
+            and self.failed_polls > UNREACHABLE_AFTER_POLLS
+            and now - self.unreachable_since >= UNREACHABLE_FAIL_S
+        ):
+            last = f"; it last said {self.status.state}" if self.status else ""
+            self.lost = (
+                f"agent not answering for {UNREACHABLE_FAIL_S:g}s at "
+                f"{self.record.status_url if self.record else '?'} ({error}){last}: taken as failed"
+            )
+            return True
+        return False
 
 
 class Peers:
@@ -73,7 +149,6 @@ class Peers:
         on_change: Callable[[], None],
     ) -> None:
         self.by_name: dict[str, Peer] = {name: Peer() for name in names}
-        self.problems: dict[str, str] = {}
         self.job = job
         # Engine logs may live on each node's disk (agent.logs.location: node): the plan says.
         self.plan = plan
@@ -81,6 +156,7 @@ class Peers:
         self.log = log
         self.on_change = on_change
         self._followed: set[str] = set()
+        self._strays: set[str] = set()
 
     # ---- what the head reads ---------------------------------------------------------------
 
@@ -123,7 +199,8 @@ class Peers:
         parsed = parse_agent_name(name)
         if parsed is None:
             raise ValueError(f"not an agent name: {name!r}")
-        reason = status.reason if status else "no rendezvous record yet"
+        # The head knows itself first hand: its record's fate does not change its state.
+        reason = status.reason if status and name == HEAD_NAME else peer.reason
         if dropped is not None:
             reason = f"dropped from the router: {dropped}"
         return JobAgent(
@@ -153,15 +230,31 @@ class Peers:
                 self._take(records, nursery)
                 on_records()
 
-            nursery.start_soon(watch_records, self.job, changed)
+            nursery.start_soon(watch_records, self.job, list(self.by_name), changed)
 
     def _take(self, records: Records, nursery: trio.Nursery) -> None:
-        self.problems = records.problems
+        for stray in records.strays:
+            if stray not in self._strays:
+                self._strays.add(stray)
+                self.log.warning(
+                    "head: ignoring %s in %s: not the record of an agent of this job (%s)",
+                    stray,
+                    self.job.rendezvous,
+                    ", ".join(self.by_name),
+                )
+        for name, peer in self.by_name.items():
+            problem = records.problems.get(name)
+            if problem != peer.record_problem:
+                if problem is not None:
+                    self.log.warning("head: %s: %s", name, problem)
+                else:
+                    self.log.info("head: %s's rendezvous record is readable again", name)
+                peer.record_problem = problem
         for name, record in records.by_name.items():
-            peer = self.by_name.get(name)
-            if peer is None:
-                continue
+            peer = self.by_name[name]
             changed_ports = peer.record is not None and peer.record.ports != record.ports
+            if record.exited is not None and (peer.record is None or peer.record.exited is None):
+                self.log.warning("head: %s exited: %s", name, Peer(record=record).reason)
             peer.record = record
             if changed_ports:
                 self.log.info("head: %s republished its ports: %s", name, record.ports)
@@ -173,25 +266,37 @@ class Peers:
         """Long-poll a peer's /status forever; each answer is pushed into the gate at once."""
         peer = self.by_name[name]
         version = -1
-        async with httpx.AsyncClient(timeout=LONG_POLL_S + 10) as client:
+        async with httpx.AsyncClient() as client:
             while True:
                 # Read each time: every republish replaces the record.
-                url = self.record(name).status_url
+                record = self.record(name)
+                if record.exited is not None or peer.lost is not None:
+                    await trio.sleep(IDLE_POLL_S)  # its word is said; a new record may follow
+                    continue
+                url = record.status_url
+                # A fresh poll (version -1) is answered at once by a live agent.
+                wait_s = LONG_POLL_S if version >= 0 else 0.0
                 try:
                     response = await client.get(
-                        url, params={"after": version, "timeout": LONG_POLL_S}
+                        url,
+                        params={"after": version, "timeout": LONG_POLL_S},
+                        timeout=wait_s + ANSWER_MARGIN_S,
                     )
                     response.raise_for_status()
                     status = msgspec.json.decode(response.content, type=AgentStatus)
                 except (httpx.HTTPError, msgspec.DecodeError, OSError) as exc:
-                    if peer.reachable:
-                        self.log.warning("head: %s unreachable at %s: %s", name, url, exc)
-                    peer.reachable = False
+                    error = printable(str(exc) or type(exc).__name__)[:200]
+                    if peer.unanswered(error, time.monotonic()):
+                        if peer.lost is not None:
+                            self.log.warning("head: %s: %s", name, peer.lost)
+                        else:
+                            self.log.warning("head: %s unreachable at %s: %s", name, url, error)
+                        self.on_change()
                     version = -1
-                    self.on_change()
                     await trio.sleep(RETRY_S)
                     continue
-                peer.reachable = True
+                if peer.failed_polls >= UNREACHABLE_AFTER_POLLS:
+                    self.log.info("head: %s answers again at %s", name, url)
                 version = status.version
                 peer.observe(status, time.monotonic())
                 self.on_change()

@@ -2,12 +2,15 @@
 ``targets.json`` (Prometheus' file_sd list of every agent's ``/metrics``).
 
 status.json is written on every change and, as a heartbeat, every 5 s even when nothing changed
-(readers tell a live head from a dead one by ``updated_at``).
+(readers tell a live head from a dead one by ``updated_at``). A write that fails (full disk,
+read-only or removed job directory) never stops the head: ``JobWrites`` retries it and the head's
+``/status`` says so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from urllib.parse import urlsplit
 
 import msgspec
 import trio
@@ -15,6 +18,7 @@ import trio
 from agent.job.atomicfile import write_atomic
 from agent.job.paths import JobDir
 from agent.job.records import JobStatus, RendezvousRecord
+from agent.node.jobwrites import JobWrites
 
 STATUS_REFRESH_S = 5.0
 
@@ -31,18 +35,26 @@ def read_local_supervisor(job: JobDir) -> tuple[int | None, float | None]:
 class StatusWriter:
     """Writes ``snapshot()`` to status.json when it changed, and every 5 s (``heartbeat``)."""
 
-    def __init__(self, job: JobDir, snapshot: Callable[[], JobStatus]) -> None:
+    def __init__(self, job: JobDir, snapshot: Callable[[], JobStatus], writes: JobWrites) -> None:
         self.job = job
         self.snapshot = snapshot
+        self.writes = writes
         self._written = b""
 
     def write(self, *, force: bool = False) -> None:
         """Write status.json if its content changed (``updated_at`` aside), or when ``force``."""
+        if force or self._content(self.snapshot()) != self._written:
+            self.writes.write(str(self.job.status), self._write_now)
+
+    @staticmethod
+    def _content(status: JobStatus) -> bytes:
+        return msgspec.json.encode(msgspec.structs.replace(status, updated_at=0.0))
+
+    def _write_now(self) -> None:
+        # The latest snapshot, also when retried: a retry must not write an older state.
         status = self.snapshot()
-        content = msgspec.json.encode(msgspec.structs.replace(status, updated_at=0.0))
-        if force or content != self._written:
-            self._written = content
-            self.job.write_status(status)
+        self.job.write_status(status)
+        self._written = self._content(status)
 
     async def heartbeat(self) -> None:
         """Rewrite status.json every ``STATUS_REFRESH_S`` (runs forever)."""
@@ -55,7 +67,12 @@ class StatusWriter:
         ``agent``."""
         targets = []
         for name, record in records.items():
-            hostport = record.metrics_url.split("//", 1)[1].split("/", 1)[0]
+            hostport = urlsplit(record.metrics_url).netloc
+            if not hostport:
+                continue  # an agent that exited before it had an endpoint
             # No role/node/slurm_job_id here: the pages carry them (docs/design.md, Observability).
             targets.append({"targets": [hostport], "labels": {"agent": name}})
-        write_atomic(self.job.targets, msgspec.json.encode(targets) + b"\n", mode=0o644)
+        data = msgspec.json.encode(targets) + b"\n"
+        self.writes.write(
+            str(self.job.targets), lambda: write_atomic(self.job.targets, data, mode=0o644)
+        )

@@ -31,8 +31,10 @@ from agent.http.metrics import CONTENT_TYPE
 from agent.job.logfiles import rotated_files
 from agent.job.logtail import LIVE, LogLine, history, json_lines, open_log, text_lines
 from agent.job.records import AgentStatus
+from agent.problems import printable
 
 MAX_LONG_POLL_S = 60.0
+MAX_VERSION_DIGITS = 18  # a version counts changes; more digits than an int64 holds is no version
 # The share of Prometheus' scrape timeout the vLLM re-export may spend.
 SCRAPE_BUDGET_SHARE = 0.5
 
@@ -98,22 +100,48 @@ class LogStreams:
 
 def status_body(status: AgentStatus) -> dict[str, object]:
     """The ``/status`` JSON: ``router`` only where there is one (prefill-0), as docs/agent.md says,
-    and ``convert`` only while converting."""
+    ``convert`` only while converting, ``problems`` only when there are some."""
     body = msgspec.structs.asdict(status)  # nested Structs stay Structs: msgspec encodes them
     for optional in ("router", "convert"):
         if body[optional] is None:
             del body[optional]
+    if not body["problems"]:
+        del body["problems"]
     return body
 
 
-def _number(request: Request, key: str, default: float) -> float:
+def _finite(request: Request, key: str, what: str) -> float | None:
+    """A number query parameter that must be finite (``nan``, ``inf`` are the client's error)."""
     value = request.query.get(key)
     if value is None:
-        return default
+        return None
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
-        raise HTTPError(400, f"query parameter {key}={value!r} is not a number") from None
+        number = math.nan
+    if not math.isfinite(number):
+        raise HTTPError(400, f"query parameter {key}={printable(value[:40])} is not {what}")
+    return number
+
+
+def _seconds(request: Request, key: str, default: float, limit: float) -> float:
+    """A duration query parameter: a finite number >= 0, at most ``limit`` (larger ones are cut)."""
+    what = "a number of seconds >= 0"
+    seconds = _finite(request, key, what)
+    if seconds is None:
+        return default
+    if seconds < 0:
+        raise HTTPError(400, f"query parameter {key}={seconds:g} is not {what}")
+    return min(limit, seconds)
+
+
+def _version(request: Request, key: str) -> int:
+    """A ``/status`` version: a whole number (``-1`` asks for the status at once)."""
+    value = request.query.get(key, "")
+    digits = value[1:] if value.startswith("-") else value
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= MAX_VERSION_DIGITS):
+        raise HTTPError(400, f"query parameter {key}={printable(value[:40])} is not a version")
+    return int(value)
 
 
 def _count(request: Request, key: str, default: int) -> int:
@@ -136,12 +164,7 @@ def _tail(request: Request) -> int | None:
 
 def _since(request: Request) -> float | None:
     """``since=<Unix seconds>``: only lines received from then on."""
-    if request.query.get("since") is None:
-        return None
-    value = _number(request, "since", 0.0)
-    if not math.isfinite(value):
-        raise HTTPError(400, f"query parameter since={value!r} is not a time in Unix seconds")
-    return value
+    return _finite(request, "since", "a time in Unix seconds")
 
 
 def _exists(path: Path) -> bool:
@@ -174,8 +197,8 @@ def build_app(
         after = request.query.get("after")
         if after is None:
             return json_response(status_body(feed.current()))
-        timeout = min(MAX_LONG_POLL_S, _number(request, "timeout", 30.0))
-        version = int(_number(request, "after", 0))
+        timeout = _seconds(request, "timeout", 30.0, MAX_LONG_POLL_S)
+        version = _version(request, "after")
         return json_response(status_body(await feed.wait_after(version, timeout)))
 
     @app.route("GET", "/metrics")

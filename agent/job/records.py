@@ -24,9 +24,22 @@ JobState = Literal[
 ]
 
 
+class AgentExit(msgspec.Struct, kw_only=True):
+    """An agent's last word in its record: it has exited, ``failed`` or ``stopped``, and why.
+
+    Without it the head could only tell a dead peer by its silence (after a bound of seconds); an
+    agent that fails at start says so and the head takes it as failed at once.
+    """
+
+    state: Literal["failed", "stopped"]
+    reason: str
+    code: int
+    at: float = msgspec.field(default_factory=time.time)
+
+
 class RendezvousRecord(msgspec.Struct, kw_only=True):
-    """``J/rendezvous/<name>.json``: who is where. Written on port choice and on every port
-    change."""
+    """``J/rendezvous/<name>.json``: who is where. Written on port choice, on every port change,
+    and once more with ``exited`` when the agent exits."""
 
     schema: int = RECORD_SCHEMA
     name: str
@@ -41,6 +54,8 @@ class RendezvousRecord(msgspec.Struct, kw_only=True):
     # Engine software detected by the preflight, e.g. {"tilert": "0.1.6.post3", "vllm": "0.11.0"}.
     versions: dict[str, str] = {}
     updated_at: float = msgspec.field(default_factory=time.time)
+    # Set by the agent as it exits; absent while it runs.
+    exited: AgentExit | None = None
 
 
 class ConvertProgress(msgspec.Struct, kw_only=True):
@@ -84,6 +99,9 @@ class AgentStatus(EngineStatus, kw_only=True):
     router: EngineStatus | None = None
     # While ``converting``: the conversion's progress.
     convert: ConvertProgress | None = None
+    # What the agent cannot do without stopping its engine, e.g. write into the job directory
+    # (full, read-only, removed); served only when there is something to say.
+    problems: list[str] = []
 
 
 class JobAgent(msgspec.Struct, kw_only=True):

@@ -33,6 +33,33 @@ class _LineFormatter(logging.Formatter):
         return "\n".join(prefix + line for line in body.splitlines() or [""])
 
 
+class _AgentLogFile(logging.handlers.RotatingFileHandler):
+    """``agent.log`` that may become unwritable (full disk, read-only or removed job directory).
+
+    The agent goes on (its engines keep serving); stderr gets one line per kind of error, not
+    logging's traceback for every record.
+    """
+
+    _failing = ""  # the error of the last record that could not be written
+    _failed_now = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write ``record``; note a recovery once."""
+        self._failed_now = False
+        super().emit(record)
+        if self._failing and not self._failed_now:
+            self._failing = ""
+            print(f"{self.baseFilename} is written again", file=sys.stderr)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: ARG002 (logging's signature)
+        """Say once per kind of error that ``agent.log`` cannot be written (no traceback)."""
+        exc = sys.exc_info()[1]
+        error = getattr(exc, "strerror", None) or str(exc)
+        if error != self._failing:
+            print(f"cannot write {self.baseFilename}: {error}", file=sys.stderr)
+        self._failing, self._failed_now = error, True
+
+
 def setup_agent_logging(
     path: Path,
     *,
@@ -50,9 +77,7 @@ def setup_agent_logging(
         old.close()
     formatter = _LineFormatter(name)
     handlers: list[logging.Handler] = [
-        logging.handlers.RotatingFileHandler(
-            path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8"
-        )
+        _AgentLogFile(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
     ]
     if stderr:
         handlers.append(logging.StreamHandler(sys.stderr))

@@ -2,9 +2,11 @@
 
 Same flags, same HTTP app (``/health``, ``/capabilities``, ``/decode_status``, ``POST /pd/decode``,
 ``POST /pd/cancel``), same control plane on the ctrl port (``agent.standins.kvlink.Receiver``),
-both bound on ``('::', port)`` dual-stack, same startup lines and exit codes (SIGTERM 143, startup
-error 1). The "engine" answers ``[first_token_id]`` + a short fixed reply in the demo tokenizer's
-byte ids (``agent.standins.tokens``), ending with EOS, cut at ``max_tokens``.
+same startup lines and exit codes (SIGTERM 143, startup error 1). Both ports are bound on the
+address it finds for itself, the agent's (TileRT binds ``('::', port)``, every address): a
+``--local`` job listens on 127.0.0.1 only. The "engine" answers ``[first_token_id]`` + a short
+fixed reply in the demo tokenizer's byte ids (``agent.standins.tokens``), ending with EOS, cut at
+``max_tokens``.
 """
 
 from __future__ import annotations
@@ -365,11 +367,13 @@ def main(argv: list[str] | None = None) -> None:
         recv_log.info(
             "transport=%s ready, buffer registered (0.00 GB, host %s)", args.transport, host_ip
         )
-        ctrl_sock = bound_socket("::", args.ctrl_port)
+        # TileRT binds every address ("::"); the stand-in binds only the address it finds for
+        # itself, which is the one the agent advertises: a --local job listens on 127.0.0.1 only.
+        ctrl_sock = bound_socket(host_ip, args.ctrl_port)
         ctrl = trio.SocketListener(trio.socket.from_stdlib_socket(ctrl_sock))
         nursery.start_soon(trio.serve_listeners, receiver.handle, [ctrl])
         recv_log.info("control plane listening on :%d", args.ctrl_port)
-        http_sock = bound_socket("::", args.http_port)
+        http_sock = bound_socket(host_ip, args.http_port)
         log.info(
             "decode server on :%d (profile=%s, engine=%s, ctrl=:%d)",
             args.http_port,

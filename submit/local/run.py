@@ -35,6 +35,7 @@ from agent.job.plan import Plan, load_plan
 from agent.job.records import JobAgent, JobStatus
 from agent.launch import LaunchSpec, ProcessHandle, make_launcher
 from agent.node.logpump import LogSink
+from agent.problems import printable
 from submit.local.backend import STOP_SIGNALS
 
 PROGRESS_EVERY_S = 10.0
@@ -78,6 +79,18 @@ def _read(job: JobDir) -> JobStatus | None:
 
 def _summary(status: JobStatus) -> str:
     return ", ".join(f"{a.name} {a.state}" for a in status.agents) or "no agent yet"
+
+
+def exit_description(code: int) -> str:
+    """How a process ended, from its return code: ``exited with code 1``, ``was killed by
+    SIGKILL``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
 
 
 def _say(message: str) -> None:
@@ -219,7 +232,14 @@ class LocalRun:
             _ended(status.router, reason)
         status.router_url = None
         status.updated_at = time.time()
-        self.job.write_status(status)
+        self._write(status)
+
+    def _write(self, status: JobStatus) -> None:
+        """Write status.json; a full, read-only or removed job directory is said, not raised."""
+        try:
+            self.job.write_status(status)
+        except OSError as exc:
+            _say(f"cannot write {self.job.status}: {exc.strerror or exc}")
 
     async def _watch(self) -> int:
         last_line = ""
@@ -272,27 +292,36 @@ class LocalRun:
         return True
 
     def _lead_exited(self, lead: ProcessHandle) -> int:
+        """The lead agent (the head; a convert job's decode-0) has exited: say how, and make
+        status.json say it when the agent could not."""
+        code = lead.returncode or 0
         status = _read(self.job)
-        if not lead.returncode and (self.lead != HEAD_NAME or self._benchmark_ended(status)):
+        if not code and (self.lead != HEAD_NAME or self._benchmark_ended(status)):
             return 0  # a convert job that finished, or a job its benchmark ended
-        error = status.error if status and status.error else "see its agent.log"
-        who = "the head agent prefill-0" if self.lead == HEAD_NAME else self.lead
-        _say(f"{who} exited with code {lead.returncode}: {error}")
+        how = exit_description(code)
+        who = f"the head agent {HEAD_NAME}" if self.lead == HEAD_NAME else self.lead
+        agent_log = self.job.log_dir(self.lead) / "agent.log"
+        error = status.error if status and status.error else f"see {agent_log}"
+        _say(f"{who} {how}: {error}")
         tail = self.sinks[self.lead].recent(20)
         if tail:
-            _say("last lines of its stderr:\n  " + "\n  ".join(tail))
-        if lead.returncode and status is not None and status.state != "failed":
-            # It died before it could say so (e.g. the router port was taken): say it at once.
-            last = tail[-1] if tail else "see its agent.log"
-            self.failure = (
-                f"{self.lead} exited with code {lead.returncode}: {last} "
-                f"(log: {self.job.log_dir(self.lead) / 'agent.log'})"
-            )
+            _say("last lines of its stderr:\n  " + "\n  ".join(printable(line) for line in tail))
+        if code and status is not None and status.state != "failed":
+            # It died before it could say so (killed, crashed): the last line of its stderr is no
+            # cause (it may be any agent's progress line), the exit is. Say it at once.
+            self.failure = f"{who} {how} before it could say why (log: {agent_log})"
             status.state, status.error = "failed", self.failure
             status.router_url = None
             status.updated_at = time.time()
-            self.job.write_status(status)
-        return 1 if lead.returncode else 0
+            for row in status.agents:
+                if row.name == self.lead:
+                    row.state, row.reason = "failed", self.failure
+            if status.router is not None:
+                # The router is the head's child and ends with it.
+                status.router.state = "failed"
+                status.router.reason = f"ended with {who}"
+            self._write(status)
+        return 1 if code else 0
 
     def _say_ready(self, status: JobStatus, elapsed: float) -> None:
         url = status.router_url

@@ -39,7 +39,7 @@ class Unreachable(Exception):
 
 def agent_url(job: JobDir, agent: str) -> str:
     """The base URL of ``agent``'s endpoint, from its rendezvous record (``NoLogYet``)."""
-    record = read_records(job).by_name.get(agent)
+    record = read_records(job, {agent}).by_name.get(agent)
     if record is None:
         raise NoLogYet(f"its agent has not started: no {job.record(agent)} yet")
     return record.status_url.removesuffix("/status")
