@@ -19,12 +19,14 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from agent.job.atomicfile import write_atomic
+from agent.job.benchmark import pending_block
 from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, StandinName, parse_standins
@@ -39,6 +41,7 @@ from submit.choice import backend_for
 if TYPE_CHECKING:
     from agent.recipe.cluster import ClusterConfig
     from agent.recipe.loader import LoadedRecipe
+    from agent.recipe.sweep import Combination
 
 JOBS_DIR = "tilert-jobs"
 EXIT_BAD_INPUT = 2
@@ -49,6 +52,7 @@ JOB_COMMANDS = {
     "status": ("submit.statusview", "show a job's state and its agents"),
     "logs": ("submit.logview", "print (or follow) a job's logs"),
     "stop": ("submit.stop", "stop a job: agents drain, then the job ends"),
+    "bench": ("submit.bench", "benchmark a ready job from here, show or compare results"),
 }
 # ``tilert-submit convert RECIPE ...``: the same flags as a submission, for a convert-only job.
 CONVERT_COMMAND = "convert"
@@ -79,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
         dest="overrides",
         help="change one recipe value: a dotted path and a YAML value, e.g. "
         "--set roles.decode.nodes=2 (repeatable)",
+    )
+    parser.add_argument(
+        "--unset",
+        metavar="KEY",
+        action="append",
+        default=[],
+        dest="unsets",
+        help="remove one recipe key (a dotted path), e.g. --unset roles.decode.env.X (repeatable)",
     )
     parser.add_argument(
         "--dry-run",
@@ -188,9 +200,16 @@ def pending_status(plan: Plan, job: JobDir) -> JobStatus:
         for role in (plan.prefill, plan.decode)
         for i in range(role.nodes)
     ]
+    bench = plan.benchmark
     # The router's stand-in is decided on the node (only where the real router cannot run).
     standins: list[str] = [name for name in plan.standins if name != "router"]
-    return JobStatus(state="pending", model=plan.model, agents=agents, standins=standins)
+    return JobStatus(
+        state="pending",
+        model=plan.model,
+        agents=agents,
+        standins=standins,
+        benchmark=msgspec.UNSET if isinstance(bench, msgspec.UnsetType) else pending_block(bench),
+    )
 
 
 def write_job(
@@ -210,49 +229,134 @@ def write_job(
     job.write_status(status)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load, plan, write the job directory, then dry-run, run locally or submit."""
+@dataclass
+class _Prepared:
+    """One job ready to be written: its recipe, plan, directory and batch script."""
+
+    loaded: LoadedRecipe
+    plan: Plan
+    job: JobDir
+    agent_command: list[str]
+    script: str
+    combination: Combination | None = None
+
+
+def _prepare(
+    args: argparse.Namespace,
+    cluster: ClusterConfig | None,
+    combination: Combination | None,
+) -> _Prepared:
+    """Load, plan and render one job (InputError when its recipe does not validate)."""
     from agent.recipe.convertplan import convert_job_plan
     from agent.recipe.loader import load_recipe
-    from agent.recipe.planner import make_plan, secret_values
+    from agent.recipe.planner import make_plan
     from submit.slurm.render import default_agent_command, render_sbatch
+
+    loaded = load_recipe(
+        Path(args.recipe),
+        overrides=args.overrides,
+        unsets=args.unsets,
+        cluster=cluster,
+        combination=combination,
+    )
+    launcher = "process" if args.local else None
+    plan = make_plan(loaded, mock=args.mock, launcher=launcher)
+    if args.convert:
+        plan = convert_job_plan(plan)
+    if args.local:
+        # Every agent runs on this machine: loopback is the address they all reach.
+        plan = msgspec.structs.replace(plan, network_interface="lo")
+    job_dir = args.job_dir
+    if combination is not None and job_dir:
+        job_dir = str(Path(job_dir) / plan.name)  # --job-dir DIR holds a sweep's jobs
+    job = JobDir(_job_root(job_dir, plan.name))
+    agent_command = default_agent_command(cluster)
+    script = render_sbatch(plan, job, agent_command)
+    return _Prepared(loaded, plan, job, agent_command, script, combination)
+
+
+def _prepare_sweep(
+    args: argparse.Namespace, cluster: ClusterConfig | None, combinations: list[Combination]
+) -> list[_Prepared] | None:
+    """Every combination of a sweep, or None after printing each one that does not validate."""
+    prepared, failed = [], 0
+    for combination in combinations:
+        try:
+            prepared.append(_prepare(args, cluster, combination))
+        except InputError as exc:
+            failed += 1
+            print(f"sweep combination {combination.label()}:\n{exc}", file=sys.stderr)
+    if failed:
+        print(
+            f"{PROG}: {failed} of {len(combinations)} sweep combinations do not validate; "
+            "nothing was submitted",
+            file=sys.stderr,
+        )
+        return None
+    return prepared
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, plan, write the job directory (one per sweep combination), then dry-run, run
+    locally or submit."""
+    from agent.recipe.loader import recipe_sweep
+    from agent.recipe.planner import secret_values
 
     try:
         cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
-        loaded = load_recipe(Path(args.recipe), overrides=args.overrides, cluster=cluster)
-        launcher = "process" if args.local else None
-        plan = make_plan(loaded, mock=args.mock, launcher=launcher)
-        if args.convert:
-            plan = convert_job_plan(plan)
-        if args.local:
-            # Every agent runs on this machine: loopback is the address they all reach.
-            plan = msgspec.structs.replace(plan, network_interface="lo")
-        job = JobDir(_job_root(args.job_dir, plan.name))
-        agent_command = default_agent_command(cluster)
-        script = render_sbatch(plan, job, agent_command)
+        combinations = recipe_sweep(Path(args.recipe))
+        if combinations is not None and args.local:
+            return _fail(
+                f"--local runs one job in the foreground and this recipe is a sweep of "
+                f"{len(combinations)}: run one combination (replace its placeholders with --set "
+                "and --unset sweep), or submit the sweep to Slurm"
+            )
+        if combinations is None:
+            jobs = [_prepare(args, cluster, None)]
+        else:
+            swept = _prepare_sweep(args, cluster, combinations)
+            if swept is None:
+                return EXIT_BAD_INPUT
+            jobs = swept
     except InputError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
+    code = 0
     backend = None if args.dry_run else backend_for(local=args.local)
-    try:
-        write_job(job, loaded, plan, script, backend)
-    except OSError as exc:
-        return _fail(f"--job-dir {job.root}: cannot write the job directory: {exc.strerror or exc}")
-    # The first line names the job directory (scripts and people rely on it).
-    print(f"Job directory: {job.root}", flush=True)
-    _warn(cluster_warnings, cluster_source)
-    _warn(loaded.warnings, loaded.source)
-    if backend is None:  # the dry run
-        from submit.show import render_convert_plan, render_plan
+    for i, one in enumerate(jobs):
+        if one.combination is not None:
+            print(f"== sweep job {i + 1} of {len(jobs)}: {one.combination.label()}", flush=True)
+        try:
+            write_job(one.job, one.loaded, one.plan, one.script, backend)
+        except OSError as exc:
+            return _fail(
+                f"--job-dir {one.job.root}: cannot write the job directory: {exc.strerror or exc}"
+            )
+        # The first line names the job directory (scripts and people rely on it).
+        print(f"Job directory: {one.job.root}", flush=True)
+        _warn(cluster_warnings, cluster_source)
+        _warn(one.loaded.warnings, one.loaded.source)
+        if backend is None:  # the dry run
+            from submit.show import render_convert_plan, render_plan
 
-        render = render_convert_plan if args.convert else render_plan
-        print(render(plan, job, agent_command, local=args.local))
+            render = render_convert_plan if args.convert else render_plan
+            print(render(one.plan, one.job, one.agent_command, local=args.local))
+            continue
+        try:
+            code = backend.submit(one.job, one.plan, secret_values(one.loaded.recipe))
+        except BackendError as exc:
+            submitted = f" ({i} of {len(jobs)} sweep jobs submitted)" if len(jobs) > 1 else ""
+            return _fail(f"{exc}{submitted}", EXIT_RUNTIME)
+        if code:
+            return code
+    if len(jobs) > 1:
+        print(f"sweep: {len(jobs)} jobs")
+        for one in jobs:
+            label = one.combination.label() if one.combination else ""
+            print(f"  {one.plan.name}  ({label})  {one.job.root}")
+    if args.dry_run:
         print("Dry run: nothing submitted.")
-        return 0
-    try:
-        return backend.submit(job, plan, secret_values(loaded.recipe))
-    except BackendError as exc:
-        return _fail(str(exc), EXIT_RUNTIME)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

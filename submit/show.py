@@ -280,6 +280,7 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
         f"  canary   {_seconds(agent.canary_timeout_s)} in all, each attempt at most "
         f"{_seconds(agent.canary_attempt_timeout_s)}",
         *_weights_lines(plan),
+        *_benchmark_lines(plan),
         "Files:",
         f"  {job.recipe}",
         f"  {job.plan}",
@@ -287,3 +288,37 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
         f"  {job.status}",
     ]
     return "\n".join(lines)
+
+
+def _benchmark_lines(plan: Plan) -> list[str]:
+    """What runs once the job is ready (docs/benchmark.md); nothing for ``manual``."""
+    bench = plan.benchmark
+    if isinstance(bench, msgspec.UnsetType):
+        return []
+    after = "keeps serving" if bench.keep_serving else "ends (keep_serving false)"
+    lines = ["Benchmark (once ready; results in J/benchmark/, log J/logs/benchmark/):"]
+    if bench.type == "custom":
+        lines.append(f"  custom   bash -c {shlex.quote(bench.command or '')}")
+    else:
+        per_level = (
+            f"{bench.num_requests} requests"
+            if bench.num_requests is not None
+            else f"{_seconds(bench.duration_s)}"
+            if bench.duration_s is not None
+            else "10 requests per concurrent user"
+        )
+        lines += [
+            f"  aiperf   {shlex.join(bench.program)}: concurrencies "
+            f"{', '.join(map(str, bench.concurrencies))}; isl {bench.isl}, osl {bench.osl}; "
+            f"{per_level} per level"
+            + (f", {bench.req_rate:g} req/s" if bench.req_rate is not None else "")
+            + (f", {bench.warmup_requests} warmup" if bench.warmup_requests else ""),
+            f"  tokenizer {bench.tokenizer or '(none)'}; fails on 0 output tokens, more than "
+            f"{bench.max_error_rate:g} failed, or a client exit status",
+        ]
+    lines.append(
+        f"  client on the {'head' if bench.placement == 'head' else 'last decode'} node"
+        + (f", image {bench.image}" if bench.image else "")
+        + f"; then the job {after}"
+    )
+    return lines

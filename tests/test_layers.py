@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "agent.recipe": 2,
     "agent.launch": 2,
     "agent.node": 3,
+    "agent.benchmark": 3,  # the benchmark client's runner: the head's, and tilert-submit bench's
     "agent.http": 4,
     "agent.head": 5,
     "agent.nodeagent": 6,

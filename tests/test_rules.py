@@ -437,12 +437,6 @@ def test_missing_parser_warns() -> None:
     assert "frontend.args.parser" in _paths(load(data).warnings)
 
 
-def test_benchmark_other_than_manual_warns() -> None:
-    data = b200()
-    data["benchmark"] = {"type": "sa-bench"}
-    assert "benchmark.type" in _paths(load(data).warnings)
-
-
 def test_process_launcher_needs_no_images() -> None:
     data = b200()
     for role in (prefill(data), decode(data)):

@@ -7,10 +7,11 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``decisions``: gate, drop, fatal and the job's state, as plain functions over a ``JobView``.
 - ``router``: the router's preflight, start and relaunch; ``canaries``: the streaming chat check.
 - ``statuswriter``: status.json (on change and as a heartbeat) and targets.json.
+- ``benchstage``: the recipe's benchmark, checked before the load and run once ready.
 - ``head``: ``Head``, which runs them in order.
 
 May import: ``agent.facts``, ``agent.problems``, ``agent.job``, ``agent.launch``, ``agent.node``,
-``agent.http``. Imported by ``agent.nodeagent`` only.
+``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` only.
 """
 
 from agent.head.context import HeadContext

@@ -9,15 +9,19 @@ the router, or every decode has failed. Ready means proven, every time: after an
 router restart the job stays ``degraded`` until canaries through the router pass again.
 
 ``Head`` runs the parts in that order and owns the job's state; what it knows is gathered into a
-``JobView`` each round and the decisions are taken on it (``agent.head.decisions``).
+``JobView`` each round and the decisions are taken on it (``agent.head.decisions``). A recipe with
+a benchmark runs it once ready (``agent.head.benchstage``); a failed benchmark makes the head's
+exit code 1, and unless ``keep_serving`` the benchmark's end ends the job.
 """
 
 from __future__ import annotations
 
 import time
 
+import msgspec
 import trio
 
+from agent.head.benchstage import BenchmarkStage
 from agent.head.canaries import Canary, run_canaries
 from agent.head.context import HeadContext
 from agent.head.decisions import (
@@ -37,9 +41,11 @@ from agent.head.decisions import (
 from agent.head.peers import Peers
 from agent.head.router import Router
 from agent.head.statuswriter import StatusWriter, read_local_supervisor
+from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
 from agent.job.records import EngineStatus, JobState, JobStatus
+from agent.node.jobend import end_job
 from agent.node.supervisor import EngineSupervisor
 
 GATE_POLL_S = 0.5  # re-evaluate at least this often while bringing the job up
@@ -73,6 +79,14 @@ class Head:
         # Carried into every status.json: `stop` checks the supervisor by them.
         self.local_pid, self.local_started_at = read_local_supervisor(ctx.job)
         self.status_file = StatusWriter(ctx.job, self._job_status, ctx.writes)
+        # The benchmark run once ready; a summary here once it ended the job (keep_serving false).
+        bench = self.plan.benchmark
+        self.bench = (
+            None
+            if isinstance(bench, msgspec.UnsetType)
+            else BenchmarkStage(ctx, bench, on_done=self._benchmark_done)
+        )
+        self.ended_by: BenchmarkSummary | None = None
         self._poke = trio.Event()
         self._stop = trio.Event()
         # The restart marks (decisions.restart_marks) when a canary last passed: any restart
@@ -134,6 +148,7 @@ class Head:
             agents=list(view.agents.values()),
             router=view.router,
             standins=[n for n in self.plan.standins if n != ROUTER_NAME or self.router.standin],
+            benchmark=self.bench.status() if self.bench is not None else msgspec.UNSET,
         )
 
     def _on_records(self) -> None:
@@ -160,6 +175,8 @@ class Head:
         budget = max(self.plan.prefill.startup_budget_s, self.plan.decode.startup_budget_s)
         deadline = time.monotonic() + budget
         await self.router.preflight()
+        if self.bench is not None:
+            await self.bench.preflight()
         while True:
             if self._stop.is_set():
                 return False
@@ -211,6 +228,14 @@ class Head:
             self.plan.model,
         )
         return True
+
+    def _benchmark_done(self, summary: BenchmarkSummary) -> None:
+        """The benchmark ended: the job ends with it unless it keeps serving."""
+        self.status_file.write()
+        if self.bench is not None and not self.bench.plan.keep_serving:
+            self.ended_by = summary
+            self._stop.set()
+            self.poke()
 
     async def _canaries(self, count: int) -> list[float]:
         return await run_canaries(
@@ -277,15 +302,37 @@ class Head:
             nursery.start_soon(self.status_file.heartbeat)
             try:
                 if await self._bring_up(nursery):
+                    if self.bench is not None:
+                        nursery.start_soon(self.bench.run_when_ready, self.peers.records())
                     await self._serve(nursery)
             except JobFailed as exc:
                 self.error = str(exc)
                 self.log.error("head: job failed: %s", exc)
                 code = 1
+            why = "stopped on request"
+            if self.bench is not None:
+                code = await self._end_benchmark(self.bench, code)
+                if self.ended_by is not None:
+                    why = "the benchmark passed and keep_serving is false: the job ends"
             self.router_url = None
             # Failed is said at once (users read it while we drain); stopping only on request.
-            self._set_state("failed" if code else "stopping", self.error or "stop requested")
+            self._set_state("failed" if self.error else "stopping", self.error or why)
             await self.ctx.stop_node()
-            self._set_state("failed" if code else "stopped", self.error or "stopped on request")
+            self._set_state("failed" if self.error else "stopped", self.error or why)
             nursery.cancel_scope.cancel()
         return code
+
+    async def _end_benchmark(self, bench: BenchmarkStage, code: int) -> int:
+        """Stop a benchmark still running, end the job if it ended it; the head's exit code."""
+        reason = f"the job failed: {self.error}" if self.error else "stopped on request"
+        await bench.stop(reason)
+        self.status_file.write()
+        verdict = bench.status()
+        if self.ended_by is not None:
+            if verdict.state == "failed" and not self.error:
+                # The benchmark's own verdict fails the job; a stop that interrupted it does not.
+                self.error = f"benchmark failed: {verdict.error}"
+            why = "benchmark " + verdict.state + ("" if self.error else "; keep_serving is false")
+            await end_job(self.ctx.identity, self.log, why)
+        # Never a silent pass: a benchmark that did not pass makes the exit code non-zero.
+        return 1 if code or verdict.state == "failed" else 0

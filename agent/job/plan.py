@@ -15,6 +15,8 @@ from typing import Literal
 
 import msgspec
 
+from agent.job.benchmark import BenchmarkPlan
+
 PLAN_SCHEMA = 1
 # What an agent may take to exit beyond its engines' graces (sweep leftovers, write its last
 # status, close its logs). Generous: whoever waits stops waiting as soon as the agents are gone.
@@ -161,6 +163,8 @@ class Plan(msgspec.Struct, kw_only=True):
     slurm: SlurmPlan
     # Absent (not even null) without roles.decode.convert, so plans without one read as before.
     convert: ConvertPlan | msgspec.UnsetType = msgspec.UNSET
+    # Absent for ``benchmark.type: manual`` (docs/benchmark.md), so those plans read as before.
+    benchmark: BenchmarkPlan | msgspec.UnsetType = msgspec.UNSET
 
     def standin(self, name: StandinName) -> bool:
         """Whether ``name``'s process is the project's stand-in (the router's: where needed)."""

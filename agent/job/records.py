@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from agent.job.benchmark import BenchmarkStatus
+
 RECORD_SCHEMA = 1
 
 # ``converting``: a decode agent waits for its weights folder to be converted (by itself or by
@@ -137,3 +139,5 @@ class JobStatus(msgspec.Struct, kw_only=True):
     # The processes that are the project's stand-ins (``--mock``): the plan's, the router only
     # once the head found it cannot run the real one.
     standins: list[str] = []
+    # The benchmark the head runs once ready (docs/benchmark.md); absent without one.
+    benchmark: BenchmarkStatus | msgspec.UnsetType = msgspec.UNSET

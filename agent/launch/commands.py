@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from agent.job.benchmark import BenchmarkPlan
 from agent.job.plan import Plan, RolePlan, RouterPlan
 from agent.launch.scratch import SCRATCH_ENV, scratch_env
 
@@ -182,6 +183,23 @@ def router_command(
     for var in GPU_ENV_NAMES:
         env[var] = ""  # the router needs no GPU and must not grab one
     return Command(argv, env)
+
+
+def benchmark_env(
+    plan: Plan,
+    bench: BenchmarkPlan,
+    *,
+    scratch: str | None = None,
+    agent_env: Mapping[str, str] = os.environ,
+) -> dict[str, str]:
+    """The benchmark client's environment: recipe ``environment`` + ``benchmark.env``, its
+    scratch folder (the head's client; ``tilert-submit bench`` has none), no GPU."""
+    env = _base_env(plan, bench.env, bench.secret_env, agent_env, "benchmark", scratch)
+    for var in GPU_ENV_NAMES:
+        env[var] = ""  # the client needs no GPU and must not grab the engines'
+    # Its progress lines reach the log as they are printed.
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def convert_command(

@@ -4,9 +4,10 @@
 record, read and watch the others', trusting no file), ``jobwrites`` (writes into the job
 directory that may fail: retried, shown, never fatal), ``supervisor`` (one engine's state
 machine: probe, restart, give up), ``logpump`` (engine output to rotated files, never blocking
-the engine), ``agentlog`` (the agent's own log), and the decode's weights: ``weightsfolder``
+the engine), ``agentlog`` (the agent's own log), the decode's weights: ``weightsfolder``
 (complete or not, the marker), ``folderlock`` (a lock on a shared file system) and
-``conversion`` (the gate before the engine: check, wait, or convert once). ``agent.nodeagent``
+``conversion`` (the gate before the engine: check, wait, or convert once), and ``jobend`` (the
+head ends the whole job). ``agent.nodeagent``
 puts them together; ``agent.head`` uses them too.
 
 May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``,

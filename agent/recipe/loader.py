@@ -1,6 +1,7 @@
 """Recipe YAML -> a resolved, validated ``Recipe``, with every problem reported at once.
 
-Order: YAML syntax (line and column) -> ``--set`` overrides -> shape (unknown keys with "did you
+Order: YAML syntax (line and column) -> one ``sweep:`` combination (``agent.recipe.sweep``) ->
+``--set`` overrides and ``--unset`` -> shape (unknown keys with "did you
 mean", wrong types; bad entries pruned) -> ``msgspec.convert`` -> resolution (cluster defaults,
 image and model aliases, ``hf:`` ids, ``./`` paths, role layout defaults) -> the load-time rules
 (``agent.recipe.rules``). Errors from every stage are raised together in one ``InputError``;
@@ -27,6 +28,7 @@ from agent.recipe import rules
 from agent.recipe.cluster import ClusterConfig, merged_mounts, relative_to_file, resolve_image
 from agent.recipe.model import (
     AgentSection,
+    Benchmark,
     Frontend,
     Model,
     Recipe,
@@ -38,7 +40,8 @@ from agent.recipe.model import (
     gpus_per_node,
     role_layout,
 )
-from agent.recipe.overrides import FLAG, apply_overrides, parse_override
+from agent.recipe.overrides import FLAG, apply_overrides, apply_unsets, parse_override
+from agent.recipe.sweep import SWEEP_KEY, Combination, apply_combination, read_sweep
 from agent.recipe.typedyaml import (
     KeyPath,
     ShapeChecker,
@@ -82,7 +85,6 @@ _SRTCTL_UNSUPPORTED: dict[tuple[type, str], tuple[str, str]] = {
         "remove observability",
     ),
     (Recipe, "services"): ("tilert-agent starts no extra services", "remove services"),
-    (Recipe, "sweep"): ("sweeps are not supported", "run one recipe per configuration"),
     (Recipe, "identity"): ("identity checks are not supported", "remove identity"),
     (Recipe, "extra_mount"): ("use container_mounts", "move the mounts to container_mounts"),
     (Recipe, "backend"): (
@@ -111,6 +113,16 @@ _SRTCTL_UNSUPPORTED: dict[tuple[type, str], tuple[str, str]] = {
     (Frontend, "nginx_container"): ("no nginx runs in front of the router", "remove it"),
     (Frontend, "placement"): ("the router runs on the prefill node", "remove placement"),
     (Model, "stage_dir"): ("model staging is not supported", "remove stage_dir"),
+    (Benchmark, "placement"): ("the client's node is client_placement", "use client_placement"),
+    (Benchmark, "aiperf_args"): ("AIPerf's own flags go in extra_args", "use extra_args"),
+    (Benchmark, "stream_output"): (
+        "the client's output is always in J/logs/benchmark/ (tilert-submit logs J benchmark)",
+        "remove stream_output",
+    ),
+    (Benchmark, "colocate_with_frontend"): (
+        "the client runs on a node of the job (client_placement)",
+        "use client_placement",
+    ),
 }
 _LEGACY_RESOURCE_KEYS = {
     f"{kind}_{role}" if kind != "gpus_per" else f"gpus_per_{role}"
@@ -256,7 +268,22 @@ def _resolve(
         container_image=_image(frontend.container_image, "frontend.container_image", cluster, out),
     )
 
-    recipe = replace(recipe, slurm=slurm, resources=resources, container_mounts=mounts)
+    bench = recipe.benchmark
+    if bench.tokenizer:
+        bench = replace(
+            bench,
+            tokenizer=_model_location(
+                bench.tokenizer, "benchmark.tokenizer", cluster, base_dir, out
+            ),
+        )
+    bench = replace(
+        bench,
+        container_image=_image(bench.container_image, "benchmark.container_image", cluster, out),
+    )
+
+    recipe = replace(
+        recipe, slurm=slurm, resources=resources, container_mounts=mounts, benchmark=bench
+    )
     node_gpus = gpus_per_node(recipe)
     roles = {}
     for name in ("prefill", "decode", "agg", "aggregated"):
@@ -311,9 +338,14 @@ def load_recipe_text(
     source: str,
     base_dir: Path,
     overrides: Sequence[str] = (),
+    unsets: Sequence[str] = (),
     cluster: ClusterConfig | None = None,
+    combination: Combination | None = None,
 ) -> LoadedRecipe:
-    """Parse, override, check, resolve and validate a recipe; InputError lists every error."""
+    """Parse, override, check, resolve and validate a recipe; InputError lists every error.
+
+    ``combination``: the values of one combination of the recipe's ``sweep:`` section.
+    """
     try:
         raw, lines, problems = parse(text)
     except YamlSyntaxError as exc:
@@ -334,8 +366,23 @@ def load_recipe_text(
             ],
             source,
         )
+    if combination is not None:
+        raw = apply_combination(raw, combination)
+    elif SWEEP_KEY in raw:
+        raise InputError(
+            [
+                *problems,
+                error(
+                    SWEEP_KEY,
+                    "this recipe is a sweep: one job per combination of its values",
+                    "submit it with tilert-submit RECIPE, which expands the sweep "
+                    "(--dry-run lists the jobs)",
+                ),
+            ],
+            source,
+        )
     try:
-        raw = apply_overrides(raw, overrides)
+        raw = apply_unsets(apply_overrides(raw, overrides), unsets)
     except InputError as exc:
         raise InputError([*problems, *exc.problems], source) from None
     overridden = [".".join(parse_override(item)[0]) for item in overrides]
@@ -373,28 +420,53 @@ def load_recipe_text(
     )
 
 
-def load_recipe(
-    path: Path, *, overrides: Sequence[str] = (), cluster: ClusterConfig | None = None
-) -> LoadedRecipe:
-    """Load a recipe file (relative paths inside it are relative to its folder)."""
-    source = str(path)
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_text()
+        return path.read_text()
     except OSError as exc:
         raise InputError(
             [error("", f"cannot read the recipe: {exc.strerror or exc}", "check the file name")],
-            source,
+            str(path),
         ) from None
     except UnicodeDecodeError:
         raise InputError(
-            [error("", "the recipe is not UTF-8 text", "save it as UTF-8")], source
+            [error("", "the recipe is not UTF-8 text", "save it as UTF-8")], str(path)
         ) from None
+
+
+def recipe_sweep(path: Path) -> list[Combination] | None:
+    """The combinations of a recipe file's ``sweep:`` section; None when it has none."""
+    text = _read_text(path)
+    try:
+        raw, lines, _ = parse(text)
+    except YamlSyntaxError as exc:
+        raise InputError([_syntax_problem(exc)], str(path)) from None
+    if not isinstance(raw, dict) or SWEEP_KEY not in raw:
+        return None
+    try:
+        return read_sweep(raw)
+    except InputError as exc:
+        located = [msgspec.structs.replace(p, line=line_of(p.path, lines)) for p in exc.problems]
+        raise InputError(located, str(path)) from None
+
+
+def load_recipe(
+    path: Path,
+    *,
+    overrides: Sequence[str] = (),
+    unsets: Sequence[str] = (),
+    cluster: ClusterConfig | None = None,
+    combination: Combination | None = None,
+) -> LoadedRecipe:
+    """Load a recipe file (relative paths inside it are relative to its folder)."""
     return load_recipe_text(
-        text,
-        source=source,
+        _read_text(path),
+        source=str(path),
         base_dir=path.resolve().parent,
         overrides=overrides,
+        unsets=unsets,
         cluster=cluster,
+        combination=combination,
     )
 
 
@@ -413,9 +485,9 @@ def resolved_dict(loaded: LoadedRecipe) -> dict[str, Any]:
     for role in data.get("roles", {}).values():
         if "env" in role:
             role["env"] = masked(role["env"])
-    frontend = data.get("frontend", {})
-    if "env" in frontend:
-        frontend["env"] = masked(frontend["env"])
+    for section in (data.get("frontend", {}), data.get("benchmark", {})):
+        if "env" in section:
+            section["env"] = masked(section["env"])
     return data
 
 

@@ -96,7 +96,33 @@ class Slurm(_Strict):
 
 
 class Benchmark(_Strict):
+    """``benchmark:``: what runs once the job is ready (docs/benchmark.md, rules/benchmark.py)."""
+
+    # manual (nothing runs), aiperf or custom.
     type: str | None = None
+    # aiperf: synthetic input and output lengths, the levels, and how long each level runs.
+    isl: int | None = None
+    osl: int | None = None
+    # A list, or srtctl's "1x4x16" string.
+    concurrencies: list[int] | str | None = None
+    # Requests per second, or srtctl's "inf" (as fast as the concurrency allows).
+    req_rate: float | str | None = None
+    num_requests: int | None = None
+    duration_s: float | None = None
+    warmup_requests: int | None = None
+    # Default: frontend.args.model-path.
+    tokenizer: str | None = None
+    extra_args: list[str] = []
+    max_error_rate: float | None = None
+    aiperf_command: str | None = None
+    # Both: the client's image under pyxis, where it runs, its environment.
+    container_image: str | None = None
+    client_placement: str | None = None
+    env: dict[str, EnvValue] = {}
+    # custom: the command (bash -c).
+    command: str | None = None
+    # Default false for aiperf and custom: the job ends after the benchmark.
+    keep_serving: bool | None = None
 
 
 # ---- our own section -------------------------------------------------------------------------

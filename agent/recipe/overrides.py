@@ -1,9 +1,11 @@
-"""``--set KEY=VALUE``: change one recipe value from the command line before validation.
+"""``--set KEY=VALUE`` and ``--unset KEY``: change or remove one recipe value from the command line
+before validation.
 
 KEY is a dotted recipe path (``roles.prefill.env.HF_HUB_OFFLINE``); VALUE is YAML-typed with the
 recipe's own YAML rules (``2`` is an integer, ``true`` a boolean, ``"2"`` a string, an empty value
 null, ``{a: 1}`` a mapping). Missing mappings along the path are created, so new ``env`` and
-``args`` keys can be added. The result is validated like the file itself.
+``args`` keys can be added. ``--unset`` removes a key that is there (a key that is not is an
+error: a typo must not pass silently). The result is validated like the file itself.
 
 A VALUE ``@env:NAME`` or ``@file:PATH`` is read, as a string, from the submitter's environment
 variable NAME or from the file PATH (one trailing newline dropped): a secret given so never
@@ -22,6 +24,7 @@ from agent.problems import InputError, Problem, error
 from agent.recipe.typedyaml import YamlSyntaxError, load_scalar
 
 FLAG = "--set"
+UNSET_FLAG = "--unset"
 FROM_ENV = "@env:"
 FROM_FILE = "@file:"
 # A secret is a token or a password, not a document: a bigger file is a mistake.
@@ -130,6 +133,34 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             node = child
         else:
             node[parts[-1]] = value
+    if problems:
+        raise InputError(problems)
+    return result
+
+
+def apply_unsets(raw: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``raw`` without every ``--unset`` key (all bad flags reported together)."""
+    result = copy.deepcopy(raw)
+    problems: list[Problem] = []
+    for key in keys:
+        where = f"{UNSET_FLAG} {key}"
+        parts = [part.strip() for part in key.split(".")]
+        if not key.strip() or any(not part for part in parts):
+            problems.append(
+                error(
+                    where, f"'{key}' is not a dotted recipe path", "e.g. --unset roles.decode.env.X"
+                )
+            )
+            continue
+        node: Any = result
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or parts[-1] not in node:
+            problems.append(
+                error(where, f"the recipe has no '{key}' to remove", "check the dotted path")
+            )
+            continue
+        del node[parts[-1]]
     if problems:
         raise InputError(problems)
     return result

@@ -12,7 +12,10 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
+import msgspec
+
 from agent.facts import DECODE_MODULE, ROUTER_MODULE
+from agent.job.benchmark import BenchmarkPlan
 from agent.job.plan import (
     STANDIN_NAMES,
     AgentPlan,
@@ -25,6 +28,7 @@ from agent.job.plan import (
 )
 from agent.job.secrets import is_secret_name
 from agent.problems import InputError, error
+from agent.recipe.benchplan import benchmark_plan
 from agent.recipe.cluster import ClusterConfig
 from agent.recipe.convertplan import convert_plan
 from agent.recipe.loader import HF_PREFIX, LoadedRecipe
@@ -300,4 +304,10 @@ def make_plan(
             kill_wait_s=cluster.kill_wait_s,
         ),
         convert=convert_plan(recipe),
+        benchmark=_benchmark(recipe, stop_grace_s=router.stop_grace_s),
     )
+
+
+def _benchmark(recipe: Recipe, *, stop_grace_s: float) -> BenchmarkPlan | msgspec.UnsetType:
+    env, secret = split_env({**recipe.environment, **recipe.benchmark.env})
+    return benchmark_plan(recipe, env=env, secret_env=secret, stop_grace_s=stop_grace_s)

@@ -244,6 +244,9 @@ def build_app(
         ids, finish = _plan(
             body.first_token_id, body.max_tokens, bool((body.sampling or {}).get("ignore_eos"))
         )
+        limit = faults.no_tokens_after_requests
+        if limit is not None and crasher.answered >= limit:
+            ids, finish = [], "stop"  # the fault: a decode that answers with nothing
         pre = {"wire_wait": round(1000 * (time.time() - t0), 1), "convert": 0.0, "inject": 0.0}
         t_inj = time.time()
 

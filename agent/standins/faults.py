@@ -11,7 +11,11 @@ Every switch is off when unset or empty:
 - ``TILERT_MOCK_HANG_HEALTH=1``: ``/health`` accepts the connection and never answers.
 - ``TILERT_MOCK_NO_KV=1``: the prefill never sends KV (no ctrl-port handshake); the decode never
   waits for it (decodes at once).
-- ``TILERT_MOCK_TOKEN_DELAY_S``: the decode sleeps this long before each token.
+- ``TILERT_MOCK_TOKEN_DELAY_S``: the decode sleeps this long before each token (so latencies
+  in a benchmark are not trivial: 0.01 gives an inter-token latency of about 10 ms).
+- ``TILERT_MOCK_NO_TOKENS_AFTER_REQUESTS=N``: once N requests were answered, the decode answers
+  every request with no token at all (as TileRT does when the first token is a stop token): a
+  job that turns ready, then "serves" nothing; a benchmark must fail on it.
 - ``TILERT_MOCK_METRICS_FILE``: the prefill's ``/metrics`` serves this file verbatim (re-read on
   every scrape, 500 while it is missing) instead of its live registry.
 - ``TILERT_MOCK_FAULT_TARGET=NAME``: every switch above applies only to the engine whose
@@ -63,6 +67,7 @@ class Faults:
     hang_health: bool = False
     no_kv: bool = False
     token_delay_s: float = 0.0
+    no_tokens_after_requests: int | None = None
     metrics_file: Path | None = None
 
     @classmethod
@@ -81,6 +86,7 @@ class Faults:
             hang_health=_flag(env, "HANG_HEALTH"),
             no_kv=_flag(env, "NO_KV"),
             token_delay_s=_number(env, "TOKEN_DELAY_S") or 0.0,
+            no_tokens_after_requests=_integer(env, "NO_TOKENS_AFTER_REQUESTS"),
             metrics_file=Path(metrics) if metrics else None,
         )
 

@@ -15,8 +15,16 @@ from typing import Any
 import msgspec
 
 SSE_DONE = b"data: [DONE]\n\n"
-# The sampling parameters the router and the connector pass on to the decode.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# The sampling parameters the router and the connector pass on to the decode (TileRT 0.1.6's
+# router forwards these; ignore_eos makes a benchmark's replies osl tokens long).
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "presence_penalty",
+    "ignore_eos",
+)
 
 
 def sse_event(data: Mapping[str, Any]) -> bytes:

@@ -228,6 +228,9 @@ class Router:
         """Prefill, then decode on the leased node."""
         if not isinstance(body, dict):
             return json_response({"error": "request body must be a JSON object"}, 400)
+        refused = _refused(body)
+        if refused is not None:
+            return json_response({"error": refused, "error_type": "capability_unavailable"}, 501)
         is_chat = path.endswith("chat/completions")
         node = await self.pool.acquire()
         if node is None:
@@ -387,6 +390,23 @@ class Router:
                     with contextlib.suppress(httpx.HTTPError), trio.move_on_after(5):
                         await self.client.post(f"{node.http_base}/pd/cancel", json={"rid": rid})
             self.pool.release(node)
+
+
+def _refused(body: dict[str, Any]) -> str | None:
+    """Why TileRT's router refuses a request outright (``capabilities.py``), or None.
+
+    Only ``min_tokens`` is checked here: the decode loop cannot suppress its stop set for a
+    minimum length, so a benchmark client must ask for ``ignore_eos`` instead.
+    """
+    value = body.get("min_tokens")
+    if value is None or value == 0:
+        return None
+    return (
+        "min_tokens is not supported by the TileRT decode stage: the decode loop cannot suppress "
+        "its stop set for a minimum length. The vLLM prefill instance would apply it to the "
+        "first token and the decode node would ignore it for the rest of the reply, so the "
+        "request is refused instead of served incorrectly."
+    )
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

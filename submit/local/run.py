@@ -281,13 +281,23 @@ class LocalRun:
                 await self.stop.wait()
         return 0
 
+    @staticmethod
+    def _benchmark_ended(status: JobStatus | None) -> bool:
+        """Whether the head ended the job by itself (a benchmark with keep_serving false)."""
+        if status is None or status.state != "stopped" or not status.benchmark:
+            return False
+        _say(
+            f"job stopped: its benchmark {status.benchmark.state} (see {status.benchmark.summary})"
+        )
+        return True
+
     def _lead_exited(self, lead: ProcessHandle) -> int:
         """The lead agent (the head; a convert job's decode-0) has exited: say how, and make
         status.json say it when the agent could not."""
         code = lead.returncode or 0
-        if self.lead != HEAD_NAME and not code:
-            return 0  # a convert job that finished
         status = _read(self.job)
+        if not code and (self.lead != HEAD_NAME or self._benchmark_ended(status)):
+            return 0  # a convert job that finished, or a job its benchmark ended
         how = exit_description(code)
         who = f"the head agent {HEAD_NAME}" if self.lead == HEAD_NAME else self.lead
         agent_log = self.job.log_dir(self.lead) / "agent.log"

@@ -2,10 +2,10 @@
 
 ``check`` runs srtctl's own rules and the failures srtctl would see only on the nodes
 (``srtctl``), then the prefill/decode agreements that TileRT checks only at the first request
-(``agreements``), and whether the weights conversion agrees with the decode (``weights``),
-reading values through ``values``. It returns every problem, in a fixed order,
-so that one run reports all of them; the loader runs it on every recipe, and every agent again on
-its node.
+(``agreements``), whether the weights conversion agrees with the decode (``weights``), and the
+``benchmark:`` section (``benchmark``), reading values through ``values``. It returns every
+problem, in a fixed order, so that one run reports all of them; the loader runs it on every
+recipe, and every agent again on its node.
 
 Arg keys are compared with ``_`` == ``-``; a problem names a key as the user wrote it. The TileRT
 and vLLM facts the rules compare against live in ``agent.facts``.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from agent.problems import Problem
 from agent.recipe.model import Recipe
-from agent.recipe.rules import agreements, srtctl, weights
+from agent.recipe.rules import agreements, benchmark, srtctl, weights
 
 
 def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
@@ -36,4 +36,5 @@ def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
     srtctl.images(recipe, launcher, out)
     srtctl.settings(recipe, out)
     weights.conversion(recipe, out)
+    benchmark.benchmark(recipe, out)
     return out

@@ -387,21 +387,12 @@ def _programs(recipe: Recipe, out: list[Problem]) -> None:
 
 
 def settings(recipe: Recipe, out: list[Problem]) -> None:
-    """Health check, benchmark, the agent's ports and timings, the prefill's GPU count."""
+    """Health check, the agent's ports and timings, the prefill's GPU count."""
     hc = recipe.health_check
     if hc.max_attempts is not None and hc.max_attempts < 1:
         out.append(error("health_check.max_attempts", "must be at least 1", "write e.g. 360"))
     if hc.interval_seconds is not None and hc.interval_seconds <= 0:
         out.append(error("health_check.interval_seconds", "must be positive", "write e.g. 10"))
-    if recipe.benchmark.type not in (None, "manual"):
-        out.append(
-            warning(
-                "benchmark.type",
-                f"tilert-agent runs no benchmark ({recipe.benchmark.type!r} is ignored)",
-                "set benchmark.type: manual and run a streaming /v1/chat/completions client "
-                "against the router",
-            )
-        )
     agent = recipe.agent
     ports = [
         ("agent.router_port", agent.router_port),
