@@ -16,7 +16,7 @@ from agent.job.paths import JobDir
 from agent.job.plan import load_plan
 from agent.node.agentlog import setup_agent_logging
 from agent.node.identity import IdentityError, resolve_identity
-from agent.problems import InputError
+from agent.problems import InputError, printable
 from agent.recipe.loader import load_recipe
 
 EXIT_BAD_INPUT = 2
@@ -38,8 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(message: str) -> int:
-    print(f"tilert-agent: {message}", file=sys.stderr)
+def _fail(message: str, details: str = "") -> int:
+    # One line: paths and values from the job directory are escaped. ``details`` (rendered
+    # problems, which escape their own values) follow on lines of their own.
+    print(f"tilert-agent: {printable(message)}", file=sys.stderr)
+    if details:
+        print(details, file=sys.stderr)
     return EXIT_BAD_INPUT
 
 
@@ -49,18 +53,24 @@ def main(argv: list[str] | None = None) -> int:
     # (docs/agent.md).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = _parser().parse_args(argv)
-    job = JobDir(Path(args.job_dir).resolve())
-    if not job.plan.is_file():
+    try:
+        job = JobDir(Path(args.job_dir).resolve())
+        found = job.plan.is_file()
+    except (OSError, RuntimeError) as exc:  # a 300-character component, a symlink loop, EACCES
+        return _fail(f"--job-dir {args.job_dir}: {getattr(exc, 'strerror', None) or exc}")
+    if not found:
         return _fail(f"--job-dir {args.job_dir}: no plan.json there; create it with tilert-submit")
     try:
         plan = load_plan(job.plan.read_bytes())
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+    except OSError as exc:
+        return _fail(f"{job.plan}: cannot read it ({exc.strerror or exc})")
+    except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
         return _fail(f"{job.plan}: unusable plan ({exc}); re-create the job with tilert-submit")
     try:
         # Defence in depth (and for systemd use): the same rules the submitter ran.
         load_recipe(job.recipe)
     except InputError as exc:
-        return _fail(f"{job.recipe} does not validate:\n{exc}")
+        return _fail(f"{job.recipe} does not validate:", str(exc))
     try:
         identity = resolve_identity(args.role, args.index, plan.network_interface)
     except IdentityError as exc:

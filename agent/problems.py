@@ -65,17 +65,16 @@ def warnings_of(problems: Sequence[Problem]) -> list[Problem]:
 
 
 def _render_one(problem: Problem, source: str) -> str:
-    where = source
+    # Paths and messages quote the user's keys and values: escaped here, once for every check, so
+    # a newline or an escape sequence in a recipe cannot forge or hide a line of the report.
+    where = printable(source)
     if problem.line is not None and source:
-        where = f"{source}:{problem.line}"
-    head = ": ".join(part for part in (where, problem.path) if part)
-    text = (
-        f"{problem.severity}: {head}: {problem.message}"
-        if head
-        else (f"{problem.severity}: {problem.message}")
-    )
+        where = f"{where}:{problem.line}"
+    head = ": ".join(part for part in (where, printable(problem.path)) if part)
+    message = printable(problem.message)
+    text = f"{problem.severity}: {head}: {message}" if head else f"{problem.severity}: {message}"
     if problem.hint:
-        text += f"\n    fix: {problem.hint}"
+        text += f"\n    fix: {printable(problem.hint)}"
     return text
 
 
@@ -87,7 +86,7 @@ def render_problems(problems: Sequence[Problem], source: str) -> str:
         counts.append(f"{len(errs)} error{'s' if len(errs) != 1 else ''}")
     if warns:
         counts.append(f"{len(warns)} warning{'s' if len(warns) != 1 else ''}")
-    title = f"{source or 'input'}: {', '.join(counts) or 'no problems'}"
+    title = f"{printable(source) or 'input'}: {', '.join(counts) or 'no problems'}"
     return "\n".join([title, *(_render_one(p, source) for p in [*errs, *warns])])
 
 

@@ -31,7 +31,7 @@ from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, StandinName, parse_standins
 from agent.job.records import JobAgent, JobStatus
-from agent.problems import InputError, Problem, error, render_problems
+from agent.problems import InputError, Problem, error, printable, render_problems
 from submit import PROG
 from submit.backend import Backend, BackendError
 from submit.choice import backend_for
@@ -134,12 +134,20 @@ def _job_command(name: str, argv: Sequence[str]) -> int:
             parser.add_argument("--json", action="store_true", help="print status.json as is")
     # Intermixed: `logs J -f decode-0 decode-1` as well as `logs J decode-0 decode-1 -f`.
     args = parser.parse_intermixed_args(list(argv))
-    result: int = module.main(args)
+    try:
+        result: int = module.main(args)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        # Backstop: J named something the system refuses (a 300-character component, EACCES).
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _fail(f"{name}: {where}{exc.strerror or exc}")
     return result
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
-    print(f"{PROG}: {message}", file=sys.stderr)
+    # Messages quote paths and values the user gave: escaped, so one message stays one line.
+    print(f"{PROG}: {printable(message)}", file=sys.stderr)
     return code
 
 
@@ -162,7 +170,19 @@ def _job_root(flag: str | None, name: str) -> Path:
     """The job directory to create: --job-dir as given, or a fresh one under ./tilert-jobs/."""
     if flag is not None:
         root = Path(flag).expanduser().absolute()
-        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        try:
+            used = root.exists() and (not root.is_dir() or any(root.iterdir()))
+        except OSError as exc:  # a 300-character component, a file in the path, no permission
+            raise InputError(
+                [
+                    error(
+                        "--job-dir",
+                        f"{flag} cannot be used: {exc.strerror or exc}",
+                        "pass a directory path that can be created, or leave --job-dir out",
+                    )
+                ]
+            ) from None
+        if used:
             raise InputError(
                 [
                     error(
@@ -365,6 +385,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     # On fd 2 itself: sys.stderr may be a stand-in without a descriptor (a caller's capture).
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:
+        # The reader went away (`status J | head -1`): it has what it wanted. Quiet, also for
+        # Python's last flush of stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _dispatch(argv: list[str]) -> int:
+    """A job command, ``convert RECIPE``, or ``RECIPE``."""
     if argv and argv[0] in JOB_COMMANDS:
         return _job_command(argv[0], argv[1:])
     parser = _parser()

@@ -11,12 +11,15 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import msgspec
 
 from agent.job.benchmark import BenchmarkStatus
 from agent.job.paths import JobDir
+from agent.job.plan import Plan, load_plan
 from agent.job.records import JobAgent, JobStatus
+from agent.problems import printable
 from submit.choice import backend_of
 
 # Three missed heartbeats (the head writes every 5 s).
@@ -33,17 +36,48 @@ class StatusView(msgspec.Struct):
     stale_reason: str | None
 
 
+def _not_a_job(message: str) -> NoReturn:
+    """Exit 2 (bad input: the J given) with one line; user paths escaped."""
+    print(f"tilert-submit: {printable(message)}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def open_job(path: str) -> JobDir:
     """A job directory named on the command line, or exit 2 saying why it is not one."""
     job = JobDir(Path(path))
-    if not job.status.is_file():
-        print(
-            f"tilert-submit: {path} is not a job directory (no status.json); "
-            "give the folder tilert-submit printed first",
-            file=sys.stderr,
+    try:
+        found = job.status.is_file()
+    except OSError as exc:  # a 300-character component, no permission
+        _not_a_job(f"{path}: {exc.strerror or exc}; give the folder tilert-submit printed first")
+    if not found:
+        _not_a_job(
+            f"{path} is not a job directory (no status.json); "
+            "give the folder tilert-submit printed first"
         )
-        raise SystemExit(2)
     return job
+
+
+def read_status(job: JobDir) -> JobStatus:
+    """The job's ``status.json``, or exit 2 when it cannot be read or is not a job status."""
+    try:
+        return job.read_status()
+    except (OSError, msgspec.DecodeError) as exc:  # ValidationError is a DecodeError
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        _not_a_job(
+            f"{job.status} is not a usable job status ({reason}); "
+            "give the folder tilert-submit printed first"
+        )
+
+
+def read_plan(job: JobDir) -> Plan:
+    """The job's ``plan.json``, or exit 2 when it cannot be read or is not a plan."""
+    try:
+        return load_plan(job.plan.read_bytes())
+    except (OSError, msgspec.DecodeError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        _not_a_job(
+            f"{job.plan} is not a usable plan ({reason}); re-create the job with tilert-submit"
+        )
 
 
 def staleness(status: JobStatus, now: float | None = None) -> str | None:
@@ -116,13 +150,8 @@ def render_table(status: JobStatus, stale: str | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the job's status; exit 0 whenever status.json could be read."""
-    job = open_job(args.job_dir)
-    try:
-        status = job.read_status()
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        print(f"tilert-submit: cannot read {job.status}: {exc}", file=sys.stderr)
-        return 1
+    """Print the job's status; exit 0 whenever status.json could be read, else 2."""
+    status = read_status(open_job(args.job_dir))
     stale = staleness(status)
     if getattr(args, "json", False):
         view = StatusView(status=status, stale=stale is not None, stale_reason=stale)

@@ -11,18 +11,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agent.job.plan import load_plan
 from agent.job.records import JobStatus
 from submit.backend import BackendError, nothing_to_stop
 from submit.choice import backend_of
-from submit.statusview import open_job
+from submit.statusview import open_job, read_plan, read_status
 
 
 def main(args: argparse.Namespace) -> int:
     """Stop the job; 0 also when it had already stopped."""
     job = open_job(args.job_dir)
-    status: JobStatus = job.read_status()
-    limit = load_plan(job.plan.read_bytes()).drain_s()
+    status: JobStatus = read_status(job)
+    limit = read_plan(job).drain_s()
     backend = backend_of(status)
     if backend is None:
         print(nothing_to_stop(status))

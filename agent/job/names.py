@@ -29,7 +29,8 @@ HEAD_NAME = agent_name("prefill", 0)
 def parse_agent_name(name: str) -> tuple[Role, int] | None:
     """``decode-1`` -> ``("decode", 1)``; None for anything that is not an agent's name."""
     role, sep, index = name.rpartition("-")
-    if not sep or not index.isdigit() or str(int(index)) != index:
+    # ASCII digits only: "²" is a digit to str.isdigit() but not to int().
+    if not sep or not (index.isascii() and index.isdigit()) or str(int(index)) != index:
         return None
     for known in ROLES:
         if role == known:

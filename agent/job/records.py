@@ -6,13 +6,15 @@ The field names are contracts (docs/agent.md); other people's tools read these f
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from agent.job.benchmark import BenchmarkStatus
 
 RECORD_SCHEMA = 1
+# Linux's largest pid_max.
+PID_MAX = 4_194_304
 
 # ``converting``: a decode agent waits for its weights folder to be converted (by itself or by
 # another agent holding the folder's lock) before it starts its engine.
@@ -126,8 +128,10 @@ class JobStatus(msgspec.Struct, kw_only=True):
     state: JobState
     model: str
     router_url: str | None = None
-    slurm_job_id: str | None = None
-    local_pid: int | None = None
+    # Both are acted on by `tilert-submit stop` (scancel ID, kill PID): a status.json with
+    # anything else is refused when it is read (a pid of -1 would signal every process).
+    slurm_job_id: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,20}$")] | None = None
+    local_pid: Annotated[int, msgspec.Meta(ge=1, le=PID_MAX)] | None = None
     # The ``--local`` supervisor's start time (psutil ``create_time``): ``stop`` signals
     # ``local_pid`` only while it still names the process that started then.
     local_started_at: float | None = None

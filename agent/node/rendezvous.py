@@ -85,7 +85,7 @@ def read_record(path: Path, name: str) -> RendezvousRecord:
         raise RecordProblem(f"{path}: empty")
     try:
         raw = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # "[[[[..." nests past msgspec's limit
         raise RecordProblem(f"{path}: not JSON, or cut short ({exc})") from None
     schema = raw.get("schema") if isinstance(raw, dict) else None
     if schema != RECORD_SCHEMA:

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from agent.problems import InputError, Problem, error, warning
-from agent.recipe.typedyaml import ShapeChecker, YamlSyntaxError, line_of, parse, suggest
+from agent.recipe.textfile import read_text
+from agent.recipe.typedyaml import (
+    ShapeChecker,
+    YamlSyntaxError,
+    line_of,
+    parse,
+    suggest,
+    yaml_problem,
+)
 
 CLUSTER_ENV = "TILERT_CLUSTER_FILE"
 CLUSTER_FLAG = "--cluster"
@@ -55,7 +63,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     default_partition: str | None = None
     # sbatch --time format ("04:00:00", "1-00:00:00").
     default_time_limit: str | None = None
-    gpus_per_node: int | None = None
+    gpus_per_node: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
     # Interface whose address agents advertise; "lo" means 127.0.0.1 (local runs and tests).
     network_interface: str | None = None
     # Image aliases: recipe value -> image (.sqsh path or registry reference).
@@ -71,13 +79,14 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # Where setup scripts are looked up on the compute nodes (inside the image under pyxis).
     configs_dir: str = "/configs"
     # Slurm's KillWait: stop graces are capped to fit inside it.
-    kill_wait_s: float = 30.0
+    kill_wait_s: Annotated[float, msgspec.Meta(gt=0, le=65533)] = 30.0
     # How compute nodes start tilert-agent (argv list or a shell-style string); None: the same
     # interpreter and package as the submitter.
     agent_command: list[str] | str | None = None
     exclusive: bool = True
     # sbatch --signal=TERM@<lead>: agents drain this many seconds before the time limit.
-    signal_lead_s: int = 120
+    # Slurm takes 0-65535.
+    signal_lead_s: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 120
 
 
 def find_cluster_file(flag: str | None, env: Mapping[str, str], cwd: Path) -> Path | None:
@@ -86,21 +95,32 @@ def find_cluster_file(flag: str | None, env: Mapping[str, str], cwd: Path) -> Pa
         if value:
             path = Path(value).expanduser()
             path = path if path.is_absolute() else cwd / path
-            if not path.is_file():
+            try:
+                path.stat()
+            except OSError as exc:
+                what = (
+                    "does not exist"
+                    if isinstance(exc, FileNotFoundError)
+                    else f"cannot be used: {exc.strerror or exc}"
+                )
                 raise InputError(
                     [
                         error(
                             name,
-                            f"cluster file {value} does not exist",
+                            f"cluster file {value} {what}",
                             f"pass an existing srtslurm.yaml with {CLUSTER_FLAG} FILE, or unset "
                             f"{CLUSTER_ENV}",
                         )
                     ],
                     name,
-                )
+                ) from None
+            # Anything else that exists (a directory, a FIFO) is refused when it is read.
             return path
     default = cwd / CLUSTER_FILE_NAME
-    return default if default.is_file() else None
+    try:
+        return default if default.is_file() else None
+    except OSError:  # an unusable working directory: no default cluster file
+        return None
 
 
 def relative_to_file(value: str, base_dir: Path) -> str:
@@ -118,12 +138,6 @@ def _semantic_problems(cluster: ClusterConfig) -> list[Problem]:
             problems.append(
                 error(f"containers.{name}", "the image is empty", "write a .sqsh path or image")
             )
-    if cluster.gpus_per_node is not None and cluster.gpus_per_node < 1:
-        problems.append(error("gpus_per_node", "must be at least 1", "write e.g. gpus_per_node: 8"))
-    if cluster.kill_wait_s <= 0:
-        problems.append(error("kill_wait_s", "must be positive", "use Slurm's KillWait (30)"))
-    if cluster.signal_lead_s < 0:
-        problems.append(error("signal_lead_s", "must not be negative", "write e.g. 120"))
     if not cluster.visible_devices_env.isidentifier():
         problems.append(
             error(
@@ -143,25 +157,9 @@ def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:
     """Load and check a cluster file: (config, warnings). Raises InputError with every error."""
     source = str(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise InputError(
-            [error("", f"cannot read the cluster file: {exc.strerror}", "check the path")], source
-        ) from None
-    try:
-        raw, lines, problems = parse(text)
+        raw, lines, problems = parse(read_text(path, "cluster file"))
     except YamlSyntaxError as exc:
-        raise InputError(
-            [
-                error(
-                    "",
-                    f"YAML syntax error: {exc.detail} (line {exc.line}, column {exc.column})",
-                    "check indentation (spaces, not tabs) and quoting near that line",
-                    exc.line,
-                )
-            ],
-            source,
-        ) from None
+        raise InputError([yaml_problem(exc)], source) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -180,14 +178,13 @@ def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:
     checker = ShapeChecker()
     _, cleaned = checker.check(raw, msgspec.inspect.type_info(ClusterConfig))
     problems = [*problems, *checker.problems]
-    cluster = ClusterConfig()
-    if not problems:
-        base = path.resolve().parent
-        cleaned["model_paths"] = {
-            k: relative_to_file(v, base) for k, v in cleaned.get("model_paths", {}).items()
-        }
-        cluster = msgspec.convert(cleaned, ClusterConfig)
-        problems = _semantic_problems(cluster)
+    # What was wrong is pruned: the rest is still checked, so one run reports every problem.
+    base = path.resolve().parent
+    cleaned["model_paths"] = {
+        k: relative_to_file(v, base) for k, v in cleaned.get("model_paths", {}).items()
+    }
+    cluster = msgspec.convert(cleaned, ClusterConfig)
+    problems += [p for p in _semantic_problems(cluster) if p.path not in checker.pruned]
     problems = [
         p if p.line is not None else msgspec.structs.replace(p, line=line_of(p.path, lines))
         for p in [*problems, *warnings]

@@ -42,6 +42,7 @@ from agent.recipe.model import (
 )
 from agent.recipe.overrides import FLAG, apply_overrides, apply_unsets, parse_override
 from agent.recipe.sweep import SWEEP_KEY, Combination, apply_combination, read_sweep
+from agent.recipe.textfile import read_text
 from agent.recipe.typedyaml import (
     KeyPath,
     ShapeChecker,
@@ -51,6 +52,7 @@ from agent.recipe.typedyaml import (
     line_of,
     parse,
     suggest,
+    yaml_problem,
 )
 
 HF_PREFIX = "hf:"
@@ -147,17 +149,6 @@ def _advice(cls: type, key: str, path: KeyPath) -> tuple[str, str] | None:
             f"move it under {dotted((*path, 'args'))}",
         )
     return None
-
-
-def _syntax_problem(exc: YamlSyntaxError) -> Problem:
-    where = f" (line {exc.line}, column {exc.column})" if exc.line else ""
-    return error(
-        "",
-        f"YAML syntax error: {exc.detail}{where}",
-        "check indentation (spaces, not tabs), colons after keys, and quote values that contain "
-        "': ' or start with a special character",
-        exc.line,
-    )
 
 
 def _local(value: str, base_dir: Path) -> str:
@@ -349,7 +340,7 @@ def load_recipe_text(
     try:
         raw, lines, problems = parse(text)
     except YamlSyntaxError as exc:
-        raise InputError([_syntax_problem(exc)], source) from None
+        raise InputError([yaml_problem(exc)], source) from None
     if raw is None:
         raise InputError(
             [error("", "the recipe is empty", "start from recipes/b200-nixl-glm5.yaml")], source
@@ -420,27 +411,13 @@ def load_recipe_text(
     )
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as exc:
-        raise InputError(
-            [error("", f"cannot read the recipe: {exc.strerror or exc}", "check the file name")],
-            str(path),
-        ) from None
-    except UnicodeDecodeError:
-        raise InputError(
-            [error("", "the recipe is not UTF-8 text", "save it as UTF-8")], str(path)
-        ) from None
-
-
 def recipe_sweep(path: Path) -> list[Combination] | None:
     """The combinations of a recipe file's ``sweep:`` section; None when it has none."""
-    text = _read_text(path)
+    text = read_text(path, "recipe")
     try:
         raw, lines, _ = parse(text)
     except YamlSyntaxError as exc:
-        raise InputError([_syntax_problem(exc)], str(path)) from None
+        raise InputError([yaml_problem(exc)], str(path)) from None
     if not isinstance(raw, dict) or SWEEP_KEY not in raw:
         return None
     try:
@@ -460,7 +437,7 @@ def load_recipe(
 ) -> LoadedRecipe:
     """Load a recipe file (relative paths inside it are relative to its folder)."""
     return load_recipe_text(
-        _read_text(path),
+        read_text(path, "recipe"),
         source=str(path),
         base_dir=path.resolve().parent,
         overrides=overrides,

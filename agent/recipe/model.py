@@ -8,7 +8,7 @@ reported together instead of msgspec's first one.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -18,6 +18,27 @@ from agent.job.plan import DEFAULT_CONVERT_BUDGET_S, DEFAULT_CONVERT_LOCK_STALE_
 # A scalar or structured value as YAML gives it. Engine args keep their YAML type until rendered.
 ArgValue = str | int | float | bool | None | list[Any] | dict[str, Any]
 EnvValue = str | int | float | bool
+
+# ---- ranges -------------------------------------------------------------------------------------
+# Every number a recipe holds has one of these types. The loader's walker (agent.recipe.typedyaml)
+# reports a value outside its range, or a NaN or an infinity, as an error naming the key, so that a
+# value that would only fail on the nodes (a negative grace, a NaN budget) is refused before sbatch.
+# Upper bounds catch what can only be a mistake (a week-long probe timeout, a billion nodes).
+_HOUR_S = 3600.0
+_DAY_S = 24 * _HOUR_S
+_WEEK_S = 7 * _DAY_S
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+# Probe cadences, probe and health-check timeouts, the first restart backoff.
+Interval = Annotated[float, msgspec.Meta(gt=0, le=_HOUR_S)]
+# SIGTERM-to-SIGKILL graces (capped again to fit Slurm's KillWait).
+Grace = Annotated[float, msgspec.Meta(gt=0, le=_HOUR_S)]
+# Startup and conversion budgets, restart windows: a model load may take hours, never weeks.
+Budget = Annotated[float, msgspec.Meta(gt=0, le=_WEEK_S)]
+Nodes = Annotated[int, msgspec.Meta(ge=0, le=1024)]  # 0 is refused by the rules, with the reason
+Gpus = Annotated[int, msgspec.Meta(ge=0, le=128)]  # 0: a CPU-only engine (the --mock stand-ins)
+GpusPerNode = Annotated[int, msgspec.Meta(ge=1, le=128)]
+# A benchmark's input or output length.
+Tokens = Annotated[int, msgspec.Meta(ge=1, le=10_000_000)]
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -32,7 +53,7 @@ class Model(_Strict):
 
 class Resources(_Strict):
     gpu_type: str | None = None
-    gpus_per_node: int | None = None
+    gpus_per_node: GpusPerNode | None = None
 
 
 class Convert(_Strict):
@@ -58,9 +79,9 @@ class Role(_Strict):
     # A string ("vllm") or a mapping with a ``type`` key ({type: vllm, ...}).
     engine: str | dict[str, Any] | None = None
     container: str | None = None
-    nodes: int | None = None
-    workers: int | None = None
-    gpus: int | None = None
+    nodes: Nodes | None = None
+    workers: Nodes | None = None
+    gpus: Gpus | None = None
     env: dict[str, EnvValue] = {}
     args: dict[str, ArgValue] = {}
     # Decode only: convert the weights folder when it is incomplete (docs/weights.md).
@@ -85,8 +106,8 @@ class Frontend(_Strict):
 
 
 class HealthCheck(_Strict):
-    max_attempts: int | None = None
-    interval_seconds: float | None = None
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
+    interval_seconds: Interval | None = None
 
 
 class Slurm(_Strict):
@@ -101,19 +122,20 @@ class Benchmark(_Strict):
     # manual (nothing runs), aiperf or custom.
     type: str | None = None
     # aiperf: synthetic input and output lengths, the levels, and how long each level runs.
-    isl: int | None = None
-    osl: int | None = None
+    isl: Tokens | None = None
+    osl: Tokens | None = None
     # A list, or srtctl's "1x4x16" string.
-    concurrencies: list[int] | str | None = None
+    concurrencies: list[Annotated[int, msgspec.Meta(ge=1, le=100_000)]] | str | None = None
     # Requests per second, or srtctl's "inf" (as fast as the concurrency allows).
-    req_rate: float | str | None = None
-    num_requests: int | None = None
-    duration_s: float | None = None
-    warmup_requests: int | None = None
+    req_rate: Annotated[float, msgspec.Meta(gt=0, le=1_000_000)] | str | None = None
+    num_requests: Annotated[int, msgspec.Meta(ge=1, le=100_000_000)] | None = None
+    duration_s: Budget | None = None
+    warmup_requests: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
     # Default: frontend.args.model-path.
     tokenizer: str | None = None
     extra_args: list[str] = []
-    max_error_rate: float | None = None
+    # A fraction of the requests.
+    max_error_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     aiperf_command: str | None = None
     # Both: the client's image under pyxis, where it runs, its environment.
     container_image: str | None = None
@@ -128,57 +150,74 @@ class Benchmark(_Strict):
 # ---- our own section -------------------------------------------------------------------------
 
 
-class RolePorts(_Strict):
-    """Where an agent starts probing for free ports; the chosen ones are published in its record."""
+class PrefillPorts(_Strict):
+    """Where a prefill agent starts probing for free ports; the chosen ones go in its record."""
 
-    http: int
-    agent: int
-    ctrl: int | None = None
+    http: Port = 8100
+    agent: Port = 9100
+    ctrl: Port | None = None
+
+
+class DecodePorts(_Strict):
+    """Where a decode agent starts probing for free ports (each key defaults on its own)."""
+
+    http: Port = 6100
+    agent: Port = 9200
+    ctrl: Port | None = 5600
 
 
 class PortBases(_Strict):
-    prefill: RolePorts = msgspec.field(default_factory=lambda: RolePorts(http=8100, agent=9100))
-    decode: RolePorts = msgspec.field(
-        default_factory=lambda: RolePorts(http=6100, agent=9200, ctrl=5600)
-    )
+    prefill: PrefillPorts = msgspec.field(default_factory=PrefillPorts)
+    decode: DecodePorts = msgspec.field(default_factory=DecodePorts)
 
 
 class Probe(_Strict):
     """Health probing cadence: fast while starting (readiness seen within ~50 ms), slower after."""
 
-    startup_interval_s: float = 0.05
-    interval_s: float = 1.0
-    timeout_s: float = 2.0
-    failure_threshold: int = 3
+    startup_interval_s: Interval = 0.05
+    interval_s: Interval = 1.0
+    timeout_s: Interval = 2.0
+    failure_threshold: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 
 class RestartPolicy(_Strict):
     """Exponential backoff with a cap; ``max_restarts`` within ``window_s``: failed for good."""
 
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 60.0
-    max_restarts: int = 5
-    window_s: float = 600.0
+    backoff_initial_s: Interval = 1.0
+    backoff_max_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] = 60.0
+    # 0: a crash is final at once.
+    max_restarts: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 5
+    window_s: Budget = 600.0
 
 
-class PerRole(_Strict):
-    prefill: float | None = None
-    decode: float | None = None
-    router: float | None = None
+class Budgets(_Strict):
+    """Per-role startup budgets (s)."""
+
+    prefill: Budget | None = None
+    decode: Budget | None = None
+    router: Budget | None = None
+
+
+class Graces(_Strict):
+    """Per-role stop graces (s)."""
+
+    prefill: Grace | None = None
+    decode: Grace | None = None
+    router: Grace | None = None
 
 
 class Canary(_Strict):
     prompt: str = "Say hello."
-    max_tokens: int = 8
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 8
     # The whole proof's budget; each attempt (one chat) is cut at ``attempt_timeout_s`` and
     # retried while the budget lasts.
-    timeout_s: float = 180.0
-    attempt_timeout_s: float = 60.0
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] = 180.0
+    attempt_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] = 60.0
 
 
 class LogSettings(_Strict):
-    max_bytes: int = 64 * 1024 * 1024
-    backups: int = 3
+    max_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 40)] = 64 * 1024 * 1024
+    backups: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
     # Where engine logs go: the job directory (``job``), or each node's own disk (``node``,
     # in ``node_dir``/<job folder name>/), read through the agents' /logs (docs/logs.md).
     location: Literal["job", "node"] = "job"
@@ -186,7 +225,7 @@ class LogSettings(_Strict):
 
 
 class AgentSection(_Strict):
-    router_port: int = 8000
+    router_port: Port = 8000
     router_python: str = ROUTER_PYTHON
     # The command that starts vLLM (the model path is appended): ``vllm serve`` by default; a
     # site's own launcher, or ``[python, -m, vllm.entrypoints.openai.api_server]``.
@@ -203,16 +242,18 @@ class AgentSection(_Strict):
     probe: Probe = msgspec.field(default_factory=Probe)
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
     # None for a role means srtctl's health_check budget (max_attempts x interval_seconds).
-    startup_budget_s: PerRole = msgspec.field(default_factory=lambda: PerRole(router=300.0))
-    stop_grace_s: PerRole = msgspec.field(
-        default_factory=lambda: PerRole(prefill=20.0, decode=20.0, router=5.0)
+    startup_budget_s: Budgets = msgspec.field(default_factory=lambda: Budgets(router=300.0))
+    stop_grace_s: Graces = msgspec.field(
+        default_factory=lambda: Graces(prefill=20.0, decode=20.0, router=5.0)
     )
     canary: Canary = msgspec.field(default_factory=Canary)
     logs: LogSettings = msgspec.field(default_factory=LogSettings)
     # The weights conversion's own budget, apart from the engine's startup budget, and when a
     # conversion lock nobody refreshes is taken over (docs/weights.md).
-    convert_budget_s: float = DEFAULT_CONVERT_BUDGET_S
-    convert_lock_stale_s: float = DEFAULT_CONVERT_LOCK_STALE_S
+    convert_budget_s: Budget = DEFAULT_CONVERT_BUDGET_S
+    convert_lock_stale_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] = (
+        DEFAULT_CONVERT_LOCK_STALE_S
+    )
 
 
 class Recipe(_Strict):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.problems import InputError, Problem, error
-from agent.recipe.typedyaml import YamlSyntaxError, load_scalar
+from agent.recipe.typedyaml import MAX_DEPTH, YamlSyntaxError, load_scalar
 
 FLAG = "--set"
 UNSET_FLAG = "--unset"
@@ -90,6 +90,16 @@ def parse_override(item: str) -> tuple[list[str], Any]:
                     where,
                     f"'{key}' is not a dotted recipe path",
                     "use non-empty keys separated by single dots, e.g. roles.prefill.env.X=1",
+                )
+            ]
+        )
+    if len(parts) > MAX_DEPTH:
+        raise InputError(
+            [
+                error(
+                    where,
+                    f"'{key}' has {len(parts)} parts, more than a recipe nests ({MAX_DEPTH})",
+                    "name an existing recipe key, e.g. roles.prefill.env.X=1",
                 )
             ]
         )

@@ -9,11 +9,19 @@ The YAML dialect is YAML 1.1 as PyYAML reads it, minus two traps: base-60 number
 (``time_limit: 4:00:00`` would become the integer 14400) and leading-zero octals (``0755`` would
 become 493) stay strings, as in YAML 1.2. Duplicate keys, which PyYAML silently collapses, are
 errors.
+
+Bounded: a document nests at most ``MAX_DEPTH`` levels and expands to at most ``MAX_NODES`` nodes
+(aliases counted at every use, so an alias bomb is refused while it is composed, in milliseconds,
+before anything walks the exponential tree it stands for); an alias inside its own anchor is
+refused. Every number is finite and within the range its field declares (``msgspec.Meta`` on the
+model), every string and key free of control characters: a NUL cannot pass through argv or the
+environment, and an escape sequence in a value would reach every log that quotes it.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,8 +40,61 @@ _INT = "tag:yaml.org,2002:int"
 _FLOAT = "tag:yaml.org,2002:float"
 
 
+# A recipe nests 6 levels deep and has a few hundred nodes.
+MAX_DEPTH = 32
+MAX_NODES = 100_000
+# Longer integer literals are a mistake (and past 4300 digits int() itself refuses).
+_MAX_INT_DIGITS = 64
+
+
+class _LimitError(yaml.MarkedYAMLError):
+    """A document over one of the bounds (not a syntax error: its hint differs)."""
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader without sexagesimal numbers and leading-zero octals."""
+    """SafeLoader without sexagesimal numbers and leading-zero octals, with depth and size bounds."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        # Expanded size of every node composed so far (aliases count their anchor's whole size).
+        self._sizes: dict[int, int] = {}
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        """The next node, refused when it nests too deep, expands too far or contains itself."""
+        mark = self.peek_event().start_mark
+        if self.check_event(yaml.AliasEvent):
+            anchor = self.peek_event().anchor
+            target = self.anchors.get(anchor)
+            if target is not None and id(target) not in self._sizes:
+                raise _LimitError(
+                    None, None, f"alias *{anchor} is used inside its own anchor &{anchor}", mark
+                )
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _LimitError(None, None, f"nesting deeper than {MAX_DEPTH} levels", mark)
+            node = super().compose_node(parent, index)  # type: ignore[arg-type]
+        finally:
+            self._depth -= 1
+        if node is None:
+            return None
+        size = self._sizes.get(id(node))
+        if size is None:
+            size = 1
+            if isinstance(node, yaml.SequenceNode):
+                size += sum(self._sizes[id(item)] for item in node.value)
+            elif isinstance(node, yaml.MappingNode):
+                size += sum(self._sizes[id(k)] + self._sizes[id(v)] for k, v in node.value)
+            self._sizes[id(node)] = size
+        if size > MAX_NODES:
+            raise _LimitError(
+                None,
+                None,
+                f"the document expands to more than {MAX_NODES} values (aliases count at every use)",
+                mark,
+            )
+        return node
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -60,6 +121,10 @@ _Loader.add_implicit_resolver(
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     text = str(loader.construct_scalar(node)).replace("_", "")
+    if len(text) > _MAX_INT_DIGITS:
+        raise _LimitError(
+            None, None, f"an integer of more than {_MAX_INT_DIGITS} digits", node.start_mark
+        )
     if text.lstrip("+-").startswith("0o"):
         sign = -1 if text.startswith("-") else 1
         return sign * int(text.lstrip("+-")[2:], 8)
@@ -69,14 +134,39 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
 _Loader.add_constructor(_INT, _construct_int)
 
 
-class YamlSyntaxError(Exception):
-    """YAML that does not parse; ``line``/``column`` are 1-based when known."""
+SYNTAX_HINT = (
+    "check indentation (spaces, not tabs), colons after keys, and quote values that contain "
+    "': ' or start with a special character"
+)
+LIMIT_HINT = "a recipe or cluster file is a few KB of plain YAML: check that this is the right file"
+TEXT_HINT = "remove it: the file must be plain UTF-8 text (is it binary or damaged?)"
 
-    def __init__(self, detail: str, line: int | None, column: int | None) -> None:
+
+class YamlSyntaxError(Exception):
+    """YAML that does not parse (or is over a bound); ``line``/``column`` are 1-based when known."""
+
+    def __init__(
+        self,
+        detail: str,
+        line: int | None,
+        column: int | None,
+        *,
+        message: str | None = None,
+        hint: str = SYNTAX_HINT,
+    ) -> None:
         super().__init__(detail)
         self.detail = detail
         self.line = line
         self.column = column
+        where = f" (line {line}, column {column})" if line else ""
+        # What the user reads: "YAML syntax error: ..." unless the file broke a bound.
+        self.message = message or f"YAML syntax error: {detail}{where}"
+        self.hint = hint
+
+
+def yaml_problem(exc: YamlSyntaxError) -> Problem:
+    """The problem a file that does not parse is reported as (recipe and cluster file alike)."""
+    return error("", exc.message, exc.hint, exc.line)
 
 
 def dotted(path: KeyPath) -> str:
@@ -86,18 +176,36 @@ def dotted(path: KeyPath) -> str:
         if isinstance(part, int):
             text += f"[{part}]"
         else:
+            part = part or '""'  # an empty key still names a place
             text += f".{part}" if text else part
     return text
 
 
-def _syntax_error(exc: yaml.YAMLError) -> YamlSyntaxError:
+def _reader_error(exc: yaml.reader.ReaderError, text: str) -> YamlSyntaxError:
+    """PyYAML's refusal of the raw text (a control character: often a binary file)."""
+    line = text.count("\n", 0, exc.position) + 1
+    column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+    detail = f"control character {chr(exc.character)!r} at line {line}, column {column}"
+    return YamlSyntaxError(
+        detail, line, column, message=f"the file contains a {detail}", hint=TEXT_HINT
+    )
+
+
+def _syntax_error(exc: yaml.YAMLError, text: str) -> YamlSyntaxError:
+    if isinstance(exc, yaml.reader.ReaderError):
+        return _reader_error(exc, text)
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     detail = " ".join(
         str(part) for part in (getattr(exc, "context", None), getattr(exc, "problem", None)) if part
     ) or str(exc)
-    if mark is None:
-        return YamlSyntaxError(detail, None, None)
-    return YamlSyntaxError(detail, mark.line + 1, mark.column + 1)
+    line: int | None = mark.line + 1 if mark is not None else None
+    column: int | None = mark.column + 1 if mark is not None else None
+    if isinstance(exc, _LimitError):
+        where = f" (line {line}, column {column})" if line else ""
+        return YamlSyntaxError(
+            detail, line, column, message=f"refused: {detail}{where}", hint=LIMIT_HINT
+        )
+    return YamlSyntaxError(detail, line, column)
 
 
 def _walk_nodes(node: yaml.Node, path: KeyPath, lines: dict[str, int], dups: list[Problem]) -> None:
@@ -128,7 +236,10 @@ def _walk_nodes(node: yaml.Node, path: KeyPath, lines: dict[str, int], dups: lis
 
 def parse(text: str) -> tuple[Any, dict[str, int], list[Problem]]:
     """Parse YAML: (data, dotted key path -> line, duplicate-key problems); YamlSyntaxError."""
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)
+    except yaml.YAMLError as exc:
+        raise _syntax_error(exc, text) from None
     try:
         node = loader.get_single_node()
         lines: dict[str, int] = {}
@@ -138,7 +249,9 @@ def parse(text: str) -> tuple[Any, dict[str, int], list[Problem]]:
         _walk_nodes(node, (), lines, dups)
         return loader.construct_document(node), lines, dups
     except yaml.YAMLError as exc:
-        raise _syntax_error(exc) from None
+        raise _syntax_error(exc, text) from None
+    except (ValueError, OverflowError) as exc:  # an explicit tag on a wrong value: !!int abc
+        raise YamlSyntaxError(f"a value cannot be read: {exc}", None, None) from None
     finally:
         loader.dispose()
 
@@ -148,7 +261,9 @@ def load_scalar(text: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
-        raise _syntax_error(exc) from None
+        raise _syntax_error(exc, text) from None
+    except (ValueError, OverflowError) as exc:
+        raise YamlSyntaxError(f"a value cannot be read: {exc}", None, None) from None
 
 
 def line_of(path: str, lines: Mapping[str, int]) -> int | None:
@@ -166,6 +281,15 @@ def line_of(path: str, lines: Mapping[str, int]) -> int | None:
 # ---- shape checking ---------------------------------------------------------------------------
 
 _NONE = mi.NoneType
+
+# NUL cannot pass through argv or the environment; the other C0 controls, DEL and the C1 controls
+# (terminal escape sequences) are an accident or an attack on whoever reads a log that quotes them.
+# Values may hold tabs and newlines (a JSON block scalar); keys and names nothing of the kind.
+_CONTROL_IN_VALUE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL_IN_KEY = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_PLAIN_KEYS = (str, int, float, bool, type(None))
+# A message quotes at most this much of a value.
+_QUOTE_CHARS = 60
 
 
 def describe(t: mi.Type) -> str:
@@ -198,6 +322,8 @@ def _what(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, str):
+        if len(value) > _QUOTE_CHARS:
+            return f"the string {value[:_QUOTE_CHARS]!r}... ({len(value)} characters)"
         return f"the string {value!r}"
     if isinstance(value, int | float):
         return f"the number {value}"
@@ -264,6 +390,38 @@ def suggest(word: str, choices: list[str]) -> str | None:
     return found[0] if found else None
 
 
+def _number(x: float) -> str:
+    """``65535``, ``0.05``: a bound or a value as a user would write it."""
+    if isinstance(x, int) or not float(x).is_integer():
+        return str(x)
+    return str(int(x))
+
+
+def _range(t: mi.IntType | mi.FloatType) -> str:
+    """The range a numeric field declares, in words ("from 1 to 65535", "greater than 0 and ...")."""
+    if t.ge is not None and t.le is not None:
+        return f"from {_number(t.ge)} to {_number(t.le)}"
+    parts = []
+    for bound, words in (
+        (t.ge, "at least"),
+        (t.gt, "greater than"),
+        (t.le, "at most"),
+        (t.lt, "less than"),
+    ):
+        if bound is not None:
+            parts.append(f"{words} {_number(bound)}")
+    return " and ".join(parts)
+
+
+def _in_range(value: float, t: mi.IntType | mi.FloatType) -> bool:
+    return not (
+        (t.ge is not None and value < t.ge)
+        or (t.gt is not None and value <= t.gt)
+        or (t.le is not None and value > t.le)
+        or (t.lt is not None and value >= t.lt)
+    )
+
+
 class ShapeChecker:
     """Walks a raw YAML tree against a msgspec type; collects problems and prunes what is wrong."""
 
@@ -277,15 +435,25 @@ class ShapeChecker:
         self.problems.append(error(dotted(path), message, hint))
         self.pruned.append(dotted(path))
 
-    def check(self, value: Any, t: mi.Type, path: KeyPath = ()) -> tuple[bool, Any]:
-        """(keep, cleaned value): ``keep`` is False when the value itself is wrong."""
+    def check(
+        self, value: Any, t: mi.Type, path: KeyPath = (), default: Any = mi.NODEFAULT
+    ) -> tuple[bool, Any]:
+        """(keep, cleaned value): ``keep`` is False when the value itself is wrong.
+
+        ``default`` is the field's default, named in the hint of an out-of-range value.
+        """
         if isinstance(t, mi.UnionType):
             members = [m for m in t.types if _kind_ok(value, m)]
             if not members:
                 self._bad(path, f"expected {describe(t)}, got {_what(value)}", _type_hint(t, path))
                 return False, None
             # A dict value goes to the Struct/Dict member; anything else to its scalar member.
-            return self.check(value, members[0], path)
+            return self.check(value, members[0], path, default)
+        if isinstance(t, mi.AnyType):
+            if self._plain(value, path):
+                return True, value
+            self.pruned.append(dotted(path))  # the whole value goes: no follow-up noise about it
+            return False, None
         if isinstance(t, mi.StructType):
             if not isinstance(value, dict):
                 self._bad(path, f"expected a mapping, got {_what(value)}", _type_hint(t, path))
@@ -299,6 +467,8 @@ class ShapeChecker:
             for key, item in value.items():
                 if not isinstance(key, str):
                     self._bad((*path, str(key)), "keys must be strings", f'quote it: "{key}"')
+                    continue
+                if not self._key_ok(key, (*path, key)):
                     continue
                 keep, item = self.check(item, t.value_type, (*path, key))
                 if keep:
@@ -317,7 +487,85 @@ class ShapeChecker:
         if not _kind_ok(value, t):
             self._bad(path, f"expected {describe(t)}, got {_what(value)}", _type_hint(t, path))
             return False, None
+        if isinstance(value, str):
+            return self._text_ok(value, path), value
+        if isinstance(t, mi.IntType | mi.FloatType) and not isinstance(value, bool):
+            return self._number_ok(value, t, path, default), value
         return True, value
+
+    def _text_ok(self, value: str, path: KeyPath) -> bool:
+        bad = _CONTROL_IN_VALUE.search(value)
+        if bad is None:
+            return True
+        self._bad(
+            path,
+            f"contains the control character {bad.group()!r} at position {bad.start() + 1}",
+            "remove it (tab and newline are the only control characters a value may hold)",
+        )
+        return False
+
+    def _key_ok(self, key: str, path: KeyPath) -> bool:
+        bad = _CONTROL_IN_KEY.search(key)
+        if bad is None and key:
+            return True
+        message = (
+            f"the key contains the control character {bad.group()!r}" if bad else "the key is empty"
+        )
+        self._bad(path, message, "write a name of printable characters")
+        return False
+
+    def _number_ok(
+        self, value: float, t: mi.IntType | mi.FloatType, path: KeyPath, default: Any
+    ) -> bool:
+        finite = math.isfinite(value)
+        if finite and _in_range(value, t):
+            return True
+        hint = f"write a number {_range(t)}" if _range(t) else "write a finite number"
+        if default is not mi.NODEFAULT and default is not None:
+            hint += f", or remove it to use the default ({_number(default)})"
+        if not finite:
+            self._bad(path, f"expected a finite number, got {_what(value)}", hint)
+        else:
+            self._bad(path, f"{_number(value)} is out of range: it must be {_range(t)}", hint)
+        return False
+
+    def _plain(self, value: Any, path: KeyPath) -> bool:
+        """Whether a free-form value (engine args) is plain data: what JSON and argv can carry."""
+        if isinstance(value, str):
+            return self._text_ok(value, path)
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return True
+            self._bad(
+                path,
+                f"expected a finite number, got {_what(value)}",
+                'quote it if the engine takes it as text: "inf"',
+            )
+            return False
+        if value is None or isinstance(value, bool | int):
+            return True
+        if isinstance(value, list):
+            return all([self._plain(item, (*path, i)) for i, item in enumerate(value)])
+        if isinstance(value, dict):
+            ok = True
+            for key, item in value.items():
+                child = (*path, str(key))
+                if not isinstance(key, _PLAIN_KEYS) or (
+                    isinstance(key, float) and not math.isfinite(key)
+                ):
+                    self._bad(child, f"a key cannot be {_what(key)}", "write the key as a string")
+                    ok = False
+                elif (isinstance(key, str) and not self._key_ok(key, child)) or not self._plain(
+                    item, child
+                ):
+                    ok = False
+            return ok
+        self._bad(
+            path,
+            f"expected a string, number, true/false, null, list or mapping, got {_what(value)}",
+            'quote the value: "..."',
+        )
+        return False
 
     def _struct(self, value: dict[Any, Any], t: mi.StructType, path: KeyPath) -> dict[str, Any]:
         fields = {f.encode_name: f for f in t.fields}
@@ -330,7 +578,7 @@ class ShapeChecker:
             if field is None:
                 self._unknown(key, t, path, list(fields))
                 continue
-            keep, item = self.check(item, field.type, (*path, key))
+            keep, item = self.check(item, field.type, (*path, key), field.default)
             if keep:
                 cleaned[key] = item
         for name, field in fields.items():

@@ -28,6 +28,7 @@ def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
     srtctl.engines(recipe, out)
     srtctl.frontend(recipe, out)
     srtctl.topology(recipe, out)
+    srtctl.environment(recipe, out)
     srtctl.managed_args(recipe, out)
     prefill, decode = recipe.roles.prefill, recipe.roles.decode
     if prefill is not None and decode is not None:

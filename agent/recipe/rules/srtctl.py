@@ -32,6 +32,10 @@ from agent.recipe.model import (
 from agent.recipe.rules.values import is_hub_id
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# The job directory is <name>-<yyyymmdd-hhmmss>: one path component of at most 255 bytes.
+NAME_MAX_CHARS = 128
+# What exec can pass as an environment name (control characters are refused by the loader).
+_ENV_NAME = re.compile(r"^[^=\s]+$")
 
 
 def identity(recipe: Recipe, out: list[Problem]) -> None:
@@ -50,6 +54,14 @@ def identity(recipe: Recipe, out: list[Problem]) -> None:
                 "name",
                 f"'{recipe.name}' is not a usable job name",
                 "use letters, digits, '.', '_' and '-' only, starting with a letter or digit",
+            )
+        )
+    elif len(recipe.name) > NAME_MAX_CHARS:
+        out.append(
+            error(
+                "name",
+                f"the job name has {len(recipe.name)} characters, more than {NAME_MAX_CHARS}",
+                "use a shorter name (it names the job directory and the Slurm job)",
             )
         )
     if recipe.schema is not None and recipe.schema != 2:
@@ -207,8 +219,6 @@ def frontend(recipe: Recipe, out: list[Problem]) -> None:
 def topology(recipe: Recipe, out: list[Problem]) -> None:
     """One prefill worker on one node; one decode worker per node; workers fit a node."""
     node_gpus = gpus_per_node(recipe)
-    if recipe.resources.gpus_per_node is not None and recipe.resources.gpus_per_node < 1:
-        out.append(error("resources.gpus_per_node", "must be at least 1", "write e.g. 8"))
     for name in ("agg", "aggregated"):
         if getattr(recipe.roles, name) is not None:
             out.append(
@@ -279,8 +289,27 @@ def _gpus_fit(name: str, gpus: int, node_gpus: int, out: list[Problem]) -> None:
             )
         )
     elif gpus < 0:
-        # 0 is a CPU-only engine (the --mock stand-ins, vLLM's CPU backend): no GPU is requested.
+        # Derived from nodes and workers (their own ranges keep it >= 0 after loading).
         out.append(error(f"roles.{name}.gpus", "must not be negative", f"set it to {node_gpus}"))
+
+
+def environment(recipe: Recipe, out: list[Problem]) -> None:
+    """Environment names exec can pass: no ``=``, no blank (the engine would fail to start)."""
+    sections = [
+        ("environment", recipe.environment),
+        *((f"roles.{name}.env", role.env) for name, role in _roles(recipe)),
+        ("frontend.env", recipe.frontend.env),
+    ]
+    for where, env in sections:
+        for name in env:
+            if not _ENV_NAME.match(name):
+                out.append(
+                    error(
+                        f"{where}.{name}",
+                        f"'{name}' is not an environment variable name",
+                        "use letters, digits and '_', e.g. HF_HUB_OFFLINE",
+                    )
+                )
 
 
 def managed_args(recipe: Recipe, out: list[Problem]) -> None:
@@ -387,39 +416,9 @@ def _programs(recipe: Recipe, out: list[Problem]) -> None:
 
 
 def settings(recipe: Recipe, out: list[Problem]) -> None:
-    """Health check, the agent's ports and timings, the prefill's GPU count."""
-    hc = recipe.health_check
-    if hc.max_attempts is not None and hc.max_attempts < 1:
-        out.append(error("health_check.max_attempts", "must be at least 1", "write e.g. 360"))
-    if hc.interval_seconds is not None and hc.interval_seconds <= 0:
-        out.append(error("health_check.interval_seconds", "must be positive", "write e.g. 10"))
+    """The agent's paths and programs, the prefill's GPU count (numbers are in range already:
+    their types in the model)."""
     agent = recipe.agent
-    ports = [
-        ("agent.router_port", agent.router_port),
-        ("agent.ports.prefill.http", agent.ports.prefill.http),
-        ("agent.ports.prefill.agent", agent.ports.prefill.agent),
-        ("agent.ports.decode.http", agent.ports.decode.http),
-        ("agent.ports.decode.agent", agent.ports.decode.agent),
-        ("agent.ports.decode.ctrl", agent.ports.decode.ctrl),
-    ]
-    for path, port in ports:
-        if port is not None and not 1 <= port <= 65535:
-            out.append(error(path, f"{port} is not a TCP port", "use 1-65535"))
-    for path, value in (
-        ("agent.probe.startup_interval_s", agent.probe.startup_interval_s),
-        ("agent.probe.interval_s", agent.probe.interval_s),
-        ("agent.probe.timeout_s", agent.probe.timeout_s),
-        ("agent.restart.backoff_initial_s", agent.restart.backoff_initial_s),
-        ("agent.restart.window_s", agent.restart.window_s),
-        ("agent.canary.timeout_s", agent.canary.timeout_s),
-        ("agent.canary.attempt_timeout_s", agent.canary.attempt_timeout_s),
-    ):
-        if value <= 0:
-            out.append(error(path, "must be positive", "remove it to use the default"))
-    if agent.logs.max_bytes < 1:
-        out.append(error("agent.logs.max_bytes", "must be positive", "e.g. 67108864 (64 MiB)"))
-    if agent.logs.backups < 0:
-        out.append(error("agent.logs.backups", "must be 0 or more", "remove it to keep 3"))
     if not agent.logs.node_dir.startswith("/"):
         out.append(
             error(

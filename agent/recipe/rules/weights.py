@@ -19,7 +19,7 @@ CONVERT = "roles.decode.convert"
 
 
 def conversion(recipe: Recipe, out: list[Problem]) -> None:
-    """Every problem of the ``convert`` keys and the conversion budgets."""
+    """Every problem of the ``convert`` keys (the budgets are in range already: their types)."""
     for name in ("prefill", "agg", "aggregated"):
         role: Role | None = getattr(recipe.roles, name)
         if role is not None and role.convert is not None:
@@ -30,12 +30,6 @@ def conversion(recipe: Recipe, out: list[Problem]) -> None:
                     f"move it to {CONVERT}",
                 )
             )
-    for path, value in (
-        ("agent.convert_budget_s", recipe.agent.convert_budget_s),
-        ("agent.convert_lock_stale_s", recipe.agent.convert_lock_stale_s),
-    ):
-        if value <= 0:
-            out.append(error(path, "must be positive", "remove it to use the default"))
     decode = recipe.roles.decode
     if decode is not None and decode.convert is not None:
         _decode_convert(decode, decode.convert, out)
