@@ -4,9 +4,10 @@ Two profiles, chosen by ``$HYPOTHESIS_PROFILE``:
 - ``ci`` (the default): every property test together stays well under a minute on a 2-core machine;
   no example database, so a run leaves no files behind and is the same on every machine.
 - ``thorough``: ten times the examples, with the example database in ``.hypothesis/`` so that a
-  failure found once is tried first next time. ``HYPOTHESIS_PROFILE=thorough pytest tests/test_prop_*.py``.
+  failure found once is tried first next time:
+  ``HYPOTHESIS_PROFILE=thorough pytest tests/test_prop_*.py``.
 
-A test states its own ``max_examples`` for ``ci`` through ``examples(n)``; ``thorough`` multiplies it.
+A test states its ``max_examples`` for ``ci`` through ``examples(n)``; ``thorough`` multiplies it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def examples(n: int) -> Callable[[F], F]:
     """``@settings(max_examples=n)`` under ``ci``, ten times that under ``thorough``."""
-    return settings(max_examples=n * _SCALE[PROFILE])  # type: ignore[return-value]
+    return settings(max_examples=n * _SCALE[PROFILE])
 
 
 # Characters users and machines slip into files: controls, NUL, escapes, separators, quotes,

@@ -31,8 +31,8 @@ from agent.recipe.planner import make_plan
 from agent.recipe.textfile import MAX_FILE_BYTES
 from agent.recipe.typedyaml import MAX_DEPTH, MAX_NODES
 from submit.cli import main
-from tests.agentkit import AGENT, clean_env
 from tests.golden import RECIPES
+from tests.kit import AGENT, clean_env
 
 DEMO = RECIPES / "local-demo.yaml"
 DATA = Path(__file__).parent / "data" / "recipes"
@@ -143,10 +143,11 @@ def test_binary_files_give_one_clear_error(tmp_path: Path, data: bytes, needle: 
     path.write_bytes(data)
     for read in (load_recipe, read_cluster):
         with pytest.raises(InputError) as info:
-            read(path)  # type: ignore[operator]
+            read(path)
         assert len(info.value.problems) == 1
         assert needle in str(info.value)
-        assert "\x00" not in str(info.value) and "\x1b" not in str(info.value)
+        assert "\x00" not in str(info.value)
+        assert "\x1b" not in str(info.value)
     assert_clean_refusal(submit(str(DEMO), "--dry-run", "--cluster", str(path)), needle)
 
 
@@ -168,7 +169,7 @@ def test_ename_too_long_on_every_path_is_one_error(tmp_path: Path) -> None:
     for command in ("status", "stop", "logs"):
         assert_clean_refusal(submit(command, str(long)))
     agent = subprocess.run(
-        [AGENT, "--role", "decode", "--job-dir", str(long)],
+        [*AGENT, "--role", "decode", "--job-dir", str(long)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -194,7 +195,8 @@ def test_an_alias_bomb_is_refused_in_milliseconds() -> None:
         exc = refused(text=demo_text() + alias_bomb(levels))
         assert time.monotonic() - started < 0.5
         assert f"expands to more than {MAX_NODES} values" in str(exc)
-        assert len(exc.problems) == 1 and exc.problems[0].line is not None
+        assert len(exc.problems) == 1
+        assert exc.problems[0].line is not None
 
 
 def test_an_alias_inside_its_own_anchor_is_refused() -> None:
@@ -225,7 +227,8 @@ def test_deep_nesting_through_set_is_refused() -> None:
     exc = refused("roles.prefill.args.x=" + "[" * 3000 + "]" * 3000)
     assert f"nesting deeper than {MAX_DEPTH} levels" in str(exc)
     exc = refused("roles.prefill.args." + ".".join(["k"] * 3000) + "=1")
-    assert "--set" in str(exc) and f"more than a recipe nests ({MAX_DEPTH})" in str(exc)
+    assert "--set" in str(exc)
+    assert f"more than a recipe nests ({MAX_DEPTH})" in str(exc)
 
 
 def test_an_integer_of_thousands_of_digits_is_refused() -> None:
@@ -397,7 +400,10 @@ def test_rendered_problems_escape_every_field() -> None:
     problem = error("roles.x\n", "bad 'a\x00b'", "fix\rit")
     text = render_problems([problem], "r\x1b.yaml")
     assert text.count("\n") == 2  # the title, the error, its fix: nothing else breaks a line
-    assert "\\x00" in text and "\\r" in text and "\\x1b" in text and "roles.x\\n" in text
+    assert "\\x00" in text
+    assert "\\r" in text
+    assert "\\x1b" in text
+    assert "roles.x\\n" in text
 
 
 # ---- agent.ports --------------------------------------------------------------------------------
@@ -420,7 +426,7 @@ def test_one_prefill_port_alone() -> None:
     assert (ports.prefill.http, ports.prefill.agent) == (8100, 9999)
 
 
-# ---- the CLI's own files and pipes ----------------------------------------------------------------
+# ---- the CLI's own files and pipes --------------------------------------------------------------
 
 
 @pytest.fixture
@@ -488,7 +494,8 @@ def test_a_garbage_status_json_is_one_line_and_exit_2(
         main([command, str(job.root)])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("tilert-submit: ")
+    assert err.count("\n") == 1
+    assert err.startswith("tilert-submit: ")
     assert "status.json is not a usable job status" in err
     assert signalled == []  # nothing was signalled on the word of a garbage file
 
@@ -502,14 +509,15 @@ def test_stop_with_a_garbage_plan_json(
         main(["stop", str(job.root)])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "plan.json is not a usable plan" in err
+    assert err.count("\n") == 1
+    assert "plan.json is not a usable plan" in err
 
 
 @pytest.mark.parametrize("data", [b"", b"\xff\x00", b"[" * 100_000, b'{"schema": 1}', b"null"])
 def test_tilert_agent_with_a_garbage_plan_json(job: JobDir, data: bytes) -> None:
     job.plan.write_bytes(data)
     done = subprocess.run(
-        [AGENT, "--role", "decode", "--job-dir", str(job.root)],
+        [*AGENT, "--role", "decode", "--job-dir", str(job.root)],
         capture_output=True,
         text=True,
         timeout=60,

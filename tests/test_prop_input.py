@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 import yaml
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from agent.job.paths import JobDir
@@ -31,8 +31,8 @@ from agent.recipe.loader import LoadedRecipe, load_recipe_text, resolved_yaml
 from agent.recipe.model import Recipe
 from agent.recipe.planner import make_plan
 from submit.slurm.render import default_agent_command, render_sbatch
-from tests.agentkit import clean_env
 from tests.golden import GOLDEN_DIR, RECIPES
+from tests.kit import clean_env
 from tests.propkit import EXTREME_INTS, HUGE_TEXT, ODD_CHARS, ODD_TEXT, VALUES, examples
 
 DATA = Path(__file__).parent / "data" / "recipes"
@@ -121,7 +121,7 @@ def mutated_tree(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
     for _ in range(draw(st.integers(min_value=1, max_value=5))):
         slots = list(_slots(tree))
         if not slots:
-            tree = {draw(KEYS): draw(VALUES)}
+            tree = {str(draw(KEYS)): draw(VALUES)}
             continue
         path = draw(st.sampled_from(slots))
         parent, key = _parent(tree, path), path[-1]
@@ -203,7 +203,8 @@ def assert_reported(exc: InputError) -> None:
     if whole_file:
         assert len(errors) == 1, f"a whole-file error among others: {errors}"
     for p in errors:
-        assert p.message and p.hint, p
+        assert p.message, p
+        assert p.hint, p
     for line in str(exc).splitlines():
         assert line.isprintable(), repr(line)
 
@@ -256,6 +257,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @examples(400)
 @given(text=cluster_texts())
+@example(text="gpus_per_node: 8\n? ''\n: null\n")  # found by this test: an empty key named nothing
 def test_any_cluster_file_is_read_or_refused_naming_a_key(scratch: Path, text: str) -> None:
     path = scratch / "srtslurm.yaml"
     path.write_text(text)
@@ -272,7 +274,7 @@ def test_any_cluster_file_is_read_or_refused_naming_a_key(scratch: Path, text: s
         assert_reported(exc)
 
 
-# ---- through the real command ---------------------------------------------------------------------
+# ---- through the real command -------------------------------------------------------------------
 
 
 def tilert_submit(recipe: Path, cluster: Path, job: Path) -> subprocess.CompletedProcess[str]:

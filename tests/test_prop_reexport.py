@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import trio
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -122,8 +122,10 @@ def damaged_real_pages(draw: st.DrawFn) -> str:
 PAGES = st.one_of(generated_pages(), damaged_real_pages())
 
 
-@examples(600)
+@examples(400)
 @given(page=PAGES)
+# Found by this test: a stray sample named like its histogram came out declared twice.
+@example(page="# TYPE x histogram\nx 0\n")
 def test_a_page_is_relabelled_whole_or_refused_whole(page: str) -> None:
     try:
         out = relabel_page(page, OURS)
@@ -164,7 +166,7 @@ class _Chunks(httpx.AsyncByteStream):
 
 
 def _render(body: bytes, headers: dict[str, str], chunk: int) -> tuple[str, UpstreamMetrics]:
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(_request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, stream=_Chunks(body, chunk), headers=headers)
 
     metrics = UpstreamMetrics("http://vllm.invalid/metrics", OURS, max_bytes=MAX_BYTES)
@@ -176,7 +178,7 @@ def _render(body: bytes, headers: dict[str, str], chunk: int) -> tuple[str, Upst
     return trio.run(main), metrics
 
 
-@examples(200)
+@examples(150)
 @given(
     body=st.one_of(
         PAGES.map(str.encode),
@@ -206,4 +208,5 @@ def test_render_never_raises_whatever_the_upstream_sends(
     assert isinstance(text, str)
     assert metrics.up == bool(text) or (metrics.up and text == "")
     if not metrics.up:
-        assert text == "" and metrics.last_error
+        assert text == ""
+        assert metrics.last_error

@@ -232,6 +232,13 @@ def _parse(page: str) -> list[_Family]:
     for sample in raw_samples:
         found = owner.get(sample.name)
         if found is None:
+            if sample.name in declared:
+                # `x 1` under `# TYPE x histogram`: rendered as a family of its own it would
+                # declare x twice, and Prometheus would refuse the agent's whole page.
+                kind = declared[sample.name].type
+                raise PageError(
+                    f"line {sample.line}: sample {sample.name} does not fit TYPE {kind}"
+                )
             found = owner[sample.name] = _Family(sample.name, sample.line)
             families.append(found)
         found.samples.append(sample)

@@ -24,7 +24,7 @@ import difflib
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import msgspec.inspect as mi
@@ -52,7 +52,7 @@ class _LimitError(yaml.MarkedYAMLError):
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader without sexagesimal numbers and leading-zero octals, with depth and size bounds."""
+    """SafeLoader without base-60 numbers and leading-zero octals, with depth and size bounds."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -62,9 +62,12 @@ class _Loader(yaml.SafeLoader):
 
     def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
         """The next node, refused when it nests too deep, expands too far or contains itself."""
-        mark = self.peek_event().start_mark
-        if self.check_event(yaml.AliasEvent):
-            anchor = self.peek_event().anchor
+        # The stubs leave peek_event untyped: the next event, not consumed.
+        event: yaml.Event = self.peek_event()  # type: ignore[no-untyped-call]
+        # The pure-Python loader's marks (the stubs also allow libyaml's).
+        mark = cast(yaml.error.Mark | None, event.start_mark)
+        if isinstance(event, yaml.AliasEvent):
+            anchor = event.anchor
             target = self.anchors.get(anchor)
             if target is not None and id(target) not in self._sizes:
                 raise _LimitError(
@@ -91,7 +94,8 @@ class _Loader(yaml.SafeLoader):
             raise _LimitError(
                 None,
                 None,
-                f"the document expands to more than {MAX_NODES} values (aliases count at every use)",
+                f"the document expands to more than {MAX_NODES} values "
+                "(aliases count at every use)",
                 mark,
             )
         return node
@@ -398,7 +402,7 @@ def _number(x: float) -> str:
 
 
 def _range(t: mi.IntType | mi.FloatType) -> str:
-    """The range a numeric field declares, in words ("from 1 to 65535", "greater than 0 and ...")."""
+    """A numeric field's range in words ("from 1 to 65535", "greater than 0 and at most 60")."""
     if t.ge is not None and t.le is not None:
         return f"from {_number(t.ge)} to {_number(t.le)}"
     parts = []
@@ -436,7 +440,7 @@ class ShapeChecker:
         self.pruned.append(dotted(path))
 
     def check(
-        self, value: Any, t: mi.Type, path: KeyPath = (), default: Any = mi.NODEFAULT
+        self, value: Any, t: mi.Type, path: KeyPath = (), default: Any = msgspec.NODEFAULT
     ) -> tuple[bool, Any]:
         """(keep, cleaned value): ``keep`` is False when the value itself is wrong.
 
@@ -521,7 +525,7 @@ class ShapeChecker:
         if finite and _in_range(value, t):
             return True
         hint = f"write a number {_range(t)}" if _range(t) else "write a finite number"
-        if default is not mi.NODEFAULT and default is not None:
+        if default is not msgspec.NODEFAULT and default is not None:
             hint += f", or remove it to use the default ({_number(default)})"
         if not finite:
             self._bad(path, f"expected a finite number, got {_what(value)}", hint)
