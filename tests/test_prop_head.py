@@ -167,9 +167,10 @@ def test_read_records_never_raises(
         else:
             path.write_bytes(body)
         stems.add(path.stem)
-    records = read_records(job)
+    expected = set(agent_names(1, 3))
+    records = read_records(job, expected)
     assert isinstance(records, Records)
-    assert set(records.by_name) <= stems
+    assert set(records.by_name) <= stems & expected
     assert all(isinstance(r, RendezvousRecord) for r in records.by_name.values())
     assert all(isinstance(p, str) for p in records.problems.values())
 
@@ -227,9 +228,9 @@ def test_the_heads_long_poll_survives_any_status_answer(scratch: Path, data: st.
 
     with mock.patch.object(httpx, "AsyncClient", client):
         trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert len(changes) >= len(answers)
     peer = peers.by_name[name]
-    # The last answer decides: a 2xx that decodes makes the peer reachable with that status.
+    # The last answer decides: a 2xx that decodes is taken as the peer's status; anything else
+    # counts as a failed poll.
     code, body = answers[-1]
     try:
         decoded: AgentStatus | None = msgspec.json.decode(body, type=AgentStatus)
@@ -239,7 +240,7 @@ def test_the_heads_long_poll_survives_any_status_answer(scratch: Path, data: st.
         assert peer.reachable
         assert peer.status == decoded
     else:
-        assert not peer.reachable
+        assert peer.failed_polls >= 1
     peers.entry(name)  # the status.json row builds from whatever it saw
 
 
@@ -291,7 +292,6 @@ def job_views(draw: st.DrawFn) -> tuple[JobView, set[str]]:
         agents=agents,
         healthy_since={n: draw(st.one_of(st.none(), EXTREME_FLOATS)) for n in names},
         versions=draw(st.dictionaries(st.sampled_from(names), ODD_TEXT, max_size=3)),
-        record_problems=draw(st.dictionaries(st.sampled_from(names), ODD_TEXT, max_size=2)),
         router=router,
     )
     dropped = set(draw(st.lists(st.sampled_from(names), max_size=3)))
