@@ -134,7 +134,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("prop-head")
 
 
-@examples(400)
+@examples(300)
 @given(
     files=st.lists(
         st.tuples(
@@ -186,7 +186,7 @@ def answers_of(draw: st.DrawFn, name: str) -> list[tuple[int, bytes]]:
     return draw(st.lists(st.tuples(status, bodies(valid)), min_size=1, max_size=4))
 
 
-@examples(400)
+@examples(300)
 @given(data=st.data())
 def test_the_heads_long_poll_survives_any_status_answer(scratch: Path, data: st.DataObject) -> None:
     name = "decode-0"
@@ -298,7 +298,7 @@ def job_views(draw: st.DrawFn) -> tuple[JobView, set[str]]:
     return view, dropped
 
 
-@examples(600)
+@examples(500)
 @given(case=job_views(), now=EXTREME_FLOATS, budget=EXTREME_FLOATS)
 def test_decisions_keep_their_promises_on_any_view(
     case: tuple[JobView, set[str]], now: float, budget: float

@@ -218,7 +218,7 @@ def accepted(loaded: LoadedRecipe) -> None:
     assert make_plan(again, mock=False).role("decode").args == plan.role("decode").args
 
 
-@examples(1000)
+@examples(800)
 @given(text=recipe_texts(), cluster=st.sampled_from(CLUSTERS))
 def test_any_recipe_is_loaded_or_refused_naming_a_key(
     text: str, cluster: ClusterConfig | None
@@ -234,7 +234,7 @@ def test_any_recipe_is_loaded_or_refused_naming_a_key(
         assert_reported(exc)
 
 
-@examples(200)
+@examples(150)
 @given(
     text=recipe_texts(), sets=st.lists(st.tuples(st.sampled_from(KNOWN_KEYS), VALUES), max_size=3)
 )
@@ -255,7 +255,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("prop-input")
 
 
-@examples(400)
+@examples(300)
 @given(text=cluster_texts())
 @example(text="gpus_per_node: 8\n? ''\n: null\n")  # found by this test: an empty key named nothing
 def test_any_cluster_file_is_read_or_refused_naming_a_key(scratch: Path, text: str) -> None:

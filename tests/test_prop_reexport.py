@@ -122,7 +122,7 @@ def damaged_real_pages(draw: st.DrawFn) -> str:
 PAGES = st.one_of(generated_pages(), damaged_real_pages())
 
 
-@examples(400)
+@examples(300)
 @given(page=PAGES)
 # Found by this test: a stray sample named like its histogram came out declared twice.
 @example(page="# TYPE x histogram\nx 0\n")
@@ -178,7 +178,7 @@ def _render(body: bytes, headers: dict[str, str], chunk: int) -> tuple[str, Upst
     return trio.run(main), metrics
 
 
-@examples(150)
+@examples(120)
 @given(
     body=st.one_of(
         PAGES.map(str.encode),
