@@ -18,6 +18,7 @@ import trio
 
 from agent.head import Head, HeadContext
 from agent.http.asgi import bound_socket, serve
+from agent.http.client import open_client
 from agent.http.endpoint import LogStreams, StatusFeed, build_app
 from agent.http.metrics import AgentMetrics, HeadFigures
 from agent.http.reexport import UpstreamMetrics
@@ -93,6 +94,7 @@ class NodeAgent:
             timeout_s=min(2.0, plan.agent.probe_timeout_s),
             reserved_names=(),
         )
+        self.client: httpx.AsyncClient  # the agent's one client (agent.http.client), from run()
         self.stop_requested = False
         self.started = time.time()
         self.setup_script: Path | None = None
@@ -177,6 +179,7 @@ class NodeAgent:
             probe_observer=self.metrics.observer,
             stop_node=self.stop_all,
             writes=self.writes,
+            client=self.client,
             scratch_folder=self.scratch.folder,
         )
 
@@ -411,7 +414,8 @@ class NodeAgent:
             self.job.record(self.id.name),
         )
         exit_code = 0
-        async with httpx.AsyncClient() as client, trio.open_nursery() as nursery:
+        # Built once, off the event loop, before anything probes or polls (agent.http.client).
+        async with await open_client() as client, trio.open_nursery() as nursery:
             self.client = client
             app = build_app(
                 feed=self.feed,
@@ -443,6 +447,7 @@ class NodeAgent:
                     on_change=self.changed,
                     on_address_in_use=self._on_address_in_use,
                     observe_probe=self.metrics.observer("engine"),
+                    client=client,
                 )
                 nursery.start_soon(self.engine.run)
                 self.changed()

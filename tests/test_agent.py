@@ -60,6 +60,7 @@ STATUS_FIELDS = {
     "since",
     "uptime_s",
     "version",
+    "healthy_at",
 }
 RECORD_FIELDS = {
     "schema",
@@ -150,6 +151,7 @@ def test_record_and_status_contract(steady: AgentProc) -> None:
     assert status["restarts"] == 0
     assert status["reason"]
     assert status["since"] <= time.time()
+    assert status["healthy_at"] <= status["since"]  # the answer that made it healthy
     assert status["uptime_s"] > 0
     assert status["ports"] == {k: v for k, v in record["ports"].items()}
 

@@ -7,9 +7,10 @@ talk to an ``httpx.MockTransport``, and trio's autojump clock waits out their bu
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -29,6 +30,7 @@ from agent.head.decisions import (
     JobView,
     fatal,
     gate,
+    last_healthy,
     proof_due,
     restart_marks,
     serving_state,
@@ -50,7 +52,8 @@ from agent.job.records import (
     RendezvousRecord,
 )
 from agent.node.jobwrites import JobWrites
-from agent.node.rendezvous import Records
+from agent.node.rendezvous import Records, write_record
+from tests import kit
 
 LOG = logging.getLogger("test_head")
 ROUTER_LOG = Path("/j/logs/prefill-0/router.log")
@@ -122,6 +125,16 @@ def test_a_failed_decode_does_not_block_the_gate() -> None:
 
 def test_a_failed_prefill_blocks_the_gate() -> None:
     assert gate(view({HEAD_NAME: "failed"}), now=100.0) is None
+
+
+def test_the_gate_users_wait_for_starts_at_the_last_live_workers_own_healthy() -> None:
+    # Each worker's own clock (its /status healthy_at), not when the head heard of it; a failed
+    # decode is not waited for, so its time does not count.
+    at = {HEAD_NAME: 1000.5, "decode-0": 1000.9, "decode-1": 1001.7}
+    assert last_healthy(replace(view(), healthy_at=at)) == ("decode-1", 1001.7)
+    failed = replace(view({"decode-1": "failed"}), healthy_at=at)
+    assert last_healthy(failed) == ("decode-0", 1000.9)
+    assert last_healthy(replace(view(), healthy_at={**at, "decode-0": None})) is None
 
 
 def test_waiting_for_names_each_unhealthy_agent_with_its_state() -> None:
@@ -366,6 +379,7 @@ def test_peers_rows_feed_the_decisions(tmp_path: Path) -> None:
         own_status=lambda: status("healthy", HEAD_NAME),
         log=LOG,
         on_change=lambda: None,
+        client=httpx.AsyncClient(),
     )
     peers.by_name["decode-0"] = Peer(record=record("decode-0", "0.2"), reachable=True)
     peers.by_name["decode-0"].observe(status("failed", reason="exit 1"), now=1.0)
@@ -494,6 +508,7 @@ async def test_peers_take_bad_files_and_strays_logging_each_once(
         own_status=lambda: status("healthy", HEAD_NAME),
         log=LOG,
         on_change=lambda: None,
+        client=httpx.AsyncClient(),
     )
     problem = "J/rendezvous/decode-1.json: empty"
     found = Records(
@@ -513,6 +528,49 @@ async def test_peers_take_bad_files_and_strays_logging_each_once(
         "this job (prefill-0, decode-0, decode-1)",
         f"head: decode-1: {problem}",
     ]
+
+
+async def test_peers_follow_every_peer_over_the_agents_one_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client per peer built an SSL context each (~25 ms): 1,024 peers took 25 s to follow.
+    job = JobDir(tmp_path)
+    job.rendezvous.mkdir()
+    names = list(agent_names(1, 3))
+    for name in names[1:]:
+        url = f"http://p:9200/{name}/status"
+        index = int(name.rsplit("-", 1)[1])
+        write_record(job, msgspec.structs.replace(record(name), index=index, status_url=url))
+    polls: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        name = request.url.path.split("/")[1]
+        polls.append(name)
+        if request.url.params["after"] != "-1":
+            await trio.sleep_forever()  # a long poll: nothing changes
+        return httpx.Response(200, content=msgspec.json.encode(status("healthy", name)))
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+    def no_second_client(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the head built an HTTP client of its own")
+
+    monkeypatch.setattr(httpx.AsyncClient, "__init__", no_second_client)
+    peers = Peers(
+        names,
+        job=job,
+        own_status=lambda: status("healthy", HEAD_NAME),
+        log=LOG,
+        on_change=lambda: None,
+        client=client,
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(peers.follow, lambda: None)
+        await kit.until(
+            lambda: all(peers.state(n) == "healthy" for n in names), "every peer healthy"
+        )
+        nursery.cancel_scope.cancel()
+    assert sorted(set(polls)) == names[1:]
 
 
 def test_status_json_is_written_on_change_and_by_the_heartbeat(tmp_path: Path) -> None:
@@ -538,6 +596,11 @@ def test_status_json_is_written_on_change_and_by_the_heartbeat(tmp_path: Path) -
 def stream(*texts: str) -> bytes:
     chunks = [b'data: {"choices": [{"delta": {"content": "%s"}}]}\n\n' % t.encode() for t in texts]
     return b"".join(chunks) + b"data: [DONE]\n\n"
+
+
+def mock_client(handler: Callable[[httpx.Request], Any]) -> httpx.AsyncClient:
+    """A client like the agent's shared one, answered by ``handler``."""
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
 
 def canary(timeout_s: float = 30.0, attempt_timeout_s: float = 60.0) -> Canary:
@@ -571,9 +634,9 @@ async def test_a_canary_attempt_that_hangs_is_cut_and_retried_and_says_timeout(
         await run_canaries(
             canary(timeout_s=25.0, attempt_timeout_s=10.0),
             1,
+            client=mock_client(handler),
             log=LOG,
             router_log=ROUTER_LOG,
-            transport=httpx.MockTransport(handler),
         )
     # Three attempts of 10 s (the last cut at the budget's end), not one read of the whole budget.
     assert attempts == 3
@@ -627,7 +690,7 @@ async def test_a_canary_that_fails_then_answers_within_budget_passes(
     caplog.set_level(logging.INFO, LOG.name)
     start = trio.current_time()
     latencies = await run_canaries(
-        canary(), 1, log=LOG, router_log=ROUTER_LOG, transport=httpx.MockTransport(handler)
+        canary(), 1, client=mock_client(handler), log=LOG, router_log=ROUTER_LOG
     )
     assert len(requests) == 4
     assert requests[0].url == "http://router:8000/v1/chat/completions"
@@ -652,8 +715,9 @@ async def test_one_canary_per_decode_each_must_answer(autojump_clock: trio.abc.C
         seen += 1
         return httpx.Response(200, content=stream("Hi"))
 
-    transport = httpx.MockTransport(handler)
-    latencies = await run_canaries(canary(), 3, log=LOG, router_log=ROUTER_LOG, transport=transport)
+    latencies = await run_canaries(
+        canary(), 3, client=mock_client(handler), log=LOG, router_log=ROUTER_LOG
+    )
     assert (seen, len(latencies)) == (3, 3)
 
 
@@ -672,9 +736,9 @@ async def test_a_canary_that_never_answers_fails_the_job_after_its_budget(
         await run_canaries(
             canary(timeout_s=10.0),
             1,
+            client=mock_client(handler),
             log=LOG,
             router_log=ROUTER_LOG,
-            transport=httpx.MockTransport(handler),
         )
     assert str(failed.value) == (
         "the router at http://router:8000 did not serve 1 canary chat requests within 10s "

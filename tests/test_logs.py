@@ -21,6 +21,7 @@ from agent.job.logfiles import log_files, log_path, rotated_files
 from agent.job.logtail import LogLine, follow_file, history, open_log
 from agent.job.logtimes import format_time, times_path
 from agent.job.paths import JobDir
+from agent.node import logpump
 from agent.node.agentlog import setup_agent_logging
 from agent.node.logpump import DROP_NOTICE, LogSink
 from tests import kit
@@ -105,6 +106,69 @@ async def test_slow_file_never_blocks_the_engine(tmp_path: Path) -> None:
     # The ring saw the very last line (followed by the drop notice).
     assert sink.recent(2)[0].startswith(f"{count - 1:08d} ")
     assert sink.recent(2)[1].startswith("[tilert-agent] dropped")
+
+
+# An engine writing 64 KiB at a time as fast as it can (numbered lines of varied length).
+FAST_64K = (
+    "import os, sys\n"
+    "n = int(sys.argv[1])\n"
+    "data = b''.join(b'%08d ' % i + b'x' * (i % 300) + b'\\n' for i in range(n))\n"
+    "for i in range(0, len(data), 65536):\n"
+    "    view = memoryview(data)[i : i + 65536]\n"
+    "    while view:\n"
+    "        view = view[os.write(1, view) :]\n"
+)
+
+
+async def pump_64k(sink: LogSink, count: int) -> None:
+    """Pump FAST_64K's ``count`` lines into ``sink`` (to EOF)."""
+    proc = await trio.lowlevel.open_process(
+        [PY, "-c", FAST_64K, str(count)], stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        with trio.fail_after(60):
+            await sink.pump(proc.stdout)
+            assert await proc.wait() == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with trio.CancelScope(shield=True):
+            await proc.wait()
+
+
+def check_numbered(path: Path, count: int) -> None:
+    """The file holds FAST_64K's ``count`` lines, whole and in order."""
+    lines = path.read_bytes().split(b"\n")
+    assert lines.pop() == b""
+    assert len(lines) == count
+    assert all(ln == b"%08d " % i + b"x" * (i % 300) for i, ln in enumerate(lines))
+
+
+async def test_64k_writes_lose_nothing_while_the_file_keeps_up(tmp_path: Path) -> None:
+    """An engine that outpaces the file waits for its pipe, as it would for a file of its own:
+    no line is dropped while the file takes batches (the queue here holds only 256 KiB)."""
+    count = 120_000  # ~18 MiB
+    path = tmp_path / "engine.log"
+    sink = LogSink(path, max_bytes=1 << 40, backups=1, queue_bytes=256 * 1024)
+    await pump_64k(sink, count)
+    assert (sink.lines_dropped, sink.lines_written) == (0, count)
+    check_numbered(path, count)
+    assert sink.recent(2) == [f"{i:08d} " + "x" * (i % 300) for i in (count - 2, count - 1)]
+
+
+async def test_a_slow_file_that_keeps_taking_batches_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slow (50 ms a batch) is not stalled: the engine is slowed down, nothing is dropped."""
+    monkeypatch.setattr(logpump, "_STALL_S", 5.0)  # a loaded test machine must not look stalled
+    count = 30_000
+    path = tmp_path / "engine.log"
+    sink = SlowSink(path, max_bytes=1 << 40, backups=1, queue_bytes=512 * 1024)
+    sink.delay = 0.05
+    await pump_64k(sink, count)
+    assert sink.lines_dropped == 0
+    check_numbered(path, count)
 
 
 async def test_unwritable_file_counts_drops_and_keeps_reading(tmp_path: Path) -> None:

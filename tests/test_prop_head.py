@@ -14,7 +14,6 @@ import logging
 import shutil
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import httpx
 import msgspec
@@ -193,14 +192,6 @@ def test_the_heads_long_poll_survives_any_status_answer(scratch: Path, data: st.
     answers = data.draw(answers_of(name))
     job = JobDir(scratch / "poll")
     changes: list[str] = []
-    peers = Peers(
-        list(agent_names(1, 1)),
-        job=job,
-        own_status=lambda: msgspec.convert(_status(HEAD_NAME), AgentStatus),
-        log=LOG,
-        on_change=lambda: changes.append(peers.state(name)),
-    )
-    peers.by_name[name].record = msgspec.convert(_record(name), RendezvousRecord)
     seen: list[int] = []
     done = trio.Event()
 
@@ -213,10 +204,15 @@ def test_the_heads_long_poll_survives_any_status_answer(scratch: Path, data: st.
         await trio.lowlevel.checkpoint()  # as a real answer would: the poll must not spin
         return httpx.Response(code, content=body)
 
-    real_client = httpx.AsyncClient
-
-    def client(**kw: Any) -> httpx.AsyncClient:
-        return real_client(transport=httpx.MockTransport(handler), **kw)
+    peers = Peers(
+        list(agent_names(1, 1)),
+        job=job,
+        own_status=lambda: msgspec.convert(_status(HEAD_NAME), AgentStatus),
+        log=LOG,
+        on_change=lambda: changes.append(peers.state(name)),
+        client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+    )
+    peers.by_name[name].record = msgspec.convert(_record(name), RendezvousRecord)
 
     async def main() -> None:
         with trio.move_on_after(60):  # virtual time: every retry and long poll is instant
@@ -226,8 +222,7 @@ def test_the_heads_long_poll_survives_any_status_answer(scratch: Path, data: st.
                 nursery.cancel_scope.cancel()
         assert done.is_set(), f"the poll stopped asking after {len(seen)} answers"
 
-    with mock.patch.object(httpx, "AsyncClient", client):
-        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     peer = peers.by_name[name]
     # The last answer decides: a 2xx that decodes is taken as the peer's status; anything else
     # counts as a failed poll.

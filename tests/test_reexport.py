@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import http.server
 import math
+import random
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -17,7 +19,13 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.http.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
-from agent.http.reexport import PageError, UpstreamMetrics, registry_names, relabel_page
+from agent.http.reexport import (
+    PageError,
+    Relabeller,
+    UpstreamMetrics,
+    registry_names,
+    relabel_page,
+)
 from tests.conftest import require
 from tests.infra.ports import free_port
 from tests.infra.prometheus import (
@@ -208,6 +216,83 @@ def test_empty_page_is_empty() -> None:
     assert relabel_page("", OURS) == ""
 
 
+# --- the relabeller: the next page of the same shape --------------------------------------------
+
+
+def outcome(relabel: Callable[[str], str], page: str) -> str:
+    """What relabelling ``page`` gives: the text, or the PageError's message."""
+    try:
+        return relabel(page)
+    except PageError as exc:
+        return f"PageError: {exc}"
+
+
+def new_values(page: str, seed: int) -> str:
+    """``page`` with every sample's value replaced (what the next scrape of vLLM looks like)."""
+    rnd = random.Random(seed)
+    return re.sub(
+        r"(?m)^([a-z][^ \n]*) [^ \n]+$",
+        lambda m: f"{m[1]} {rnd.choice(['0', '1.5', '-2e-07', '+Inf', 'NaN', str(rnd.random())])}",
+        page,
+    )
+
+
+@pytest.mark.parametrize("first", [REAL, DATA / "odd-but-valid.txt"], ids=lambda p: p.name)
+def test_relabeller_agrees_with_relabel_page_on_every_next_page(first: Path) -> None:
+    """A page of the last one's shape is cut and joined, not parsed: it must come out exactly as
+    relabel_page makes it, and any other page (a new series, a changed HELP, a value that is not
+    a float, a changed timestamp, a hostile page) too, errors included."""
+    page = first.read_text()
+    reserved = ["vllm:num_requests_running"]
+    relabeller = Relabeller(OURS, reserved_names=reserved)
+
+    def reference(text: str) -> str:
+        return relabel_page(text, OURS, reserved_names=reserved)
+
+    lines = page.splitlines(keepends=True)
+    sample = next(i for i, line in enumerate(lines) if line.startswith("vllm:"))
+    nexts = [
+        page,
+        *(new_values(page, seed) for seed in range(5)),
+        page.replace("# HELP vllm:", "# HELP  vllm:", 1),
+        re.sub(r"(?m)^(# HELP [^\n]* )[^ \n]+$", r"\1changed", page, count=1),
+        re.sub(r"(?m)^(# TYPE [^\n]* )[^ \n]+$", r"\1summary", page, count=1),
+        page.replace(" 1700000000000\n", " 1700000000001\n"),
+        page.replace(" 1700000000000\n", " 1.5\n"),
+        # A timestamp equal to the value: the line's last token is not its value.
+        re.sub(r" [^ \n]+ 1700000000000\n", " 17 17\n", page),
+        re.sub(r" [^ \n]+ 1700000000000\n", " 17 18\n", page),
+        page.replace("# HELP vllm:", "# HELP vllm:x", 1),
+        "".join([*lines[:sample], lines[sample].replace('="', '="new', 1), *lines[sample:]]),
+        "".join(
+            [
+                *lines[:sample],
+                lines[sample].rsplit(" ", 1)[0] + " 1 1700000000000\n",
+                *lines[sample + 1 :],
+            ]
+        ),
+        *(
+            re.sub(r"(?m)^(vllm:[^ \n]*) [^ \n]+$", rf"\1 {bad}", page, count=3)
+            for bad in ("1e400", "x", "", "1\x00")
+        ),
+        page[:-1],
+        page.replace("\n", " \n", 1),
+        *(path.read_text() for path in BAD if path.suffix == ".txt"),
+        "",
+    ]
+    relabeller.relabel(page)
+    shape = relabeller._shape  # the fast path is taken for the next scrape's page
+    assert shape is not None
+    assert shape.fill(new_values(page, 99)) is not None
+    for i, text in enumerate(nexts):
+        assert outcome(relabeller.relabel, text) == outcome(reference, text), i
+        # And the same page again, now that it (or nothing) is the shape kept.
+        assert outcome(relabeller.relabel, text) == outcome(reference, text), i
+        assert outcome(relabeller.relabel, new_values(text, i)) == outcome(
+            reference, new_values(text, i)
+        ), i
+
+
 # --- hostile pages -----------------------------------------------------------------------------
 
 
@@ -395,6 +480,12 @@ class Upstream:
         async def metrics(request: Request) -> Response:
             self.hits += 1
             self.accept = request.headers.get("accept")
+            return Response(self.page, 200, VLLM_CONTENT_TYPE)
+
+        @app.route("GET", "/slow")
+        async def slow(_request: Request) -> Response:
+            self.hits += 1
+            await trio.sleep(0.2)
             return Response(self.page, 200, VLLM_CONTENT_TYPE)
 
         @app.route("GET", "/openmetrics")
@@ -654,6 +745,21 @@ async def test_cache_reused_within_cache_s(upstream: Upstream, client: httpx.Asy
     await fresh.render(client)
     await fresh.render(client)
     assert upstream.hits == 3
+
+
+async def test_cache_age_counts_from_the_start_of_a_refresh(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """Scrapes just over cache_s apart each fetch: counted from a refresh's end (0.2 s later),
+    every second scrape would be served the previous page instead."""
+    metrics = UpstreamMetrics(upstream.url("/slow"), OURS, cache_s=1.0)
+    start = trio.current_time()
+    await metrics.render(client)
+    await trio.sleep_until(start + 1.1)
+    await metrics.render(client)
+    assert upstream.hits == 2
+    await metrics.render(client)  # well within 1 s of the second refresh's start
+    assert upstream.hits == 2
 
 
 async def test_cache_expires_and_upstream_recovers(

@@ -9,6 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -59,7 +60,14 @@ def policy(**changes: float) -> Policy:
 class Harness:
     """A supervisor of ``python -c SCRIPT`` with a log sink in ``tmp``; records what it saw."""
 
-    def __init__(self, tmp: Path, script: str, pol: Policy, **env: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        script: str,
+        pol: Policy,
+        client: httpx.AsyncClient | None = None,
+        **env: str,
+    ) -> None:
         self.port = free_port()
         self.generations = 0
         self.moves = 0
@@ -76,6 +84,7 @@ class Harness:
             log=self.log,
             on_change=lambda: self.states.append(self.sup.state),
             on_address_in_use=self._moved,
+            client=client,
         )
         self.script = script
         self.env = {**ENV, **env}
@@ -129,6 +138,24 @@ async def test_backoff_doubles_up_to_the_max(
     assert "exited with code 3" in h.sup.reason
 
 
+async def test_an_engine_that_served_is_restarted_at_once_the_first_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Users wait for the restart of an engine that was serving; backoff is for one that dies
+    # again within the window (or never serves: test_backoff_doubles_up_to_the_max).
+    serve_then_die = "import os, threading\nthreading.Timer(0.3, os._exit, [3]).start()\n" + SERVE
+    h = Harness(tmp_path, serve_then_die, policy(max_restarts=2, backoff_initial_s=0.1))
+    with caplog.at_level(logging.WARNING, logger=h.log.name), trio.fail_after(30):
+        await h.sup.run()
+    delays = [
+        r.getMessage().rsplit(" in ", 1)[1]
+        for r in caplog.records
+        if "; restart " in r.getMessage()
+    ]
+    assert delays == ["0.0s", "0.2s"], delays
+    assert h.sup.stats.healthy_count == 3
+
+
 async def test_stop_sigterms_then_sigkills_after_grace(tmp_path: Path) -> None:
     h = Harness(tmp_path, SERVE, policy(stop_grace_s=0.5), STUBBORN="1")
     async with trio.open_nursery() as nursery:
@@ -146,6 +173,33 @@ async def test_stop_sigterms_then_sigkills_after_grace(tmp_path: Path) -> None:
     assert h.sup.status().pid is None
     assert h.sup.process is not None
     assert h.sup.process.returncode == -9
+
+
+async def test_probes_use_the_agents_client_and_healthy_at_is_the_answers_time(
+    tmp_path: Path,
+) -> None:
+    # The router's supervisor starts right after the gate: building a client there (an SSL
+    # context, ~25 ms) delayed the router. healthy_at is where the head's gate figure starts.
+    probed: list[str] = []
+
+    class Seen(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            probed.append(request.url.path)
+            return await super().handle_async_request(request)
+
+    async with httpx.AsyncClient(transport=Seen()) as client:
+        h = Harness(tmp_path, SERVE, policy(), client=client)
+        launched = time.time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(h.sup.run)
+            await kit.until(lambda: h.sup.state == "healthy", "the engine healthy")
+            healthy = h.sup.status()
+            await h.sup.stop()
+    assert probed
+    assert set(probed) == {"/health"}
+    assert healthy.healthy_at is not None
+    assert launched < healthy.healthy_at <= healthy.since
+    assert h.sup.status().healthy_at is None  # stopped: no longer healthy
 
 
 async def test_stop_during_backoff_ends_stopped(tmp_path: Path) -> None:

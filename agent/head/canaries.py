@@ -106,11 +106,16 @@ class Canary:
         }
 
 
-async def _attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> str:
+async def _attempt(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], bounds: httpx.Timeout
+) -> str:
     """One canary chat: the text it streamed; ``CanaryFailed`` (or httpx's error) otherwise."""
     text = ""
     events = 0
-    async with client.stream("POST", url, json=body) as response:
+    # Connection: close, so no idle connection is left per decode in the router's pool (httpcore
+    # looks at each idle one on every request: with 1,024 decodes that is a million looks).
+    headers = {"Connection": "close"}
+    async with client.stream("POST", url, json=body, timeout=bounds, headers=headers) as response:
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace").strip()[:300]
             raise CanaryFailed(
@@ -128,9 +133,9 @@ async def run_canaries(
     canary: Canary,
     count: int,
     *,
+    client: httpx.AsyncClient,
     log: logging.Logger,
     router_log: Path,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> list[float]:
     """Send ``count`` canaries at once; each must stream text. Their latencies, or ``JobFailed``."""
     deadline = trio.current_time() + canary.timeout_s
@@ -139,7 +144,10 @@ async def run_canaries(
     latencies: list[float] = []
     errors: list[str] = []
 
-    async def one(client: httpx.AsyncClient, i: int) -> None:
+    # The attempt's own bound cuts a slow read; httpx's timeouts only back it up.
+    timeout = httpx.Timeout(canary.attempt_timeout_s, connect=CONNECT_TIMEOUT_S)
+
+    async def one(i: int) -> None:
         attempts = 0
         while True:
             t0 = trio.current_time()
@@ -149,7 +157,7 @@ async def run_canaries(
             cause = ""
             with trio.move_on_after(max(bound, 0.0)) as scope:
                 try:
-                    text = await _attempt(client, url, body)
+                    text = await _attempt(client, url, body, timeout)
                 except (CanaryFailed, httpx.HTTPError) as exc:
                     cause = failure_cause(exc)
                 else:
@@ -164,14 +172,9 @@ async def run_canaries(
             log.info("head: canary %d/%d not yet: %s", i + 1, count, cause)
             await trio.sleep(CANARY_RETRY_S)
 
-    # The attempt's own bound cuts a slow read; httpx's timeouts only back it up.
-    timeout = httpx.Timeout(canary.attempt_timeout_s, connect=CONNECT_TIMEOUT_S)
-    async with (
-        httpx.AsyncClient(timeout=timeout, transport=transport) as client,
-        trio.open_nursery() as nursery,
-    ):
+    async with trio.open_nursery() as nursery:
         for i in range(count):
-            nursery.start_soon(one, client, i)
+            nursery.start_soon(one, i)
     if errors:
         raise JobFailed(
             f"the router at {canary.router_url} did not serve {count} canary chat requests within "

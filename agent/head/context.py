@@ -10,6 +10,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import httpx
+
 from agent.http.metrics import HeadFigures
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
@@ -46,5 +48,7 @@ class HeadContext:
     stop_node: Callable[[], Awaitable[None]]
     # The node agent's writes into J/ (retried while they fail; the agent's /status shows them).
     writes: JobWrites
+    # The agent's one HTTP client (agent.http.client): long polls, router probes, canaries.
+    client: httpx.AsyncClient
     # process name -> its scratch folder (temp and caches; agent.launch.scratch), or None.
     scratch_folder: Callable[[str], str] | None = None

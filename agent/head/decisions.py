@@ -33,6 +33,8 @@ class JobView:
     agents: Mapping[str, JobAgent]
     # The monotonic time the head saw each agent turn healthy.
     healthy_since: Mapping[str, float | None] = field(default_factory=dict)
+    # When each agent turned healthy on its own (wall) clock, as its /status says (healthy_at).
+    healthy_at: Mapping[str, float | None] = field(default_factory=dict)
     # The tilert version each agent's record names (agents whose preflight found one).
     versions: Mapping[str, str] = field(default_factory=dict)
     # The router once started (its row in status.json).
@@ -53,16 +55,29 @@ def failure_of(agent: JobAgent) -> str:
     return f"{agent.name} on {agent.node or '?'} failed: {agent.reason} (log: {agent.log})"
 
 
+def live_workers(view: JobView) -> list[str]:
+    """The head and every decode that has not failed (a failed one is dropped, not waited for)."""
+    return [HEAD_NAME, *(n for n in view.decodes if view.state(n) != "failed")]
+
+
 def gate(view: JobView, now: float) -> float | None:
     """When every live worker is healthy: the time the last one turned healthy; else None.
 
-    Live: the head and every decode that has not failed (a failed decode is dropped, not waited
-    for). An agent whose turn to healthy was not seen counts as healthy ``now``.
+    An agent whose turn to healthy was not seen counts as healthy ``now``.
     """
-    names = [HEAD_NAME, *(n for n in view.decodes if view.state(n) != "failed")]
+    names = live_workers(view)
     if any(view.state(n) != "healthy" for n in names):
         return None
     return max(view.healthy_since.get(n) or now for n in names)
+
+
+def last_healthy(view: JobView) -> tuple[str, float] | None:
+    """The live worker that turned healthy last on its own clock, and when; None if one is mute."""
+    times = [(view.healthy_at.get(n), n) for n in live_workers(view)]
+    if any(at is None for at, _ in times):
+        return None
+    at, name = max((at, n) for at, n in times if at is not None)
+    return name, at
 
 
 def waiting_for(view: JobView) -> str:

@@ -31,6 +31,7 @@ from agent.head.decisions import (
     failure_of,
     fatal,
     gate,
+    last_healthy,
     proof_due,
     restart_marks,
     serving_state,
@@ -44,12 +45,14 @@ from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
-from agent.job.records import EngineStatus, JobState, JobStatus
+from agent.job.records import EngineStatus, Gate, JobState, JobStatus
 from agent.node.jobend import end_job
 from agent.node.supervisor import EngineSupervisor
 
 GATE_POLL_S = 0.5  # re-evaluate at least this often while bringing the job up
-SERVE_POLL_S = 1.0  # and while serving (every change wakes the head before that)
+# And while serving: every change wakes the head before that (a pending re-proof at its time), so
+# this is a safety net; each wake costs a look at every agent.
+SERVE_POLL_S = 5.0
 PROOF_RETRY_S = 5.0  # after a failed re-proof (its whole canary budget spent), try again after this
 
 
@@ -69,6 +72,7 @@ class Head:
             own_status=ctx.own_status,
             log=ctx.log,
             on_change=self.poke,
+            client=ctx.client,
         )
         self.router = Router(ctx, self.peers.records)
         # Decodes the router no longer uses, with the failure that dropped each.
@@ -76,6 +80,8 @@ class Head:
         self.state: JobState = "starting"
         self.error: str | None = None
         self.router_url: str | None = None  # shown while the router is ours to serve
+        self.gate: Gate | None = None  # once the router's process runs after the gate
+        self._gate_noted = False
         # Carried into every status.json: `stop` checks the supervisor by them.
         self.local_pid, self.local_started_at = read_local_supervisor(ctx.job)
         self.status_file = StatusWriter(ctx.job, self._job_status, ctx.writes)
@@ -131,9 +137,14 @@ class Head:
         return JobView(
             agents={n: self.peers.entry(n, self.dropped.get(n)) for n in self.expected},
             healthy_since=self.peers.healthy_since(),
+            healthy_at={n: self._healthy_at(n) for n in self.expected},
             versions=self.peers.versions(),
             router=self.router.entry(self.peers.by_name[HEAD_NAME].record),
         )
+
+    def _healthy_at(self, name: str) -> float | None:
+        status = self.ctx.own_status() if name == HEAD_NAME else self.peers.by_name[name].status
+        return status.healthy_at if status is not None else None
 
     def _job_status(self) -> JobStatus:
         view = self._view()
@@ -149,6 +160,7 @@ class Head:
             router=view.router,
             standins=[n for n in self.plan.standins if n != ROUTER_NAME or self.router.standin],
             benchmark=self.bench.status() if self.bench is not None else msgspec.UNSET,
+            gate=self.gate if self.gate is not None else msgspec.UNSET,
         )
 
     def _on_records(self) -> None:
@@ -183,11 +195,11 @@ class Head:
             self.peers.refresh_own()
             view = self._view()
             self._check_fatal(view)
-            missing = any(view.state(n) == "missing" for n in self.expected)
-            self._set_state("starting" if missing else "waiting", waiting_for(view))
             last = gate(view, time.monotonic())
             if last is not None:
-                break
+                break  # status.json (an fsync) waits until the router runs
+            missing = any(view.state(n) == "missing" for n in self.expected)
+            self._set_state("starting" if missing else "waiting", waiting_for(view))
             if converting(view):
                 # The startup budget counts from when the last conversion ends.
                 deadline = max(deadline, time.monotonic() + budget)
@@ -198,19 +210,16 @@ class Head:
             self.dropped[name] = failure_of(view.agents[name])
         decodes = [n for n in view.decodes if n not in self.dropped]
         router = self.router.start(nursery, decodes)
-        gate_s = time.monotonic() - last
-        self.ctx.figures.gate_latency_s = gate_s
-        self.log.info(
-            "head: every worker healthy; router started %.0f ms after the last one (decodes %s)",
-            gate_s * 1000,
-            ", ".join(decodes),
-        )
+        decision_s = time.monotonic() - last
+        self.ctx.figures.gate_latency_s = decision_s
         self.router_url = self.router.url
         while router.state != "healthy":
             if self._stop.is_set():
                 return False
+            self._note_gate(router, view, decision_s, decodes)
             self._check_fatal(self._view())
             await self._wait(GATE_POLL_S)
+        self._note_gate(router, view, decision_s, decodes)
         marks = restart_marks(self._view())
         self.ctx.figures.canary_latency_s = await self._canaries(len(decodes))
         self.proven = marks
@@ -237,10 +246,39 @@ class Head:
             self._stop.set()
             self.poke()
 
+    def _note_gate(
+        self, router: EngineSupervisor, view: JobView, decision_s: float, decodes: list[str]
+    ) -> None:
+        """Once the router's process runs: the gate users waited for, logged and in status.json."""
+        if self._gate_noted or router.started_at is None:
+            return
+        self._gate_noted = True
+        last = last_healthy(view)
+        if last is not None:
+            worker, healthy_at = last
+            self.gate = Gate(
+                last_worker=worker,
+                last_healthy_at=healthy_at,
+                router_started_at=router.started_at,
+                gate_s=router.started_at - healthy_at,
+                decision_s=decision_s,
+            )
+            self.ctx.figures.gate_s = self.gate.gate_s
+        self.log.info(
+            "head: every worker healthy; router started %.0f ms after the last one (%s; the head "
+            "decided in %.1f ms; decodes %s)",
+            (self.gate.gate_s if self.gate else decision_s) * 1000,
+            self.gate.last_worker if self.gate else "?",
+            decision_s * 1000,
+            ", ".join(decodes),
+        )
+        self._set_state("waiting", waiting_for(view))
+
     async def _canaries(self, count: int) -> list[float]:
         return await run_canaries(
             Canary.for_plan(self.plan, self.router.url),
             count,
+            client=self.ctx.client,
             log=self.log,
             router_log=log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan),
         )
@@ -292,7 +330,8 @@ class Head:
                 nursery.start_soon(self._prove, restart_marks(view), len(live))
             proven = restart_marks(view) == self.proven
             self._set_state(*serving_state(view, self.dropped, proven=proven, proof=self._proof))
-            await self._wait(SERVE_POLL_S)
+            retry = self._next_proof_at - time.monotonic()
+            await self._wait(min(SERVE_POLL_S, retry) if retry > 0 else SERVE_POLL_S)
 
     async def run(self) -> int:
         """The head's whole life; returns the agent's exit code."""

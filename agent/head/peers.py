@@ -12,6 +12,7 @@ for ``UNREACHABLE_FAIL_S`` (killed, frozen, its node gone) while it had not said
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -147,6 +148,7 @@ class Peers:
         own_status: Callable[[], AgentStatus],
         log: logging.Logger,
         on_change: Callable[[], None],
+        client: httpx.AsyncClient,
     ) -> None:
         self.by_name: dict[str, Peer] = {name: Peer() for name in names}
         self.job = job
@@ -155,6 +157,7 @@ class Peers:
         self.own_status = own_status
         self.log = log
         self.on_change = on_change
+        self.client = client  # the agent's one client (agent.http.client)
         self._followed: set[str] = set()
         self._strays: set[str] = set()
 
@@ -266,7 +269,7 @@ class Peers:
         """Long-poll a peer's /status forever; each answer is pushed into the gate at once."""
         peer = self.by_name[name]
         version = -1
-        async with httpx.AsyncClient() as client:
+        async with contextlib.nullcontext(self.client) as client:
             while True:
                 # Read each time: every republish replaces the record.
                 record = self.record(name)

@@ -116,6 +116,7 @@ class Router:
             log=ctx.log,
             on_change=ctx.on_change,
             observe_probe=ctx.probe_observer("router"),
+            client=ctx.client,
         )
         nursery.start_soon(self.supervisor.run)
         return self.supervisor

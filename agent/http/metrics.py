@@ -8,6 +8,7 @@ the classic text format (prometheus_client bug #1177 mangles ``vllm:`` names und
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,8 +44,10 @@ JOB_STATES = (
 )
 BASE_LABELS = ("role", "node", "slurm_job_id")
 # The head serves these only once it has measured them: reserved from the start all the same.
+GATE = "tilert_agent_gate_seconds"
 GATE_LATENCY = "tilert_agent_gate_latency_seconds"
 CANARY_LATENCY = "tilert_agent_canary_latency_seconds"
+TREE_TTL_S = 10.0
 
 
 @dataclass
@@ -52,22 +55,46 @@ class HeadFigures:
     """What the head agent measures, for its extra series."""
 
     job_state: str = "starting"
+    # Last worker's own healthy -> the router's process running (what users wait for).
+    gate_s: float | None = None
+    # The head's decision alone: it saw the last worker healthy -> it asked for the router.
     gate_latency_s: float | None = None
     canary_latency_s: list[float] = field(default_factory=list)
 
 
-def _tree(engine_pid: int | None, supervisor: EngineSupervisor) -> list[psutil.Process]:
-    if engine_pid is None or supervisor.process is None:
-        return []
-    try:
-        return supervisor.process.descendants()
-    except psutil.Error:
-        return []
+class _Trees:
+    """Each engine's process tree, found again at most every ``TREE_TTL_S``.
+
+    Finding a tree reads every process of the node (psutil's parent map: 1-10 ms with a few
+    hundred processes) and every scrape wants it; the figures of the processes found are read
+    fresh each time. A process the engine starts in between is counted from the next search.
+    """
+
+    def __init__(self) -> None:
+        self._found: dict[str, tuple[float, int, list[psutil.Process]]] = {}
+
+    def of(
+        self, component: str, engine_pid: int | None, sup: EngineSupervisor
+    ) -> list[psutil.Process]:
+        """The processes of ``component``'s engine (none while it has no live pid)."""
+        if engine_pid is None or sup.process is None:
+            self._found.pop(component, None)
+            return []
+        now = time.monotonic()
+        found = self._found.get(component)
+        if found is None or found[1] != engine_pid or now - found[0] > TREE_TTL_S:
+            try:
+                tree = sup.process.descendants()
+            except psutil.Error:
+                tree = []
+            found = self._found[component] = (now, engine_pid, tree)
+        return found[2]
 
 
 class _StateCollector(Collector):
     def __init__(self, metrics: AgentMetrics) -> None:
         self.m = metrics
+        self.trees = _Trees()
 
     def describe(self) -> Iterable[Metric]:
         # Names are checked by the registry through describe(); the live values come later.
@@ -128,7 +155,7 @@ class _StateCollector(Collector):
             if sup.stats.time_to_healthy_s is not None:
                 healthy_after.add_metric(labels, sup.stats.time_to_healthy_s)
             c = r = t = f = n = 0.0
-            for proc in _tree(status.pid, sup):
+            for proc in self.trees.of(component, status.pid, sup):
                 try:
                     with proc.oneshot():
                         times = proc.cpu_times()
@@ -168,14 +195,22 @@ class _StateCollector(Collector):
             for js in JOB_STATES:
                 job.add_metric([*base, js], 1.0 if m.head.job_state == js else 0.0)
             yield job
-            if m.head.gate_latency_s is not None:
+            if m.head.gate_s is not None:
                 gate = GaugeMetricFamily(
-                    GATE_LATENCY,
-                    "Last worker healthy to router started",
+                    GATE,
+                    "Last worker's own healthy answer to the router's process running",
                     labels=list(BASE_LABELS),
                 )
-                gate.add_metric(base, m.head.gate_latency_s)
+                gate.add_metric(base, m.head.gate_s)
                 yield gate
+            if m.head.gate_latency_s is not None:
+                decision = GaugeMetricFamily(
+                    GATE_LATENCY,
+                    "The head saw the last worker healthy to the head asked for the router",
+                    labels=list(BASE_LABELS),
+                )
+                decision.add_metric(base, m.head.gate_latency_s)
+                yield decision
             if m.head.canary_latency_s:
                 canary = GaugeMetricFamily(
                     CANARY_LATENCY,
@@ -225,7 +260,7 @@ class AgentMetrics:
         Read once, before the head has measured anything, so the families it serves only later
         are added here: an upstream family of the same name would otherwise appear twice.
         """
-        later = {GATE_LATENCY, CANARY_LATENCY} if self.head is not None else set()
+        later = {GATE, GATE_LATENCY, CANARY_LATENCY} if self.head is not None else set()
         return registry_names(self.registry) | later
 
     def render(self) -> str:

@@ -87,6 +87,9 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     reason: str
     since: float
     uptime_s: float | None
+    # Wall clock (this node's) of the health answer that made the engine healthy; None unless
+    # healthy. The head's gate figure starts at the last worker's.
+    healthy_at: float | None = None
 
 
 class AgentStatus(EngineStatus, kw_only=True):
@@ -121,6 +124,21 @@ class JobAgent(msgspec.Struct, kw_only=True):
     convert: ConvertProgress | msgspec.UnsetType = msgspec.UNSET
 
 
+class Gate(msgspec.Struct, kw_only=True):
+    """``status.json`` ``gate``: how long the router took to start once every worker was healthy."""
+
+    # The worker that turned healthy last, and when, on its own clock (its /status healthy_at).
+    last_worker: str
+    last_healthy_at: float
+    # The head's clock once the router's process was running (its launcher returned after exec).
+    router_started_at: float
+    # router_started_at - last_healthy_at: what users wait for (clocks of two nodes when the last
+    # worker is a decode: NTP keeps them within about a millisecond).
+    gate_s: float
+    # The head's own part: it saw the last worker healthy -> it asked for the router's start.
+    decision_s: float
+
+
 class JobStatus(msgspec.Struct, kw_only=True):
     """``J/status.json``: the submitter writes ``pending``; the head agent every change and every 5
     s."""
@@ -145,3 +163,5 @@ class JobStatus(msgspec.Struct, kw_only=True):
     standins: list[str] = []
     # The benchmark the head runs once ready (docs/benchmark.md); absent without one.
     benchmark: BenchmarkStatus | msgspec.UnsetType = msgspec.UNSET
+    # Once the router has started (bring-up only; a restart without a dropped decode is no gate).
+    gate: Gate | msgspec.UnsetType = msgspec.UNSET

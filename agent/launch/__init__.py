@@ -28,11 +28,13 @@ stand-in lies); nothing of ``agent.recipe``, ``agent.node`` or above.
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib
+from typing import TYPE_CHECKING, Any, Literal
 
-from agent.launch.process import LocalProcess, ProcessLauncher
-from agent.launch.pyxis import PyxisLauncher, PyxisStep
-from agent.launch.spec import Launcher, LaunchSpec, ProcessHandle, RunTimeout
+if TYPE_CHECKING:
+    from agent.launch.process import LocalProcess, ProcessLauncher
+    from agent.launch.pyxis import PyxisLauncher, PyxisStep
+    from agent.launch.spec import Launcher, LaunchSpec, ProcessHandle, RunTimeout
 
 __all__ = [
     "LaunchSpec",
@@ -46,12 +48,37 @@ __all__ = [
     "make_launcher",
 ]
 
+# Imported on first use: ``tilert-submit --dry-run`` reads ``commands`` (the engines' argv) and
+# must not pay for trio and psutil, which the launchers need (~100 ms of its ~250 ms).
+_HOMES = {
+    "LocalProcess": "agent.launch.process",
+    "ProcessLauncher": "agent.launch.process",
+    "PyxisLauncher": "agent.launch.pyxis",
+    "PyxisStep": "agent.launch.pyxis",
+    "Launcher": "agent.launch.spec",
+    "LaunchSpec": "agent.launch.spec",
+    "ProcessHandle": "agent.launch.spec",
+    "RunTimeout": "agent.launch.spec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The launch names, each imported from its module on first use."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
 
 def make_launcher(
     kind: Literal["process", "pyxis"], *, slurm_job_id: str | None, node: str | None
 ) -> Launcher:
     """The launcher the cluster file names (``launcher: process|pyxis``)."""
     if kind == "process":
+        from agent.launch.process import ProcessLauncher
+
         return ProcessLauncher()
     if kind == "pyxis":
         if not slurm_job_id or not node:
@@ -60,5 +87,7 @@ def make_launcher(
                 "(SLURMD_NODENAME); run the agent inside the job, or set launcher: process "
                 "in the cluster file"
             )
+        from agent.launch.pyxis import PyxisLauncher
+
         return PyxisLauncher(slurm_job_id, node)
     raise ValueError(f"unknown launcher {kind!r}: use process or pyxis (cluster file key launcher)")

@@ -1,19 +1,30 @@
-"""Engine log capture: rotated files and a ring of recent lines, never blocking the engine.
+"""Engine log capture: rotated files and a ring of recent lines, never stalling the engine.
 
-The engine is never blocked by its log pipe. ``LogSink.pump`` reads the pipe on the trio loop and
-only ever appends to a bounded in-memory queue; a separate writer task hands queued batches to a
-worker thread (``trio.to_thread``), because the job directory lives on a shared file system where
-one ``write()`` can stall for seconds, and a stall on the loop would stop the reader (filling the
-pipe and blocking the engine), the probes and ``/status`` all at once. A thread hop costs tens of
-microseconds per batch of up to 1 MiB, so every batch goes through it, small ones included. When
-the queue is full the newest lines are dropped (counted, and noted in the file once it catches up);
-the ring of recent lines still gets every line, so a failure report shows what really happened.
+A stalled file system never blocks the engine. ``LogSink.pump`` reads the pipe on the trio loop
+into a bounded in-memory queue; a separate writer task hands queued batches to a worker thread
+(``trio.to_thread``), because the job directory lives on a shared file system where one
+``write()`` can stall for seconds, and a stall on the loop would stop the reader (filling the
+pipe and blocking the engine), the probes and ``/status`` all at once. When the queue is full the
+reader waits for the writer to take its next batch (the engine then waits for its pipe, as it
+would for a file of its own), but never more than ``_STALL_S``: a file that takes no batch for
+that long costs lines instead (the newest are dropped, counted, and noted in the file once it
+catches up) until it takes one again. The ring of recent lines still gets every line, so a
+failure report shows what really happened.
+
+Throughput (an engine writing 64 KiB at a time): the pipe is widened to 1 MiB and read 1 MiB at
+a time; a read is queued as one block of whole lines, never split into lines on the loop's thread
+unless a line is too long (holding the GIL there starved the writer thread, and lines were
+dropped while the disk had room); the writer takes everything queued and writes it with one
+``writev`` (each system call gives the GIL up, and taking it back can cost a switch interval).
+
 The time each batch was read from the pipe goes into the log file's side index (``engine.times``,
 ``agent.job.logtimes``), so ``tilert-submit logs --timestamps`` and ``--since`` know when each
 line arrived while the file keeps exactly the engine's bytes.
 """
 
+import contextlib
 import errno
+import fcntl
 import logging
 import logging.handlers
 import os
@@ -30,8 +41,11 @@ from agent.job.paths import PRIVATE_DIR_MODE
 
 # Memory the queue may hold while the file is behind (beyond it, lines are dropped).
 DEFAULT_QUEUE_BYTES = 8 * 1024 * 1024
-_READ_CHUNK = 64 * 1024
-_BATCH_BYTES = 1024 * 1024
+_READ_CHUNK = 1024 * 1024
+_BATCH_BYTES = 8 * 1024 * 1024
+_IOV_MAX = 1024  # buffers per writev (Linux's limit)
+# How long the reader waits for the file to take a batch before it drops lines instead.
+_STALL_S = 0.1
 # How long a cancelled pump keeps trying to get its queue into the file (shutdown must stay short).
 _DRAIN_ON_CANCEL_S = 1.0
 DROP_NOTICE = "[tilert-agent] dropped {lines} lines ({bytes} bytes) the log file could not take"
@@ -46,6 +60,29 @@ def _cut(data: bytes, limit: int) -> int:
     while pos > limit - 3 and pos > 1 and data[pos] & 0xC0 == 0x80:
         pos -= 1
     return pos if data[pos] & 0xC0 != 0x80 else limit
+
+
+def _widen_pipe(stream: trio.abc.ReceiveStream) -> None:
+    """Let the engine's pipe hold ``_READ_CHUNK`` (64 KiB by default), where the kernel allows.
+
+    Each read then takes up to 1 MiB: a 64 KiB pipe wakes the agent and stops the engine once
+    per 64 KiB, which cost more than the reading itself.
+    """
+    fileno = getattr(stream, "fileno", None)
+    if fileno is not None:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fileno(), fcntl.F_SETPIPE_SZ, _READ_CHUNK)
+
+
+def _fits(block: bytes, limit: int) -> bool:
+    """Whether every line of ``block`` (whole lines) is at most ``limit`` bytes; no split."""
+    start = 0
+    while len(block) - start > limit + 1:
+        newline = block.rfind(b"\n", start, start + limit + 1)
+        if newline < 0:
+            return False
+        start = newline + 1
+    return True
 
 
 def _pieces(line: bytes, limit: int) -> Iterator[bytes]:
@@ -91,7 +128,10 @@ class LogSink:
         self.bytes_written = 0
         self.lines_dropped = 0
         self.bytes_dropped = 0
-        self._ring: deque[bytes] = deque(maxlen=ring_lines)
+        self.ring_lines = ring_lines
+        # Blocks of whole lines (engine output and notes) with their line counts, newest last.
+        self._ring: deque[tuple[bytes, int]] = deque()
+        self._ring_count = 0
         # Items are (block of whole lines, engine lines in it, engine bytes in it, received at).
         self._queue: deque[tuple[bytes, int, int, float]] = deque()
         self._queued_bytes = 0
@@ -101,6 +141,8 @@ class LogSink:
         self._written = 0
         self._pumps = 0
         self._lot = trio.lowlevel.ParkingLot()
+        self._room = trio.lowlevel.ParkingLot()  # the writer took a batch off the queue
+        self._stalled = False  # the file took no batch for _STALL_S: drop, do not wait
         self._write_lock = trio.Lock()
         self._file_lock = threading.Lock()
         self._fd: int | None = None
@@ -113,6 +155,7 @@ class LogSink:
     async def pump(self, stream: trio.abc.ReceiveStream) -> None:
         """Read ``stream`` to EOF into the ring and the file queue; never waits for the file."""
         self._pumps += 1
+        _widen_pipe(stream)
         try:
             async with trio.open_nursery() as nursery:
                 target: list[int] = []
@@ -130,7 +173,7 @@ class LogSink:
             self._pumps -= 1
 
     async def _read(self, stream: trio.abc.ReceiveStream) -> None:
-        """Split the stream into lines; the partial last line at EOF is kept as a line."""
+        """Cut the stream into blocks of whole lines; the partial last line at EOF is one too."""
         partial = b""
         while True:
             try:
@@ -139,44 +182,73 @@ class LogSink:
                 data = b""
             if not data:
                 if partial:
-                    self._accept([partial])
+                    self._accept(partial + b"\n")
                 return
-            lines, partial = self._split(partial, bytes(data))
-            if lines:
-                self._accept(lines)
+            block, partial = self._whole_lines(partial, bytes(data))
+            if block:
+                await self._room_for(len(block))
+                self._accept(block)
 
-    def _split(self, partial: bytes, data: bytes) -> tuple[list[bytes], bytes]:
-        """Complete lines (each at most ``max_line_bytes``) and the unfinished rest."""
-        buf = partial + data if partial else data
+    async def _room_for(self, size: int) -> None:
+        """Wait while the queue is full and the file is taking batches, at most ``_STALL_S``.
+
+        The engine then waits for its pipe as it would for a file of its own, and no line is
+        dropped while the disk keeps up; a file system that takes no batch for ``_STALL_S`` costs
+        lines instead of engine time, until it takes one again.
+        """
+        if self._stalled:
+            return
+        with trio.move_on_after(_STALL_S) as waited:
+            while self._queued_bytes and self.queue_bytes - self._queued_bytes < size:
+                await self._room.park()
+        self._stalled = waited.cancelled_caught
+
+    def _whole_lines(self, partial: bytes, data: bytes) -> tuple[bytes, bytes]:
+        """Complete lines (each at most ``max_line_bytes``) as one block, and the unfinished rest.
+
+        No split into lines unless one is too long: this runs on the event loop's thread for
+        every read, and holding the GIL there starves the thread that writes the file.
+        """
         limit = self.max_line_bytes
-        lines: list[bytes] = []
-        if b"\n" in data:
-            lines = buf.split(b"\n")
-            buf = lines.pop()
-            if max(map(len, lines)) > limit:
-                lines = [piece for line in lines for piece in _pieces(line, limit)]
-        while len(buf) > limit:
-            pos = _cut(buf, limit)
-            lines.append(buf[:pos])
-            buf = buf[pos:]
-        return lines, buf
+        end = data.rfind(b"\n") + 1
+        if not end:
+            block, rest = b"", partial + data
+        elif end == len(data) and not partial:
+            block, rest = data, b""
+        else:  # one copy, not two
+            block, rest = b"".join((partial, memoryview(data)[:end])), data[end:]
+        if not _fits(block, limit):
+            lines = block.split(b"\n")[:-1]
+            block = b"".join(piece + b"\n" for line in lines for piece in _pieces(line, limit))
+        while len(rest) > limit:
+            pos = _cut(rest, limit)
+            block += rest[:pos] + b"\n"
+            rest = rest[pos:]
+        return block, rest
 
-    def _accept(self, lines: list[bytes]) -> None:
+    def _accept(self, block: bytes) -> None:
         """Ring and queue for complete engine lines; what does not fit the queue is dropped."""
-        self._ring.extend(lines)
-        block = b"\n".join(lines) + b"\n"
+        lines = block.count(b"\n")
+        self._remember(block, lines)
         room = self.queue_bytes - self._queued_bytes
-        if len(block) <= room:
-            self._push(block, len(lines), len(block))
+        if len(block) <= room or not self._queued_bytes:  # one read may exceed a small queue
+            self._push(block, lines, len(block))
             return
         cut = block.rfind(b"\n", 0, room) + 1 if room > 0 else 0
-        kept = block[:cut].count(b"\n")
+        kept = block.count(b"\n", 0, cut)
         if cut:
             self._push(block[:cut], kept, cut)
-        self.lines_dropped += len(lines) - kept
+        self.lines_dropped += lines - kept
         self.bytes_dropped += len(block) - cut
-        self._unnoted_lines += len(lines) - kept
+        self._unnoted_lines += lines - kept
         self._unnoted_bytes += len(block) - cut
+
+    def _remember(self, block: bytes, lines: int) -> None:
+        """Keep the newest blocks holding the last ``ring_lines`` lines (``recent`` splits them)."""
+        self._ring.append((block, lines))
+        self._ring_count += lines
+        while self._ring_count - self._ring[0][1] >= self.ring_lines:
+            self._ring_count -= self._ring.popleft()[1]
 
     def _push(self, block: bytes, lines: int, nbytes: int) -> None:
         """Queue a block for the file, after the notice of any drop before it."""
@@ -194,13 +266,13 @@ class LogSink:
             return
         text = DROP_NOTICE.format(lines=self._unnoted_lines, bytes=self._unnoted_bytes)
         self._unnoted_lines = self._unnoted_bytes = 0
-        self._ring.append(text.encode())
+        self._remember(text.encode() + b"\n", 1)
         self._push(text.encode() + b"\n", 0, 0)
 
     def note(self, text: str) -> None:
         """Add a line of the agent's own (``=== engine started pid 123 ===``) to file and ring."""
         lines = [line.encode() for line in text.splitlines()] or [b""]
-        self._ring.extend(lines)
+        self._remember(b"\n".join(lines) + b"\n", len(lines))
         self._push(b"\n".join(lines) + b"\n", 0, 0)
         if not self._pumps:
             # No writer task is running (between engine runs): a note is small, write it now.
@@ -213,7 +285,8 @@ class LogSink:
         """The last ``n`` lines (engine output and notes), decoded with ``errors="replace"``."""
         if n <= 0:
             return []
-        tail = list(self._ring)[-n:]
+        lines = [line for block, _ in self._ring for line in block.split(b"\n")[:-1]]
+        tail = lines[-min(n, self.ring_lines) :]
         return [line.decode("utf-8", "replace").rstrip("\r") for line in tail]
 
     # ---- writing side ----
@@ -233,6 +306,7 @@ class LogSink:
         for _ in range(count):
             block = self._queue.popleft()[0]
             self._queued_bytes -= len(block)
+        self._room.unpark_all()
 
     async def _write_batch(self) -> None:
         """Write up to ``_BATCH_BYTES`` of the queue in a worker thread, one batch at a time."""
@@ -263,6 +337,7 @@ class LogSink:
         lines = sum(item[1] for item in items)
         nbytes = sum(item[2] for item in items)
         self._written += len(items)
+        self._stalled = False
         if error is None:
             self.lines_written += lines
             self.bytes_written += nbytes
@@ -282,8 +357,21 @@ class LogSink:
         """Append (block, received at) to the file, rotating between lines (a worker thread)."""
         with self._file_lock:
             try:
-                for block, received in blocks:
-                    self._write_block(block, received)
+                if self._fd is None:
+                    self._open()
+                if sum(len(block) for block, _ in blocks) <= self.max_bytes - self._size:
+                    # One system call for the batch: each call gives the GIL up, and taking it
+                    # back while the loop's thread reads the pipe can take a switch interval.
+                    # The times go into the index before the bytes: a reader that sees them
+                    # finds them.
+                    offset = self._size
+                    for block, received in blocks:
+                        self._times.add(offset, received)
+                        offset += len(block)
+                    self._write_all([block for block, _ in blocks])
+                else:
+                    for block, received in blocks:
+                        self._write_block(block, received)
             except OSError as exc:
                 self._close_fd()
                 return exc
@@ -298,27 +386,30 @@ class LogSink:
             # The time goes into the index before the bytes: a reader that sees them finds it.
             self._times.add(self._size, received)
             if len(block) <= room:
-                self._write_all(block)
+                self._write_all([block])
                 return
             cut = block.rfind(b"\n", 0, room) + 1 if room > 0 else 0
             if cut == 0 and self._size == 0:
                 cut = block.find(b"\n") + 1 or len(block)
             if cut:
-                self._write_all(block[:cut])
+                self._write_all([block[:cut]])
                 block = block[cut:]
             if block:
                 self._rotate()
 
-    def _write_all(self, data: bytes) -> None:
-        """``os.write`` until every byte is written."""
+    def _write_all(self, buffers: list[bytes]) -> None:
+        """``os.writev`` until every byte is written (one system call, as a rule)."""
         fd = self._fd
         if fd is None:  # _write_block opens the file first; a closed sink writes nothing
             raise OSError(errno.EBADF, "the log file is closed", str(self.path))
-        view = memoryview(data)
-        while view:
-            done = os.write(fd, view)
-            view = view[done:]
-        self._size += len(data)
+        views = [memoryview(b) for b in buffers if b]
+        while views:
+            done = os.writev(fd, views[:_IOV_MAX])
+            self._size += done
+            while views and done >= len(views[0]):
+                done -= len(views.pop(0))
+            if done:
+                views[0] = views[0][done:]
 
     def _open(self) -> None:
         """Open (append) the current file, creating the agent's private log folder."""

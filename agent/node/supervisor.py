@@ -10,7 +10,9 @@ States are the ``/status`` vocabulary of docs/agent.md::
 
 An engine exit is a failure unless we are stopping (vLLM's API process exits 0 when its engine
 dies). An engine that exits with "address in use" before it was ever healthy gets new ports from
-``on_address_in_use`` (no backoff, not a crash); once healthy, ports are sticky.
+``on_address_in_use`` (no backoff, not a crash); once healthy, ports are sticky. An engine that
+served and then died is restarted at once the first time (users wait for it); the backoff is for
+one that dies again within the window, or never serves.
 
 The engine's log tells the same story in place, one marker line each (docs/logs.md): ``=== NAME
 generation N started, pid P: ARGV ===`` at every start, ``=== NAME restart N: WHY; ... ===`` when
@@ -19,6 +21,7 @@ it is restarted, ``=== NAME failed: WHY ===`` when it is given up, ``=== NAME st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import signal
@@ -100,6 +103,7 @@ class EngineSupervisor:
         on_change: Callable[[], None],
         on_address_in_use: Callable[[], None] | None = None,
         observe_probe: Callable[[float], None] | None = None,
+        client: httpx.AsyncClient | None = None,
     ) -> None:
         self.name = name
         self.launcher = launcher
@@ -112,6 +116,8 @@ class EngineSupervisor:
         self.on_change = on_change
         self.on_address_in_use = on_address_in_use
         self.observe_probe = observe_probe
+        # The agent's shared client (agent.http.client); None: one of its own (tests).
+        self.client = client
         self.state: EngineState = "starting"
         self.reason = "not started yet"
         self.since = time.time()
@@ -119,6 +125,8 @@ class EngineSupervisor:
         self.process: ProcessHandle | None = None
         self.generation = 0
         self.started_at: float | None = None
+        # Wall clock of the moment the engine was found healthy (the head's gate starts there).
+        self.healthy_at: float | None = None
         self.ever_healthy = False
         self.stats = Stats()
         self.stopping = False
@@ -141,6 +149,7 @@ class EngineSupervisor:
             reason=self.reason,
             since=self.since,
             uptime_s=(time.time() - self.started_at) if alive and self.started_at else None,
+            healthy_at=self.healthy_at if self.state == "healthy" else None,
         )
 
     def _mark(self, text: str) -> None:
@@ -212,8 +221,12 @@ class EngineSupervisor:
                 self._mark("stopped on request")
 
     async def _loop(self) -> None:
-        async with httpx.AsyncClient(timeout=self.policy.timeout_s) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            client = self.client
+            if client is None:
+                client = await stack.enter_async_context(httpx.AsyncClient())
             while True:
+                served_before = self.stats.healthy_count
                 outcome = await self._one_generation(client)
                 if outcome is None:
                     return  # failed for good (state already set)
@@ -236,6 +249,10 @@ class EngineSupervisor:
                     self.policy.backoff_max_s,
                     self.policy.backoff_initial_s * 2 ** (len(self._restart_times) - 1),
                 )
+                if len(self._restart_times) == 1 and self.stats.healthy_count > served_before:
+                    # It served, then died: the first restart in the window is at once (users
+                    # wait for it); backoff is for an engine that dies again or never serves.
+                    delay = 0.0
                 self.restarts += 1
                 self._set("restarting", f"{outcome}; restart {self.restarts} in {delay:.1f}s")
                 self._mark(f"restart {self.restarts}: {outcome}; starting again in {delay:.1f}s")
@@ -304,7 +321,7 @@ class EngineSupervisor:
     async def _probe(self, client: httpx.AsyncClient) -> bool:
         t0 = time.monotonic()
         try:
-            response = await client.get(self.health_url())
+            response = await client.get(self.health_url(), timeout=self.policy.timeout_s)
             ok = response.status_code == 200
         except (httpx.HTTPError, OSError):
             ok = False
@@ -367,6 +384,7 @@ class EngineSupervisor:
                 return None
             await self._sleep_or_wake(policy.startup_interval_s)
         elapsed = time.monotonic() - start
+        self.healthy_at = time.time()
         self.ever_healthy = True
         self.stats.time_to_healthy_s = elapsed
         self.stats.healthy_count += 1

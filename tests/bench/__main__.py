@@ -1,0 +1,65 @@
+"""``python -m tests.bench [--quick] [--only NAME,...] [--out bench-results.json]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+from tests.bench.results import FIGURES, Figure, table, write
+
+# Which module measures which figures (each measures its own side by side with its reference).
+GROUPS = {
+    "tests.bench.cli": ("cli_help_ms", "cli_status_ms", "dry_run_64_decode_ms"),
+    "tests.bench.reexport": ("reexport_p50_ms", "reexport_ratio"),
+    "tests.bench.logpump": ("log_pump_ratio_64k", "log_pump_drop_pct"),
+    "tests.bench.follow": ("head_follow_1024_ms",),
+    "tests.bench.idle": ("head_idle_cpu_pct", "agent_idle_cpu_pct", "agent_rss_mb"),
+    "tests.bench.bringup": (
+        "gate_ms_p50",
+        "gate_ms_p95",
+        "srtctl_gate_ms_p50",
+        "local_ready_s_p50",
+        "heal_s",
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen benchmarks, print the table, write the results file."""
+    parser = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer runs of each (a smoke run)")
+    parser.add_argument(
+        "--only",
+        metavar="NAME,...",
+        default="",
+        help="only these figures (comma-separated): " + ", ".join(FIGURES),
+    )
+    parser.add_argument("--out", default="bench-results.json", help="the results file to write")
+    args = parser.parse_args(argv)
+    wanted = {n.strip() for n in args.only.split(",") if n.strip()} or set(FIGURES)
+    unknown = wanted - set(FIGURES)
+    if unknown:
+        parser.error(f"unknown figure(s) {', '.join(sorted(unknown))}; known: {', '.join(FIGURES)}")
+    figures: list[Figure] = []
+    started = time.monotonic()
+    for module_name, names in GROUPS.items():
+        chosen = wanted & set(names)
+        if not chosen:
+            continue
+        print(f"measuring {', '.join(n for n in names if n in chosen)} ...", flush=True)
+        module = importlib.import_module(module_name)
+        figures += module.measure(chosen, quick=args.quick)
+    figures.sort(key=lambda f: list(FIGURES).index(f.name))
+    print()
+    print(table(figures))
+    write(Path(args.out), figures, {"quick": args.quick, "only": sorted(wanted)})
+    took = time.monotonic() - started
+    print(f"\n{len(figures)} figures in {took:.0f} s; written to {args.out}")
+    return 0 if all(f.passed is not False for f in figures) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
