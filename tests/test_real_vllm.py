@@ -33,7 +33,8 @@ import pytest
 from agent.standins import tokens
 from tests.infra.prometheus import promtool_binary, promtool_check_metrics
 from tests.infra.slurm import ENDED_STATES, LocalSlurm
-from tests.infra.vllm_env import shim_dir, tiny_model, venv_python
+from tests.infra.venvs import venv_python
+from tests.infra.vllm_env import shim_dir, tiny_model
 from tests.kit import (
     REPO,
     LocalJob,

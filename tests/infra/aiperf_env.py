@@ -18,7 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.infra.router_env import find_python312
+from tests.infra import venvs
+from tests.infra.venvs import find_python
 
 AIPERF = "aiperf==0.13.0"
 MARKER = ".tilert-aiperf-venv"
@@ -39,7 +40,7 @@ def _base_python() -> Path | None:
     if (3, 11) <= sys.version_info[:2] <= (3, 13):
         base = getattr(sys, "_base_executable", None) or sys.executable
         return Path(base)
-    return find_python312()
+    return find_python("3.12")
 
 
 def _run(cmd: list[str]) -> None:
@@ -84,15 +85,7 @@ def aiperf_executable(default_dest: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     """CLI: build the venv at DEST and print its aiperf."""
-    if len(argv) != 1:
-        print("usage: python -m tests.infra.aiperf_env DEST", file=sys.stderr)
-        return 2
-    try:
-        print(ensure_aiperf_venv(Path(argv[0])))
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return venvs.main("tests.infra.aiperf_env", ensure_aiperf_venv, argv)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,14 @@ then the router's real dependencies, and a ``sitecustomize.py`` that registers a
 from __future__ import annotations
 
 import fcntl
-import glob
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.infra import venvs
+from tests.infra.venvs import find_python, venv_python
 
 TILERT = "tilert==0.1.6.post3"
 ROUTER_DEPS = ("fastapi", "uvicorn", "requests", "httpx", "transformers", "tokenizers", "jinja2")
@@ -45,42 +47,6 @@ if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
 '''
 
 
-def find_python312() -> Path | None:
-    """A Python 3.12 interpreter: on PATH, under pyenv, or in /usr(/local)/bin."""
-    candidates: list[str] = []
-    on_path = shutil.which("python3.12")
-    if on_path:
-        candidates.append(on_path)
-    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
-    candidates += sorted(
-        glob.glob(str(pyenv_root / "versions" / "3.12*" / "bin" / "python3.12")), reverse=True
-    )
-    candidates += ["/usr/bin/python3.12", "/usr/local/bin/python3.12"]
-    for candidate in candidates:
-        path = Path(candidate)
-        if path.is_file() and os.access(path, os.X_OK) and _is_python312(path):
-            return path
-    return None
-
-
-def _is_python312(path: Path) -> bool:
-    # A pyenv shim on PATH exists even when no 3.12 is installed behind it.
-    try:
-        out = subprocess.run(
-            [str(path), "-c", "import sys; print(sys.version_info[:2] == (3, 12))"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.stdout.strip() == "True"
-
-
-def _venv_python(dest: Path) -> Path:
-    return dest / "bin" / "python"
-
-
 def _site_packages(python: Path) -> Path:
     out = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -101,7 +67,7 @@ def write_sitecustomize(python: Path) -> Path:
 
 def _is_ready(dest: Path) -> bool:
     marker = dest / MARKER
-    return _venv_python(dest).exists() and marker.exists() and marker.read_text() == MARKER_TEXT
+    return venv_python(dest).exists() and marker.exists() and marker.read_text() == MARKER_TEXT
 
 
 def _run(cmd: list[str]) -> None:
@@ -116,8 +82,8 @@ def ensure_router_venv(dest: Path) -> Path:
     """The python of a venv at ``dest`` that runs TileRT's router; builds it (~40 s) if missing."""
     dest = dest.absolute()
     if _is_ready(dest):
-        return _venv_python(dest)
-    python312 = find_python312()
+        return venv_python(dest)
+    python312 = find_python("3.12")
     if python312 is None:
         raise RuntimeError(
             "the real TileRT router needs Python 3.12 (tilert 0.1.6 ships cp312 wheels only) and "
@@ -129,11 +95,11 @@ def ensure_router_venv(dest: Path) -> Path:
     with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another test process may be building it right now
         if _is_ready(dest):
-            return _venv_python(dest)
+            return venv_python(dest)
         if dest.exists():
             shutil.rmtree(dest)  # a half-built venv from an interrupted run
         _run([str(python312), "-m", "venv", str(dest)])
-        python = _venv_python(dest)
+        python = venv_python(dest)
         pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         _run([*pip, "--no-deps", TILERT])
         _run([*pip, *ROUTER_DEPS])
@@ -151,15 +117,7 @@ def router_python(default_dest: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     """CLI: build the venv at DEST and print its python."""
-    if len(argv) != 1:
-        print("usage: python -m tests.infra.router_env DEST", file=sys.stderr)
-        return 2
-    try:
-        print(ensure_router_venv(Path(argv[0])))
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return venvs.main("tests.infra.router_env", ensure_router_venv, argv)
 
 
 if __name__ == "__main__":

