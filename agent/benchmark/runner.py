@@ -35,7 +35,7 @@ from agent.job.benchmark import (
     LevelResult,
     pending_block,
 )
-from agent.launch import Launcher, LaunchSpec, ProcessHandle, RunTimeout
+from agent.launch import Launcher, LaunchSpec, RunTimeout
 from agent.node.logpump import LogSink
 
 # (name, argv, env, image) -> a LaunchSpec with the job's mounts and settings.
@@ -43,7 +43,6 @@ SpecBuilder = Callable[[str, list[str], dict[str, str], str | None], LaunchSpec]
 CLIENT_NAME = "benchmark"
 PREFLIGHT_TIMEOUT_S = 120.0
 # How long the log pump may take to reach EOF after the client exited.
-PUMP_DRAIN_S = 2.0
 _SAID_MAX = 300
 
 
@@ -299,7 +298,7 @@ class BenchmarkRun:
         sink.note(f"=== {what}: pid {process.pid}: {' '.join(argv)} ===")
         code: int | None = None
         try:
-            code = await self._wait(process, sink)
+            code = await sink.pump_until_exit(process)
         finally:
             with trio.CancelScope(shield=True):
                 stopped = await process.stop(self.plan.stop_grace_s)
@@ -308,22 +307,4 @@ class BenchmarkRun:
                     f"=== {what}: {self._interrupted or 'stopped'}: exit status {stopped} ==="
                 )
         sink.note(f"=== {what}: exited with status {code} ===")
-        return code
-
-    @staticmethod
-    async def _wait(process: ProcessHandle, sink: LogSink) -> int:
-        async with trio.open_nursery() as nursery:
-            pumped = trio.Event()
-
-            async def pump() -> None:
-                try:
-                    await sink.pump(process.output)
-                finally:
-                    pumped.set()
-
-            nursery.start_soon(pump)
-            code = await process.wait()
-            with trio.move_on_after(PUMP_DRAIN_S):
-                await pumped.wait()
-            nursery.cancel_scope.cancel()
         return code

@@ -86,7 +86,6 @@ RATE_WINDOW_S = 30.0
 MAX_HEARTBEAT_S = 10.0
 MAX_POLL_S = 1.0
 # How long the log pump may take to reach EOF after the converter exited.
-PUMP_DRAIN_S = 2.0
 CONVERT_LOG_TAIL = 5
 HOW_TO_CONVERT = (
     "add roles.decode.convert (source: the Hugging Face checkpoint) to the recipe and the agent "
@@ -717,20 +716,7 @@ class WeightsGate:
     async def _wait_converter(self, converter: ProcessHandle, sink: LogSink) -> int:
         try:
             with trio.move_on_after(self.budget_s) as budget:
-                async with trio.open_nursery() as nursery:
-                    pumped = trio.Event()
-
-                    async def pump() -> None:
-                        try:
-                            await sink.pump(converter.output)
-                        finally:
-                            pumped.set()
-
-                    nursery.start_soon(pump)
-                    code = await converter.wait()
-                    with trio.move_on_after(PUMP_DRAIN_S):
-                        await pumped.wait()
-                    nursery.cancel_scope.cancel()
+                code = await sink.pump_until_exit(converter)
             if budget.cancelled_caught:
                 raise WeightsError(
                     f"the conversion did not finish within agent.convert_budget_s "

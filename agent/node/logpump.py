@@ -38,6 +38,7 @@ import trio
 
 from agent.job.logtimes import TimesWriter, times_path
 from agent.job.paths import PRIVATE_DIR_MODE
+from agent.launch.spec import ProcessHandle
 
 # Memory the queue may hold while the file is behind (beyond it, lines are dropped).
 DEFAULT_QUEUE_BYTES = 8 * 1024 * 1024
@@ -48,6 +49,9 @@ _IOV_MAX = 1024  # buffers per writev (Linux's limit)
 _STALL_S = 0.1
 # How long a cancelled pump keeps trying to get its queue into the file (shutdown must stay short).
 _DRAIN_ON_CANCEL_S = 1.0
+# How long a one-shot process's last output may take to reach the file once it has exited (a
+# grandchild may still hold the pipe open).
+PUMP_DRAIN_S = 2.0
 DROP_NOTICE = "[tilert-agent] dropped {lines} lines ({bytes} bytes) the log file could not take"
 
 _log = logging.getLogger(__name__)
@@ -151,6 +155,25 @@ class LogSink:
         self._failing = False
 
     # ---- reading side (trio loop) ----
+
+    async def pump_until_exit(self, process: ProcessHandle) -> int:
+        """Pump a one-shot ``process``'s output until it exits (and ``PUMP_DRAIN_S`` more for what
+        is left in the pipe); its exit status."""
+        async with trio.open_nursery() as nursery:
+            pumped = trio.Event()
+
+            async def pump() -> None:
+                try:
+                    await self.pump(process.output)
+                finally:
+                    pumped.set()
+
+            nursery.start_soon(pump)
+            code = await process.wait()
+            with trio.move_on_after(PUMP_DRAIN_S):
+                await pumped.wait()
+            nursery.cancel_scope.cancel()
+        return code
 
     async def pump(self, stream: trio.abc.ReceiveStream) -> None:
         """Read ``stream`` to EOF into the ring and the file queue; never waits for the file."""
