@@ -11,7 +11,8 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``head``: ``Head``, which runs them in order.
 
 May import: ``agent.facts``, ``agent.problems``, ``agent.job``, ``agent.launch``, ``agent.node``,
-``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` only.
+``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` and
+``agent.convertjob`` (for ``statuswriter``) only.
 """
 
 from agent.head.context import HeadContext

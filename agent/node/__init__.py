@@ -11,6 +11,7 @@ head ends the whole job). ``agent.nodeagent``
 puts them together; ``agent.head`` uses them too.
 
 May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``,
-``agent.problems``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
+``agent.problems``, ``agent.job``, ``agent.launch`` and ``agent.recipe.model`` (``agentlog`` takes
+the log settings' two defaults from it). Never ``agent.http``, ``agent.head`` or
 ``agent.nodeagent``.
 """

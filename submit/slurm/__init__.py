@@ -3,5 +3,5 @@
 
 May import ``agent.problems``, ``agent.job`` and ``agent.recipe`` (the cluster file), and
 ``submit.backend`` (the interface) and ``submit.PROG``; never ``submit.local`` nor the commands
-(``submit.cli``, ``stop``, ``statusview``, ...), which reach it through ``submit.backend``.
+(``submit.cli``, ``stop``, ``statusview``, ...), which reach it through the interface.
 """
