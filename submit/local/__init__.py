@@ -2,7 +2,8 @@
 foreground supervisor) and the ``Backend`` that starts, watches and stops it (``backend``).
 
 May import ``agent.problems``, ``agent.job``, ``agent.launch`` and ``agent.node`` (the agents' own
-process launcher and log sink), and ``submit.backend`` (the interface) and ``submit.PROG``; never ``submit.slurm`` nor the commands.
+process launcher and log sink), and ``submit.backend`` (the interface) and ``submit.PROG``; never
+``submit.slurm`` nor the commands.
 ``backend`` never imports ``run`` (nor trio): to run a job the submitter execs
 ``python -m submit.local.run J``, which becomes the supervisor.
 """
