@@ -41,6 +41,7 @@ UNIT_MODULES = frozenset(
         "test_commands",
         "test_enginechecks",
         "test_head",
+        "test_head_gate",
         "test_jobwrites",
         "test_layers",
         "test_loader",
