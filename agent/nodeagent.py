@@ -17,7 +17,6 @@ import msgspec
 import trio
 
 from agent.head import Head, HeadContext
-from agent.http.asgi import bound_socket, serve
 from agent.http.client import open_client
 from agent.http.endpoint import LogStreams, StatusFeed, build_app
 from agent.http.metrics import AgentMetrics, HeadFigures
@@ -39,6 +38,7 @@ from agent.node.ports import choose_port, choose_ports, is_bindable
 from agent.node.rendezvous import read_records, write_record
 from agent.node.supervisor import EngineSupervisor, policy_for
 from agent.problems import printable
+from agent.web.asgi import bound_socket, serve
 
 MAX_AGENT_PORT_TRIES = 50
 
