@@ -11,7 +11,9 @@ guarantees, and why, is in docs/launchers.md:
 - ``pyxis``: ``PyxisLauncher``, whose handles are ``PyxisStep`` (a nested ``srun --overlap`` step
   of the agent's job, in a pyxis container, stopped with ``scancel``).
 
-Beside the launchers, and imported as modules: ``commands`` (each engine's argv and environment),
+Beside the launchers, and imported as modules: ``jobspecs`` (the job's launch specs: mounts,
+container env, setup script; ``SpecBuilder``, the one type of a spec builder), ``commands`` (each
+engine's argv and environment),
 ``scratch`` (each engine's own temp and cache folders), ``preflight`` (seconds-long checks through
 the same launcher before the long load), ``enginechecks`` (what the preflight checks for an engine,
 and the TileRT connector stand-in decision) and ``interpreter`` (which Python runs a program).

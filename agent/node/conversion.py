@@ -49,8 +49,9 @@ from agent.job.plan import (
     Plan,
 )
 from agent.job.records import ConvertProgress, EngineState, EngineStatus
-from agent.launch import Launcher, LaunchSpec, ProcessHandle, preflight
+from agent.launch import Launcher, ProcessHandle, preflight
 from agent.launch.commands import STANDIN_MODULES, arg_value, convert_command
+from agent.launch.jobspecs import SpecBuilder
 from agent.node.folderlock import (
     HeldLock,
     LockInfo,
@@ -76,9 +77,6 @@ from agent.node.weightsfolder import (
     replace_folder,
     write_marker,
 )
-
-# Builds a LaunchSpec with the job's mounts and settings: (name, argv, env, image).
-SpecBuilder = Callable[[str, list[str], dict[str, str], str | None], LaunchSpec]
 
 # The rate shown is over this window (a converter writes in bursts, one shard at a time).
 RATE_WINDOW_S = 30.0
