@@ -36,7 +36,6 @@ import trio
 
 from agent.facts import (
     CONVERTER_MODEL_TYPES,
-    DEFAULT_TILERT_MODEL,
     WEIGHTS_INDEX_FILE,
     human_bytes,
 )
@@ -50,7 +49,7 @@ from agent.job.plan import (
 )
 from agent.job.records import ConvertProgress, EngineState, EngineStatus
 from agent.launch import Launcher, ProcessHandle, preflight
-from agent.launch.commands import STANDIN_MODULES, arg_value, convert_command
+from agent.launch.commands import STANDIN_MODULES, convert_command
 from agent.launch.jobspecs import SpecBuilder
 from agent.node.folderlock import (
     HeldLock,
@@ -170,7 +169,7 @@ class WeightsGate:
         self.launch_spec = launch_spec
         self.log = log
         self.on_change = on_change
-        self.folder = arg_value(plan.decode.args, "--model-weights-dir")
+        self.folder = plan.decode.weights_dir
         self.convert: ConvertPlan | None = (
             None if isinstance(plan.convert, msgspec.UnsetType) else plan.convert
         )
@@ -241,7 +240,7 @@ class WeightsGate:
                 "weight_converter",
                 self.id.name,
                 self.folder,
-                arg_value(self.plan.decode.args, "--model"),
+                self.plan.decode.model_profile,
             )
             return True
         try:
@@ -260,8 +259,7 @@ class WeightsGate:
     def _expected_model_type(self) -> str | None:
         if self.convert is not None:
             return self.convert.model_type
-        profile = arg_value(self.plan.decode.args, "--model") or DEFAULT_TILERT_MODEL
-        return CONVERTER_MODEL_TYPES.get(profile)
+        return CONVERTER_MODEL_TYPES.get(self.plan.decode.model_profile)
 
     def _accept(self, found: Inspection) -> None:
         """A complete folder: check it is the model the decode serves, then say so."""
