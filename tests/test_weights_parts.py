@@ -18,15 +18,16 @@ import yaml
 from agent.job.logfiles import log_files, log_path
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
-from agent.node.conversion import WeightsError, weights_paths
 from agent.node.folderlock import LockInfo, LockLost, StaleWatch, observe, take_over, try_acquire
 from agent.node.weightsfolder import (
     MARKER_NAME,
     ConvertedMarker,
     Siblings,
+    WeightsError,
     inspect,
     replace_folder,
     sha256_file,
+    weights_paths,
     write_marker,
 )
 from agent.problems import InputError
