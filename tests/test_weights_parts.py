@@ -517,7 +517,9 @@ async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
     plan = make_plan(loaded, mock=True)
     args = [*plan.decode.args]
     args[args.index("--model") + 1] = "glm5_2"
-    plan = msgspec.structs.replace(plan, decode=msgspec.structs.replace(plan.decode, args=args))
+    # The gate reads the plan's model profile, never the argv back.
+    decode = msgspec.structs.replace(plan.decode, args=args, model_profile="glm5_2")
+    plan = msgspec.structs.replace(plan, decode=decode)
     gate = WeightsGate(
         plan=plan,
         job=Job(tmp_path),
