@@ -146,6 +146,7 @@ class WeightsGate:
         self.failure: str | None = None
         self.done: Inspection | None = None
         self._progress: ConvertProgress | None = None
+        self._converter_checked = False
         # Bytes already in the conversion folder before the converter ran (an --append_mtp copy).
         self._baseline = 0
 
@@ -260,7 +261,6 @@ class WeightsGate:
         waited_on: Observed | None = None
         vanished: float | None = None
         waiting_since = time.monotonic()
-        checked_converter = False
         while True:
             # Without a marker nothing changed that matters: no need to read every shard again.
             if found is None or await trio.to_thread.run_sync(marker.exists):
@@ -278,27 +278,9 @@ class WeightsGate:
                     continue
                 raise WeightsError(self._holder_failed(paths, waited_on, found))
             if seen is None:
-                convert = self.convert
-                if convert is None:
-                    raise WeightsError(
-                        f"{paths.host} is not a complete TileRT conversion: {found.summary()}. "
-                        f"To convert it: {HOW_TO_CONVERT}"
-                    )
-                if not checked_converter:
-                    await self._check_converter(convert)
-                    checked_converter = True
-                token = new_token()
-                # The lock lives beside the folder: its parent may not exist yet.
-                await trio.to_thread.run_sync(
-                    partial(paths.host.parent.mkdir, parents=True, exist_ok=True)
-                )
-                held = await trio.to_thread.run_sync(
-                    try_acquire, siblings.lock, self._lock_info(token, siblings)
-                )
-                if held is None:
-                    continue  # someone else created it first: wait for them
-                await self._convert_holding(convert, held, paths, siblings, token)
-                return
+                if await self._convert_here(paths, siblings, found):
+                    return
+                continue  # someone else created the lock first: wait for them
             if waited_on is None:
                 self.log.info(
                     "%s: %s is incomplete and being converted by %s (lock %s): waiting",
@@ -310,9 +292,8 @@ class WeightsGate:
             waited_on, vanished = seen, None
             self._waiting(paths, seen)
             if watch.stale(seen):
-                if self.convert is not None and not checked_converter:
+                if self.convert is not None:
                     await self._check_converter(self.convert)  # before: take over, then lock
-                    checked_converter = True
                 await self._stale(paths, siblings, seen, found)
                 watch, waited_on = StaleWatch(self.stale_s), None
                 continue
@@ -401,8 +382,34 @@ class WeightsGate:
     # ---- converting --------------------------------------------------------------------------
 
     async def _check_converter(self, convert: ConvertPlan) -> None:
+        """Once per gate: can this node run the converter? Seconds, before taking the lock."""
+        if self._converter_checked:
+            return
         self._show("converting", "checking the converter (preflight)")
         await self.converter.check(convert)
+        self._converter_checked = True
+
+    async def _convert_here(
+        self, paths: WeightsPaths, siblings: Siblings, found: Inspection
+    ) -> bool:
+        """Nobody holds the lock: take it and convert; False when another agent took it first."""
+        convert = self.convert
+        if convert is None:
+            raise WeightsError(
+                f"{paths.host} is not a complete TileRT conversion: {found.summary()}. "
+                f"To convert it: {HOW_TO_CONVERT}"
+            )
+        await self._check_converter(convert)
+        token = new_token()
+        # The lock lives beside the folder: its parent may not exist yet.
+        await trio.to_thread.run_sync(partial(paths.host.parent.mkdir, parents=True, exist_ok=True))
+        held = await trio.to_thread.run_sync(
+            try_acquire, siblings.lock, self._lock_info(token, siblings)
+        )
+        if held is None:
+            return False
+        await self._convert_holding(convert, held, paths, siblings, token)
+        return True
 
     async def _convert_holding(
         self,
