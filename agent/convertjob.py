@@ -15,14 +15,17 @@ import signal
 import msgspec
 import trio
 
-from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.logfiles import convert_log_path
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobAgent, JobState, JobStatus
+from agent.launch import make_launcher
+from agent.launch.jobspecs import JobSpecs
+from agent.launch.scratch import scratch_root
 from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
-from agent.nodeagent import NodeAgent
+from agent.node.jobwrites import JobWrites
+from agent.node.statuswriter import StatusWriter, read_local_supervisor
 
 
 class ConvertJob:
@@ -33,14 +36,16 @@ class ConvertJob:
         self.plan = plan
         self.id = identity
         self.log = log
-        # The node agent's launcher and launch specs (mounts, image settings), not its engine.
-        node = NodeAgent(job=job, plan=plan, identity=identity, log=log)
+        # The launcher and launch specs a node agent would use (mounts, image settings); no engine.
+        launcher = make_launcher(
+            plan.launcher, slurm_job_id=identity.slurm_job_id, node=identity.node
+        )
         self.gate = WeightsGate(
             plan=plan,
             job=job,
             identity=identity,
-            launcher=node.launcher,
-            launch_spec=node.launch_spec,
+            launcher=launcher,
+            launch_spec=JobSpecs(plan, scratch_root=scratch_root(job, plan.agent.scratch_dir)),
             log=log,
             on_change=self._changed,
         )
@@ -50,7 +55,9 @@ class ConvertJob:
         self.error: str | None = None
         # Carried into every status.json: `stop` checks the supervisor by them.
         self.local_pid, self.local_started_at = read_local_supervisor(job)
-        self.status_file = StatusWriter(job, self._job_status, node.writes)
+        # Its writes of status.json: a failed one is logged (no /status shows it: no endpoint).
+        writes = JobWrites(log, on_change=lambda: None)
+        self.status_file = StatusWriter(job, self._job_status, writes)
 
     def _changed(self) -> None:
         self.status_file.write()

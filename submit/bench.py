@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
         target,
         files,
         launcher=make_launcher("process", slurm_job_id=None, node=None),
-        build_spec=build,
+        launch_spec=build,
         env=benchmark_env(plan, bench),
         log_path=files.root / LOG_NAME,
         log_max_bytes=plan.agent.log_max_bytes,

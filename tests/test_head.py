@@ -40,7 +40,6 @@ from agent.head.decisions import (
     waiting_for,
 )
 from agent.head.peers import UNREACHABLE_FAIL_S, Peer, Peers
-from agent.head.statuswriter import StatusWriter
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names, parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.records import (
@@ -53,6 +52,7 @@ from agent.job.records import (
 )
 from agent.node.jobwrites import JobWrites
 from agent.node.rendezvous import Records, write_record
+from agent.node.statuswriter import StatusWriter
 from tests import kit
 
 LOG = logging.getLogger("test_head")

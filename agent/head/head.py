@@ -41,12 +41,12 @@ from agent.head.decisions import (
 )
 from agent.head.peers import Peers
 from agent.head.router import Router
-from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
 from agent.job.records import EngineStatus, Gate, JobState, JobStatus
 from agent.node.jobend import end_job
+from agent.node.statuswriter import StatusWriter, read_local_supervisor
 from agent.node.supervisor import EngineSupervisor
 
 GATE_POLL_S = 0.5  # re-evaluate at least this often while bringing the job up

@@ -73,6 +73,17 @@ class RolePlan(msgspec.Struct, kw_only=True):
     stop_grace_s: float
 
 
+class DecodePlan(RolePlan, kw_only=True):
+    """The decode's plan: a role's, and what two of its flags mean to the agent (read once, by
+    the planner, so that nothing parses ``args`` back)."""
+
+    # TileRT's model profile (``--model``; agent.facts.DEFAULT_TILERT_MODEL when left out).
+    model_profile: str
+    # The weights folder the engine loads (``--model-weights-dir``, as the engine sees it); None
+    # when the recipe names none. The weights gate checks (or converts) it before the engine.
+    weights_dir: str | None
+
+
 class RouterPlan(msgspec.Struct, kw_only=True):
     image: str | None
     program: list[str]
@@ -123,7 +134,7 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ConvertPlan(msgspec.Struct, kw_only=True):
     """``roles.decode.convert`` resolved: how an incomplete decode weights folder is made.
 
-    The folder itself is the decode's ``--model-weights-dir`` (one source: ``decode.args``).
+    The folder itself is the decode's ``--model-weights-dir`` (``DecodePlan.weights_dir``).
     """
 
     # The Hugging Face checkpoint the converter reads (as the converter sees it).
@@ -157,7 +168,7 @@ class Plan(msgspec.Struct, kw_only=True):
     # Where setup scripts are looked up on the node: <configs_dir>/<script>, then .../patches/.
     configs_dir: str = "/configs"
     prefill: RolePlan
-    decode: RolePlan
+    decode: DecodePlan
     router: RouterPlan
     agent: AgentPlan
     slurm: SlurmPlan

@@ -19,11 +19,16 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from agent.facts import CONNECTOR_MODULE, DECODE_MODULE, ENGINE_DISTRIBUTIONS
+from agent.facts import (
+    CONNECTOR_MODULE,
+    DECODE_MODULE,
+    ENGINE_DISTRIBUTIONS,
+)
+from agent.facts import STANDIN_CONNECTOR_PATH as CONNECTOR_PATH
+from agent.facts import STANDIN_CONNECTOR_SWITCH as SWITCH
 from agent.job.plan import Plan, RoleName
 from agent.launch.interpreter import is_python, python_of
 from agent.launch.preflight import PreflightChecks, PreflightResult
-from agent.standins.vllm_connector import CONNECTOR_PATH, SWITCH
 
 # What the connector stand-in needs in vLLM's environment (vLLM brings msgspec).
 CONNECTOR_STANDIN_MODULES = ("trio", "msgspec")
