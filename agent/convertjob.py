@@ -19,7 +19,8 @@ from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.logfiles import convert_log_path
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
-from agent.job.records import JobAgent, JobState, JobStatus
+from agent.job.records import JobAgent, JobStatus
+from agent.job.vocab import AgentState, JobState
 from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
 from agent.nodeagent import NodeAgent
@@ -45,7 +46,7 @@ class ConvertJob:
             on_change=self._changed,
         )
         self.state: JobState = "starting"
-        self.agent_state = "starting"
+        self.agent_state: AgentState = "starting"
         self.reason = "checking the weights folder"
         self.error: str | None = None
         # Carried into every status.json: `stop` checks the supervisor by them.

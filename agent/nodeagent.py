@@ -315,7 +315,7 @@ class NodeAgent:
         """The seconds-long checks before the long load; a failure is final and explained."""
         # The engine's own environment (role env, PATH, PYTHONPATH), as it will run.
         env = self._engine_command().env
-        checks = engine_checks(self.plan, self.id.role, env)  # type: ignore[arg-type]
+        checks = engine_checks(self.plan, self.id.role, env)
         base = self.launch_spec(f"{self.id.name}-preflight", [], env, self.role.image)
         t0 = time.monotonic()
         result = await preflight.run_preflight(self.launcher, base, checks)

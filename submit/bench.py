@@ -37,13 +37,13 @@ from agent.job.benchmark import (
 )
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
+from agent.job.vocab import SERVING_STATES
 from agent.launch import LaunchSpec, make_launcher
 from agent.launch.commands import arg_value, benchmark_env
 from submit.statusview import staleness
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
-SERVING = ("ready", "degraded")
 # Where tilert-submit bench writes its own log (beside its results).
 LOG_NAME = "benchmark.log"
 STOP_GRACE_S = 5.0
@@ -152,7 +152,7 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
     except (OSError, ValueError, msgspec.DecodeError) as exc:
         return _fail(f"{job.root} is not a readable job directory: {exc}")
     stale = staleness(status)
-    if status.state not in SERVING or stale or not status.router_url:
+    if status.state not in SERVING_STATES or stale or not status.router_url:
         why = f" ({stale})" if stale else ""
         return _fail(
             f"the job is {status.state}{why}, not ready: bench measures a job that serves", 1

@@ -29,8 +29,9 @@ from agent.job.atomicfile import write_atomic
 from agent.job.benchmark import pending_block
 from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
-from agent.job.plan import Plan, StandinName, parse_standins
+from agent.job.plan import Plan, parse_standins
 from agent.job.records import JobAgent, JobStatus
+from agent.job.vocab import Process
 from agent.problems import InputError, Problem, error, printable, render_problems
 from submit import PROG
 from submit.backend import Backend, BackendError
@@ -420,7 +421,7 @@ def _dispatch(argv: list[str]) -> int:
     return run(args)
 
 
-def _standins(args: argparse.Namespace) -> list[StandinName]:
+def _standins(args: argparse.Namespace) -> list[Process]:
     """--mock's roles ([] without --mock); ``--mock RECIPE`` means every role and that recipe."""
     if args.mock is None:
         return []

@@ -19,13 +19,13 @@ from agent.job.benchmark import BenchmarkStatus
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
 from agent.job.records import JobAgent, JobStatus
+from agent.job.vocab import LIVE_STATES
 from agent.problems import printable
 from submit.choice import backend_of
 
 # Three missed heartbeats (the head writes every 5 s).
 STALE_AFTER_S = 15.0
 REASON_WIDTH = 70
-LIVE_STATES = ("starting", "waiting", "ready", "degraded", "stopping")
 
 
 class StatusView(msgspec.Struct):

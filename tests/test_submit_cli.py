@@ -321,6 +321,26 @@ def test_status_dispatch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert json.dumps(view).count("pending") >= 1
 
 
+def test_status_reads_every_word_a_row_has_ever_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The rows' states and roles are typed (agent.job.vocab): a status.json written before the
+    # types, with any word the head or the submitter ever wrote, still reads.
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--dry-run", "--job-dir", str(root)]) == 0
+    data = json.loads(JobDir(root).status.read_text())
+    row = data["agents"][0]
+    words = ["pending", "missing", "starting", "converting", "healthy", "unhealthy"]
+    words += ["restarting", "unreachable", "stopping", "stopped", "failed"]
+    data["agents"] = [{**row, "name": f"decode-{i}", "state": w} for i, w in enumerate(words)]
+    data["router"] = {**row, "name": "router", "role": "router", "state": "healthy"}
+    JobDir(root).status.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["status", str(root)]) == 0
+    shown = capsys.readouterr().out
+    assert all(f"decode-{i}" in shown and word in shown for i, word in enumerate(words))
+
+
 def test_a_recipe_named_like_a_command(tmp_path: Path) -> None:
     (tmp_path / "status").write_text(
         DEMO.read_text().replace("./local-demo-model", str(RECIPES / "local-demo-model"))

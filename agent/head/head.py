@@ -45,7 +45,8 @@ from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
-from agent.job.records import EngineStatus, Gate, JobState, JobStatus
+from agent.job.records import EngineStatus, Gate, JobStatus
+from agent.job.vocab import JobState
 from agent.node.jobend import end_job
 from agent.node.supervisor import EngineSupervisor
 

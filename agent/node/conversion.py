@@ -48,7 +48,8 @@ from agent.job.plan import (
     ConvertPlan,
     Plan,
 )
-from agent.job.records import ConvertProgress, EngineState, EngineStatus
+from agent.job.records import ConvertProgress, EngineStatus
+from agent.job.vocab import EngineState
 from agent.launch import Launcher, LaunchSpec, ProcessHandle, preflight
 from agent.launch.commands import STANDIN_MODULES, arg_value, convert_command
 from agent.node.folderlock import (

@@ -14,11 +14,14 @@ from dataclasses import dataclass
 import psutil
 
 from agent.job.names import HEAD_NAME, agent_name
+from agent.job.vocab import Role
 
 
 @dataclass(frozen=True)
 class Identity:
-    role: str
+    """Who this agent is: its role and index, the node it runs on and the address peers use."""
+
+    role: Role
     index: int
     node: str
     address: str
@@ -60,7 +63,7 @@ def interface_address(interface: str) -> str:
 
 
 def resolve_identity(
-    role: str,
+    role: Role,
     index: int | None,
     network_interface: str | None,
     env: Mapping[str, str] = os.environ,
