@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import trio
 
+from agent.errors import EXIT_BAD_INPUT
 from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
@@ -19,8 +20,6 @@ from agent.node.agentlog import setup_agent_logging
 from agent.node.identity import IdentityError, resolve_identity
 from agent.problems import InputError, printable
 from agent.recipe.loader import load_recipe
-
-EXIT_BAD_INPUT = 2
 
 
 def _parser() -> argparse.ArgumentParser:

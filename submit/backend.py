@@ -13,7 +13,9 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
+from agent.errors import RuntimeFailure
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobStatus
@@ -21,8 +23,18 @@ from agent.job.records import JobStatus
 POLL_S = 0.2
 
 
-class BackendError(Exception):
+class BackendError(RuntimeFailure):
     """The backend could not do what was asked (Slurm unreachable, ...); ``str()`` says why."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What ``Backend.submit`` started: the job directory and the id the backend knows it by
+    (the fields of status.json that name it)."""
+
+    job: JobDir
+    slurm_job_id: str | None = None
+    local_pid: int | None = None
 
 
 class Backend(ABC):
@@ -37,8 +49,8 @@ class Backend(ABC):
         del status  # Slurm learns its job id only from sbatch: nothing to note before.
 
     @abstractmethod
-    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
-        """Start the written job; tilert-submit's exit code. BackendError when it could not."""
+    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> Submitted:
+        """Start the written job and say what was started; BackendError when it could not."""
 
     @abstractmethod
     def is_running(self, status: JobStatus) -> bool | None:

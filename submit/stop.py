@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from agent.errors import EXIT_RUNTIME
 from agent.job.records import JobStatus
 from submit.backend import BackendError, nothing_to_stop
 from submit.choice import backend_of
@@ -33,4 +34,4 @@ def main(args: argparse.Namespace) -> int:
         return backend.stop(job, status, limit)
     except BackendError as exc:
         print(f"tilert-submit: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_RUNTIME

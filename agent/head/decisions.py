@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from agent.errors import RuntimeFailure
 from agent.job.names import HEAD_NAME, ROUTER_NAME, parse_agent_name
 from agent.job.records import JobAgent
 from agent.job.vocab import AgentState, JobState
 
 
-class JobFailed(Exception):
+class JobFailed(RuntimeFailure):
     """The job cannot serve; the message names the agent, the reason and its log."""
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import msgspec
 import trio
 
+from agent.errors import RuntimeFailure
 from agent.facts import (
     CONVERTER_MODEL_TYPES,
     DEFAULT_TILERT_MODEL,
@@ -95,7 +96,7 @@ HOW_TO_CONVERT = (
 )
 
 
-class WeightsError(Exception):
+class WeightsError(RuntimeFailure):
     """The weights folder cannot be served; the message says why and what to do."""
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from agent.errors import BadInput
 from agent.job.names import HEAD_NAME, agent_name
 from agent.job.vocab import Role
 
@@ -38,7 +39,7 @@ class Identity:
         return self.name == HEAD_NAME
 
 
-class IdentityError(Exception):
+class IdentityError(BadInput):
     """The environment does not say who we are (a user-facing error, exit 2)."""
 
 

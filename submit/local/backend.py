@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from typing import NoReturn
 
 import psutil
 
@@ -126,8 +127,10 @@ class LocalBackend(Backend):
         status.local_pid = os.getpid()
         status.local_started_at = psutil.Process().create_time()
 
-    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
-        """Become the supervisor (exec, same pid): it runs the agents here, in the foreground."""
+    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> NoReturn:
+        """Become the supervisor (exec, same pid): it runs the agents here, in the foreground.
+
+        Never returns: this process is the job now (status.json's ``local_pid``)."""
         del plan  # the supervisor reads J/plan.json
         sys.stdout.flush()
         sys.stderr.flush()

@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 import trio
 
+from agent.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
 from agent.job.names import HEAD_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
@@ -361,13 +362,13 @@ def main(argv: list[str] | None = None) -> int:
             "usage: python -m submit.local.run JOB_DIR (tilert-submit --local runs it)",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_BAD_INPUT
     job = JobDir(Path(args[0]))
     try:
         plan = load_plan(job.plan.read_bytes())
     except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         print(f"tilert-submit: {job.plan}: cannot read the plan: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_RUNTIME
     return run_local(job, plan)
 
 

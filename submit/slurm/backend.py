@@ -10,7 +10,6 @@ with SIGKILL, so the agents would never drain.
 from __future__ import annotations
 
 import os
-import shlex
 import time
 from collections.abc import Mapping
 
@@ -19,8 +18,7 @@ import msgspec
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobStatus
-from submit import PROG
-from submit.backend import Backend, BackendError, wait_until
+from submit.backend import Backend, BackendError, Submitted, wait_until
 from submit.slurm import client
 
 # How long a job may take to leave squeue after a plain scancel (TERM, then KILL).
@@ -42,7 +40,7 @@ class SlurmBackend(Backend):
         """Whether status.json records a Slurm job id."""
         return bool(status.slurm_job_id)
 
-    def submit(self, job: JobDir, _plan: Plan, secrets: Mapping[str, str]) -> int:
+    def submit(self, job: JobDir, _plan: Plan, secrets: Mapping[str, str]) -> Submitted:
         """sbatch ``J/sbatch.sh`` and record the job id in status.json (or the failure)."""
         # Secrets written in the recipe travel in sbatch's process environment (exported to the
         # agents), never in a file or argv; the recipe's value wins over the submitting shell's.
@@ -59,12 +57,7 @@ class SlurmBackend(Backend):
         job.write_status(
             msgspec.structs.replace(status, slurm_job_id=job_id, updated_at=time.time())
         )
-        print(f"Submitted Slurm job {job_id}")
-        print("Follow it with:")
-        for command in ("status", "logs", "stop"):
-            extra = " -f" if command == "logs" else ""
-            print(f"  {PROG} {command} {shlex.quote(str(job.root))}{extra}")
-        return 0
+        return Submitted(job=job, slurm_job_id=job_id)
 
     def is_running(self, status: JobStatus) -> bool | None:
         """Whether Slurm still runs or queues the job; None while Slurm cannot be asked."""
