@@ -19,6 +19,7 @@ PACKAGES = ("agent", "submit")
 LAYERS: dict[str, int] = {
     "agent.facts": 0,
     "agent.problems": 0,
+    "agent.errors": 0,
     "agent.job": 1,
     "agent.recipe": 2,
     "agent.launch": 2,
