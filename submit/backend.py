@@ -1,7 +1,9 @@
 """Where a job's agents run, behind one interface: Slurm (``submit.slurm``) or this machine
 (``submit.local``).
 
-A backend starts a job, tells whether it still runs and stops it so that its agents drain.
+A backend starts a job (``submit`` returns a ``Submitted`` handle or raises ``BackendError``; what a
+person reads about it is the CLI's, ``submit.cli``), tells whether it still runs and stops it so
+that its agents drain.
 ``status`` and ``stop`` ask the backend that ``status.json`` names (``backend_of``) and never
 branch on "Slurm job id or local pid" themselves. A backend is imported when it is picked, and
 the local one loads its supervisor (and trio) only to run a job: ``status``, ``stop`` and
@@ -68,9 +70,9 @@ class Backend(ABC):
         """The line ``status`` shows for where the job runs."""
 
     @abstractmethod
-    def stop(self, job: JobDir, status: JobStatus, limit: float) -> int:
-        """Stop the running job ``job`` so that its agents drain within ``limit`` s; the exit
-        code."""
+    def stop(self, job: JobDir, status: JobStatus, limit: float) -> None:
+        """Stop the running job ``job`` so that its agents drain within ``limit`` s, saying each
+        step of the wait; BackendError when it could not (or must not)."""
 
     def not_running(self, status: JobStatus) -> str:
         """What ``stop`` says when the job is not running."""

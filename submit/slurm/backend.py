@@ -75,23 +75,22 @@ class SlurmBackend(Backend):
         """The Slurm job is not running."""
         return f"Slurm job {_job_id(status)} is not running (status.json: {status.state})"
 
-    def stop(self, _job: JobDir, status: JobStatus, limit: float) -> int:
+    def stop(self, _job: JobDir, status: JobStatus, limit: float) -> None:
         """TERM every task of the job, wait for it to end, scancel it for good after ``limit``."""
         job_id = _job_id(status)
         try:
-            return stop_job(job_id, limit)
+            stop_job(job_id, limit)
         except client.SlurmError as exc:
             raise BackendError(f"could not stop Slurm job {job_id}: {exc}") from None
 
 
-def stop_job(job_id: str, limit: float) -> int:
-    """``scancel --signal=TERM``, wait up to ``limit`` s, then a plain ``scancel``; 0."""
+def stop_job(job_id: str, limit: float) -> None:
+    """``scancel --signal=TERM``, wait up to ``limit`` s, then a plain ``scancel``."""
     print(f"stopping Slurm job {job_id}: scancel --signal=TERM (agents drain, up to {limit:g}s)")
     client.scancel(job_id, signal_name="TERM")
     if wait_until(lambda: client.job_active(job_id) is False, limit):
         print(f"Slurm job {job_id} ended")
-        return 0
+        return
     print(f"Slurm job {job_id} still running after {limit:g}s: scancel {job_id}")
     client.scancel(job_id)
     wait_until(lambda: client.job_active(job_id) is False, SCANCEL_WAIT_S)
-    return 0
