@@ -15,6 +15,7 @@ import signal
 import msgspec
 import trio
 
+from agent.errors import EXIT_OK, EXIT_RUNTIME
 from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.logfiles import convert_log_path
 from agent.job.paths import JobDir
@@ -88,7 +89,7 @@ class ConvertJob:
     async def run(self) -> int:
         """Convert (or find the folder complete); the exit code."""
         self.status_file.write()
-        code = 0
+        code = EXIT_OK
         ok = stopped = False
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
@@ -120,7 +121,7 @@ class ConvertJob:
             self.state, self.agent_state = "stopped", "stopped"
             self.reason = "the decode has no model-weights-dir: nothing to convert"
         else:
-            code = 1
+            code = EXIT_RUNTIME
             self.state = "failed"
             self.error = f"{self.id.name} on {self.id.node}: {self.gate.failure}"
         self.log.info("%s: convert job %s: %s", self.id.name, self.state, self.error or self.reason)

@@ -16,6 +16,7 @@ import httpx
 import msgspec
 import trio
 
+from agent.errors import EXIT_OK, EXIT_RUNTIME
 from agent.head import Head, HeadContext
 from agent.http.asgi import bound_socket, serve
 from agent.http.client import open_client
@@ -396,7 +397,7 @@ class NodeAgent:
                 self.log.error(
                     "%s: cannot record the failure in %s: %s", self.id.name, self.job.status, exc
                 )
-            return 1
+            return EXIT_RUNTIME
         sock = self._bind_agent_socket()
         self.ports["agent"] = sock.getsockname()[1]
         self.choose_engine_ports()
@@ -413,7 +414,7 @@ class NodeAgent:
             self.ports,
             self.job.record(self.id.name),
         )
-        exit_code = 0
+        exit_code = EXIT_OK
         # Built once, off the event loop, before anything probes or polls (agent.http.client).
         async with await open_client() as client, trio.open_nursery() as nursery:
             self.client = client
@@ -456,9 +457,9 @@ class NodeAgent:
                 await self.stop_all()
                 nursery.cancel_scope.cancel()
         if self.engine is not None and self.engine.state == "failed":
-            exit_code = exit_code or 1
+            exit_code = exit_code or EXIT_RUNTIME
         if self.preflight_failure or (self.weights is not None and self.weights.failure):
-            exit_code = 1
+            exit_code = EXIT_RUNTIME
         self.log.info("%s: exiting with code %d", self.id.name, exit_code)
         return exit_code
 
