@@ -15,7 +15,8 @@ from agent.job.paths import JobDir
 from agent.job.plan import load_plan
 from agent.recipe.loader import load_recipe
 from agent.recipe.planner import make_plan
-from submit.cli import main
+from submit.backend import Submitted
+from submit.cli import main, submitted_text
 from tests.golden import GOLDEN_DIR, RECIPES
 
 RECIPE_CASES = {
@@ -319,6 +320,17 @@ def test_status_dispatch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["status", str(root), "--json"]) == 0
     view = json.loads(capsys.readouterr().out)
     assert json.dumps(view).count("pending") >= 1
+
+
+def test_what_a_person_reads_once_submitted_names_the_handle(tmp_path: Path) -> None:
+    # The backends return a handle; the words are the CLI's (a local run never returns one today:
+    # it becomes the supervisor, but a handle naming a pid reads as well).
+    job = JobDir(tmp_path / "my job")
+    slurm = submitted_text(Submitted(job=job, slurm_job_id="42")).splitlines()
+    assert slurm[:2] == ["Submitted Slurm job 42", "Follow it with:"]
+    assert f"  tilert-submit logs '{job.root}' -f" in slurm
+    local = submitted_text(Submitted(job=job, local_pid=4242)).splitlines()
+    assert local[0] == "Submitted the local supervisor, pid 4242"
 
 
 def test_status_reads_every_word_a_row_has_ever_shown(
