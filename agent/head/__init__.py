@@ -10,8 +10,8 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``benchstage``: the recipe's benchmark, checked before the load and run once ready.
 - ``head``: ``Head``, which runs them in order.
 
-May import: ``agent.facts``, ``agent.problems``, ``agent.job``, ``agent.launch``, ``agent.node``,
-``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` only.
+May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``,
+``agent.node``, ``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` only.
 """
 
 from agent.head.context import HeadContext

@@ -6,5 +6,5 @@ agent's own Prometheus registry; ``reexport`` fetches vLLM's page and re-exports
 ``client`` is the agent's one HTTP client (probes, long polls, canaries, the vLLM scrape).
 
 May import: the standard library, trio, hypercorn, httpx, psutil, msgspec, prometheus_client,
-``agent.job`` and ``agent.node``. Never ``agent.head`` or ``agent.nodeagent``.
+``agent.errors``, ``agent.job`` and ``agent.node``. Never ``agent.head`` or ``agent.nodeagent``.
 """

@@ -22,8 +22,8 @@ it starts: an engine, the router, a preflight, or (``--local``) an agent. The ha
 called an engine here.
 
 May import: the standard library, trio, psutil, msgspec, and ``agent.facts``, ``agent.problems``,
-``agent.job`` (commands reads the plan), ``agent.standins.vllm_connector`` (where the connector
-stand-in lies); nothing of ``agent.recipe``, ``agent.node`` or above.
+``agent.errors``, ``agent.job`` (commands reads the plan), ``agent.standins.vllm_connector`` (where
+the connector stand-in lies); nothing of ``agent.recipe``, ``agent.node`` or above.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the engine), ``agentlog`` (the agent's own log), the decode's weights: ``weights
 head ends the whole job). ``agent.nodeagent``
 puts them together; ``agent.head`` uses them too.
 
-May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``,
-``agent.problems``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
+May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``, ``agent.problems``,
+``agent.errors``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
 ``agent.nodeagent``.
 """

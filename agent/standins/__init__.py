@@ -31,7 +31,7 @@ What they share:
   own byte-level BPE, for the prefill's ``/tokenize``;
 - ``faults``: the ``TILERT_MOCK_*`` fault switches; ``lifecycle``: parse, load, serve, stop.
 
-Imports: the standard library, third-party packages, ``agent.facts`` (what TileRT and vLLM are)
-and ``agent.http.asgi`` (the HTTP toolkit); nothing of the node runtime, so a stand-in is as
-independent of the agent as the engine it replaces.
+Imports: the standard library, third-party packages, ``agent.facts`` (what TileRT and vLLM are),
+``agent.errors`` (the error tree) and ``agent.http.asgi`` (the HTTP toolkit); nothing of the node
+runtime, so a stand-in is as independent of the agent as the engine it replaces.
 """
