@@ -24,7 +24,8 @@ from agent.http.metrics import HeadFigures
 from agent.job.names import HEAD_NAME
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
-from agent.job.records import AgentStatus, EngineState
+from agent.job.records import AgentStatus
+from agent.job.vocab import EngineState
 from agent.launch import LaunchSpec
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites

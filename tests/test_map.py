@@ -334,10 +334,12 @@ def rule_problems(rule: ImportRule) -> list[str]:
             if _within(target, rule.package):
                 continue
             covered = any(_within(target, a) for a in rule.allowed) or target in rule.exact
-            if not covered:
-                problems.append(f"does not list {target}, which {module} imports")
-            if any(_within(target, f) for f in rule.forbidden):
+            # A name after "never" or "nothing" forbids what the line did not allow before it
+            # ("... and ``agent.web``; nothing else of ``agent``").
+            if not covered and any(_within(target, f) for f in rule.forbidden):
                 problems.append(f"forbids {target}, which {module} imports")
+            elif not covered:
+                problems.append(f"does not list {target}, which {module} imports")
     if rule.importers is not None:
         for module, targets in GRAPH.items():
             if _within(module, rule.package) or not any(_within(t, rule.package) for t in targets):

@@ -45,14 +45,14 @@ SERVE = textwrap.dedent(
 def policy(**changes: float) -> Policy:
     """A fast policy; ``changes`` override fields."""
     values = dict(
-        startup_interval_s=0.02,
-        interval_s=0.05,
-        timeout_s=0.5,
-        failure_threshold=2,
-        backoff_initial_s=0.1,
-        backoff_max_s=0.4,
-        max_restarts=3,
-        window_s=60.0,
+        probe_startup_interval_s=0.02,
+        probe_interval_s=0.05,
+        probe_timeout_s=0.5,
+        probe_failure_threshold=2,
+        restart_backoff_initial_s=0.1,
+        restart_backoff_max_s=0.4,
+        restart_max=3,
+        restart_window_s=60.0,
         startup_budget_s=10.0,
         stop_grace_s=1.0,
     )
@@ -116,7 +116,7 @@ async def test_address_in_use_moves_ports_once_then_counts_crashes(tmp_path: Pat
         sys.exit(1)
         """
     )
-    h = Harness(tmp_path, script, policy(max_restarts=2, backoff_initial_s=0.02))
+    h = Harness(tmp_path, script, policy(restart_max=2, restart_backoff_initial_s=0.02))
     with trio.fail_after(15):
         await h.sup.run()
     assert h.moves == 1

@@ -28,14 +28,14 @@ from tests.kit.fakelauncher import Engine, FakeLauncher
 
 
 POLICY = Policy(
-    startup_interval_s=0.05,
-    interval_s=1.0,
-    timeout_s=1.0,
-    failure_threshold=3,
-    backoff_initial_s=1.0,
-    backoff_max_s=4.0,
-    max_restarts=4,
-    window_s=600.0,
+    probe_startup_interval_s=0.05,
+    probe_interval_s=1.0,
+    probe_timeout_s=1.0,
+    probe_failure_threshold=3,
+    restart_backoff_initial_s=1.0,
+    restart_backoff_max_s=4.0,
+    restart_max=4,
+    restart_window_s=600.0,
     startup_budget_s=600.0,
     stop_grace_s=5.0,
 )
@@ -111,7 +111,7 @@ async def test_restarts_outside_the_window_do_not_count(
     # Each engine serves, then dies; a short window forgets each crash before the next one, so
     # the supervisor never gives up and every restart is the immediate "first in the window".
     serves_then_dies = Engine(healthy_after=0.0, exit_after=30.0, code=3)
-    h = Harness(tmp_path, [serves_then_dies], Policy(**{**vars(POLICY), "window_s": 0.0}))
+    h = Harness(tmp_path, [serves_then_dies], Policy(**{**vars(POLICY), "restart_window_s": 0.0}))
     with caplog.at_level(logging.WARNING, logger=h.log.name):
         async with running(h):
             await kit.until(lambda: len(h.launcher.started) >= 7, "seven generations", 600, 1.0)
@@ -156,7 +156,7 @@ async def test_a_stop_during_the_backoff_ends_stopped_without_another_start(
     autojump_clock: trio.abc.Clock,  # noqa: ARG001
     tmp_path: Path,
 ) -> None:
-    h = Harness(tmp_path, [CRASH], Policy(**{**vars(POLICY), "backoff_initial_s": 300.0}))
+    h = Harness(tmp_path, [CRASH], Policy(**{**vars(POLICY), "restart_backoff_initial_s": 300.0}))
     async with running(h):
         await kit.until(lambda: h.sup.state == "restarting", "the engine restarting")
     assert h.sup.state == "stopped"

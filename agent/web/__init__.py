@@ -1,0 +1,8 @@
+"""The HTTP server toolkit: a small ASGI layer on hypercorn + trio (``asgi``).
+
+A base layer, so that the agent's endpoint (``agent.http``) and the stand-in engines
+(``agent.standins``) serve HTTP the same way without the stand-ins importing the agent.
+
+May import: the standard library, trio, hypercorn, msgspec and ``agent.errors`` (the error tree);
+nothing else of ``agent``.
+"""
