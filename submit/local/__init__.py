@@ -3,6 +3,6 @@ foreground supervisor) and the ``Backend`` that starts, watches and stops it (``
 
 May import ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch`` and ``agent.node``
 (the agents' own process launcher and log sink), and ``submit.backend`` for the interface; never
-``submit.slurm`` nor the commands. ``backend`` never imports ``run`` (nor trio): to run a job the submitter execs
-``python -m submit.local.run J``, which becomes the supervisor.
+``submit.slurm`` nor the commands. ``backend`` never imports ``run`` (nor trio): to run a job the
+submitter execs ``python -m submit.local.run J``, which becomes the supervisor.
 """
