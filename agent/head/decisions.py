@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from agent.errors import RuntimeFailure
 from agent.job.names import HEAD_NAME, ROUTER_NAME, parse_agent_name
@@ -48,9 +49,9 @@ class JobView:
         """The state of agent ``name`` as the head sees it (``missing``, ``unreachable``, ...)."""
         return self.agents[name].state
 
-    @property
+    @cached_property
     def decodes(self) -> list[str]:
-        """The decode agents, in listing order."""
+        """The decode agents, in listing order (found once per view: decisions ask often)."""
         return [n for n in self.agents if (p := parse_agent_name(n)) and p[0] == "decode"]
 
 

@@ -29,7 +29,7 @@ from agent.job.names import HEAD_NAME, parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, JobAgent, RendezvousRecord
-from agent.job.vocab import AgentState
+from agent.job.vocab import AgentState, Role
 from agent.node.rendezvous import Records, watch_records
 from agent.problems import printable
 
@@ -189,6 +189,8 @@ class Peers:
         self.log = log
         self.on_change = on_change
         self._followed: set[str] = set()
+        self._logs: dict[str, str] = {}
+        self._parsed: dict[str, tuple[Role, int]] = {}
         self._strays: set[str] = set()
 
     # ---- what the head reads ---------------------------------------------------------------
@@ -229,9 +231,10 @@ class Peers:
         """The status.json row of ``name``; ``dropped`` is why the router no longer uses it."""
         peer = self.by_name[name]
         status = self.own_status() if name == HEAD_NAME else peer.status
-        parsed = parse_agent_name(name)
+        parsed = self._parsed.get(name) or parse_agent_name(name)
         if parsed is None:
             raise ValueError(f"not an agent name: {name!r}")
+        self._parsed[name] = parsed
         # The head knows itself first hand: its record's fate does not change its state.
         reason = status.reason if status and name == HEAD_NAME else peer.reason
         if dropped is not None:
@@ -244,11 +247,19 @@ class Peers:
             state=self.state(name),
             restarts=status.restarts if status else 0,
             reason=reason,
-            log=str(log_path(self.job, name, plan=self.plan)),
+            log=self._log(name),
             metrics_url=peer.record.metrics_url if peer.record else None,
             status_url=peer.record.status_url if peer.record else None,
             convert=status.convert if status and status.convert else msgspec.UNSET,
         )
+
+    def _log(self, name: str) -> str:
+        """Where ``name``'s engine log is (fixed for the job; found once: a view of 1,024 agents
+        is built on every wake of the head)."""
+        found = self._logs.get(name)
+        if found is None:
+            found = self._logs[name] = str(log_path(self.job, name, plan=self.plan))
+        return found
 
     # ---- following -------------------------------------------------------------------------
 

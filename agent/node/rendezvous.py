@@ -153,6 +153,7 @@ class RecordReader:
     def __init__(self, job: JobDir, expected: Collection[str]) -> None:
         self.job = job
         self.expected = set(expected)
+        self._path = str(job.rendezvous)  # as text: a Path joined per file per look is costly
         self._folder: tuple[int, int] | None = None
         self._seen: dict[str, tuple[_Key, RendezvousRecord | str]] = {}
         self._strays: list[str] = []
@@ -165,7 +166,7 @@ class RecordReader:
         last read."""
         full = now - self._full_at >= FULL_PASS_S
         try:
-            st = os.stat(self.job.rendezvous)
+            st = os.stat(self._path)
         except OSError:
             changed = bool(self._seen or self._strays)
             self._folder, self._seen, self._strays, self._result = None, {}, [], None
@@ -185,7 +186,7 @@ class RecordReader:
 
     def _scan(self, full: bool) -> bool:
         try:
-            entries = sorted(os.listdir(self.job.rendezvous))
+            entries = sorted(os.listdir(self._path))
         except OSError:
             entries = []
         changed = False
@@ -200,7 +201,7 @@ class RecordReader:
             if name not in self.expected:
                 strays.append(printable(entry))
                 continue
-            path = self.job.rendezvous / entry
+            path = os.path.join(self._path, entry)
             try:
                 st = os.lstat(path)
             except OSError:
@@ -210,7 +211,7 @@ class RecordReader:
             if before is not None and before[0] == key and not full:
                 seen[name] = before
                 continue
-            outcome = _read_outcome(path, name)
+            outcome = _read_outcome(Path(path), name)
             if outcome is None:
                 continue
             seen[name] = (key, outcome)
