@@ -105,6 +105,10 @@ class SlurmPlan(msgspec.Struct, kw_only=True):
     kill_wait_s: float
 
 
+# How often the head takes a dropped decode back, unless the recipe says (agent.max_rejoins).
+DEFAULT_MAX_REJOINS = 3
+
+
 class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     probe_startup_interval_s: float
     probe_interval_s: float
@@ -126,6 +130,8 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     # agent.logs.location: node -> the node-local folder (None: engine logs in J/logs). Last and
     # omitted when None, so plans of jobs with logs in the job directory read as before.
     log_node_dir: str | None = None
+    # agent.max_rejoins: how often a dropped decode healthy again is taken back (the head's).
+    max_rejoins: int = DEFAULT_MAX_REJOINS
 
 
 class ConvertPlan(msgspec.Struct, kw_only=True):

@@ -116,6 +116,10 @@ class JobAgent(msgspec.Struct, kw_only=True):
     status_url: str | None
     # While the agent is ``converting``: the conversion's progress; absent otherwise.
     convert: ConvertProgress | msgspec.UnsetType = msgspec.UNSET
+    # A decode: how often the head took it back into the router after dropping it, and the last
+    # word on that (why it was taken back, or why it stays out); docs/agent.md, "Rejoin".
+    rejoins: int = 0
+    rejoin_reason: str | None = None
 
 
 class Gate(msgspec.Struct, kw_only=True):
