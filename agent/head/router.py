@@ -25,6 +25,16 @@ from agent.node.logpump import LogSink
 from agent.node.supervisor import EngineSupervisor, policy_for
 
 
+def decode_endpoints(
+    records: Mapping[str, RendezvousRecord], names: list[str]
+) -> list[DecodeEndpoint]:
+    """The router's ``--decode`` entries for ``names``, from their current records."""
+    return [
+        DecodeEndpoint(r.address, r.ports["ctrl"], r.ports["http"])
+        for r in (records[n] for n in names)
+    ]
+
+
 class Router:
     """The router of one job: its preflight, its supervisor and the decodes it serves through."""
 
@@ -75,17 +85,10 @@ class Router:
         raise JobFailed("router preflight failed: " + "; ".join(result.problems))
 
     def _build(self) -> LaunchSpec:
-        records = self.records()
-        endpoints = []
-        for name in self.decodes:
-            record = records[name]
-            endpoints.append(
-                DecodeEndpoint(record.address, record.ports["ctrl"], record.ports["http"])
-            )
         cmd = router_command(
             self.ctx.plan,
             prefill_url=self.ctx.prefill_url(),
-            decodes=endpoints,
+            decodes=decode_endpoints(self.records(), self.decodes),
             host=self.ctx.identity.address,
             use_standin=self.standin,
             scratch=self.ctx.scratch_folder(ROUTER_NAME) if self.ctx.scratch_folder else None,

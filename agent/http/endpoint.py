@@ -183,10 +183,27 @@ def build_app(
     token: Callable[[], str],
     log_files: Callable[[], dict[str, Path]],
     log_streams: LogStreams | None = None,
+    on_leave: Callable[[], str] | None = None,
 ) -> App:
-    """The agent's ASGI app."""
+    """The agent's ASGI app; ``on_leave`` (a decode agent) takes the head's ``POST /leave``."""
     streams = log_streams if log_streams is not None else LogStreams()
     app = App()
+
+    def authorize(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {token()}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise HTTPError(
+                401, "missing or wrong bearer token; send 'Authorization: Bearer <J/token>'"
+            )
+
+    @app.route("POST", "/leave")
+    async def leave(request: Request) -> Response | StreamingResponse:
+        # The head, once the router no longer lists this decode (tilert-submit scale, a shrink).
+        authorize(request)
+        if on_leave is None:
+            raise HTTPError(404, "only a decode agent leaves the pool")
+        return json_response({"leaving": on_leave()})
 
     @app.route("GET", "/healthz")
     async def healthz(_request: Request) -> Response | StreamingResponse:
@@ -216,12 +233,7 @@ def build_app(
 
     @app.route("GET", "/logs")
     async def logs(request: Request) -> Response | StreamingResponse:
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {token()}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise HTTPError(
-                401, "missing or wrong bearer token; send 'Authorization: Bearer <J/token>'"
-            )
+        authorize(request)
         files = log_files()
         name = request.query.get("name", "engine")
         # Only names from this fixed map are served, so no request can reach outside J/logs.

@@ -40,9 +40,11 @@ from agent.job.records import EngineStatus
 from agent.job.vocab import EngineState
 from agent.launch import Launcher, LaunchSpec, ProcessHandle
 from agent.node.logpump import LogSink
+from agent.node.ports import is_bindable
 
 ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
 FAILURE_LOG_LINES = 50
+PORT_FREE_POLL_S = 0.01  # a hand-over's new engine starts this soon after the old one's listener
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,11 @@ class EngineSupervisor:
         self.stopping = False
         self._restart_times: deque[float] = deque()
         self._relaunch_reason: str | None = None
+        # A hand-over relaunch (``relaunch(handover=True)``): the old engine drains in the
+        # background (in ``_drains``) while the new one starts as soon as its ports are free.
+        self._handover = False
+        self._await_ports = False
+        self._drains: trio.Nursery | None = None
         self._cancel = trio.CancelScope()
         self._probe_wakeup = trio.Event()
         self.done = trio.Event()
@@ -183,13 +190,17 @@ class EngineSupervisor:
         self._cancel.cancel()
         await self.done.wait()
 
-    def relaunch(self, reason: str) -> None:
+    def relaunch(self, reason: str, *, handover: bool = False) -> None:
         """Stop the engine and start it again with a fresh ``build()`` (not counted as a crash).
 
         It counts in ``restarts`` (what operators see), not against the restart limit, and the
-        state says so at once, so nobody reads the old engine as healthy meanwhile.
+        state says so at once, so nobody reads the old engine as healthy meanwhile. With
+        ``handover`` the old engine gets SIGTERM and finishes what it serves in the background
+        (within its grace), and the new one starts the moment its ports are free: for the router,
+        whose SIGTERM closes its listener at once and then waits for its in-flight streams.
         """
         self._relaunch_reason = reason
+        self._handover = handover
         self.restarts += 1
         self._set("restarting", reason)
         self._probe_wakeup.set()
@@ -197,14 +208,52 @@ class EngineSupervisor:
     # ---- the loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Supervise until failed or stopped."""
+        """Supervise until failed or stopped (and until every handed-over engine has ended)."""
         try:
-            with self._cancel:
-                await self._loop()
+            async with trio.open_nursery() as drains:
+                self._drains = drains
+                try:
+                    with self._cancel:
+                        await self._loop()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._shutdown()
         finally:
-            with trio.CancelScope(shield=True):
-                await self._shutdown()
             self.done.set()
+
+    async def _drain(self, engine: ProcessHandle, pumped: trio.Event) -> None:
+        """A handed-over engine: SIGTERM now, its output still logged, SIGKILL after the grace."""
+        async with trio.open_nursery() as nursery:
+
+            async def pump() -> None:
+                await pumped.wait()  # the generation's own pump has let go of the pipe
+                await self.sink.pump(engine.output)
+
+            nursery.start_soon(pump)
+            await self._stop_engine(engine)
+            with trio.move_on_after(2.0):
+                await engine.wait()
+            nursery.cancel_scope.cancel()
+
+    def _handing_over(self, engine: ProcessHandle) -> bool:
+        """Whether this generation ends by a hand-over (its engine drains in the background)."""
+        return (
+            self._handover
+            and self._drains is not None
+            and not self.stopping
+            and engine.returncode is None
+        )
+
+    async def _ports_free(self) -> None:
+        """Before a hand-over's new engine: wait (bounded by the grace) until the old one has
+        closed its listening ports, or the new one would fail with "address already in use"."""
+        self._await_ports = False
+        with trio.move_on_after(self.policy.stop_grace_s):
+            # Polled: nothing signals that another process closed a socket.
+            while True:
+                if all(is_bindable(port) for port in self.ports().values()):
+                    return
+                await trio.sleep(PORT_FREE_POLL_S)
 
     async def _stop_engine(self, engine: ProcessHandle) -> None:
         if engine.returncode is not None:
@@ -283,6 +332,8 @@ class EngineSupervisor:
 
     async def _one_generation(self, client: httpx.AsyncClient) -> str | None:
         """Run the engine once; return why it ended (restartable), or None when failed for good."""
+        if self._await_ports:
+            await self._ports_free()
         spec = self.build()
         self.generation += 1
         self._probe_wakeup = trio.Event()
@@ -320,11 +371,16 @@ class EngineSupervisor:
                 result = await self._watch(client, engine, exited, start)
             finally:
                 with trio.CancelScope(shield=True):
-                    await self._stop_engine(engine)
-                    # The pipe reaches EOF once the engine's group is gone; a stray holder of
-                    # it must not keep this generation alive.
-                    with trio.move_on_after(2.0):
-                        await pumped.wait()
+                    drains = self._drains if self._handing_over(engine) else None
+                    if drains is not None:
+                        self._handover, self._await_ports = False, True
+                        drains.start_soon(self._drain, engine, pumped)
+                    else:
+                        await self._stop_engine(engine)
+                        # The pipe reaches EOF once the engine's group is gone; a stray holder of
+                        # it must not keep this generation alive.
+                        with trio.move_on_after(2.0):
+                            await pumped.wait()
                 nursery.cancel_scope.cancel()
         return result
 
