@@ -128,7 +128,8 @@ class Router:
         """Restart the router through ``decodes`` (a decode dropped, or one taken back)."""
         self.decodes = decodes
         if self.supervisor is not None:
-            self.supervisor.relaunch(f"restarting the router {why}")
+            # A hand-over: the old router finishes its streams while the new one starts.
+            self.supervisor.relaunch(f"restarting the router {why}", handover=True)
 
     def status(self) -> EngineStatus | None:
         """The router's ``/status`` view; None before it starts."""
