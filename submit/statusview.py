@@ -99,7 +99,7 @@ def pool_cell(a: JobAgent) -> str:
     ``member since 10:02:03 (slurm 4243)``; ``-`` for the prefill and the router."""
     if isinstance(a.pool, msgspec.UnsetType):
         return "-"
-    cell = a.pool
+    cell: str = a.pool
     if not isinstance(a.pool_since, msgspec.UnsetType):
         cell += " since " + time.strftime("%H:%M:%S", time.localtime(a.pool_since))
     if isinstance(a.slurm_job_id, str):
