@@ -42,6 +42,15 @@ def default_agent_command(cluster: ClusterConfig | None) -> list[str]:
     return [os.path.join(os.path.dirname(os.path.abspath(sys.executable)), AGENT_SCRIPT)]
 
 
+def agent_command_of(script: str) -> list[str]:
+    """The agent command a rendered batch script runs (its ``AGENT=(...)`` line): a job that
+    grows the pool runs the same one as the first job. ValueError when there is none."""
+    for line in script.splitlines():
+        if line.startswith("AGENT=(") and line.endswith(")"):
+            return shlex.split(line[len("AGENT=(") : -1])
+    raise ValueError("no AGENT=(...) line in the batch script")
+
+
 def job_name(name: str) -> str:
     """A Slurm job name from the recipe name: [A-Za-z0-9._-] only."""
     return _JOB_NAME_UNSAFE.sub("_", name) or "tilert"
@@ -114,8 +123,8 @@ def _step(role: RolePlan) -> list[str]:
     ]
 
 
-def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
-    """The batch script text for ``plan`` in job directory ``job`` (InputError on unsafe input)."""
+def _checked_root(job: JobDir, agent_command: list[str]) -> str:
+    """The job directory as a script may name it, the agent command checked (InputError)."""
     root = str(job.root)
     check_shell_path(root, "--job-dir")
     if not os.path.isabs(root):
@@ -124,11 +133,15 @@ def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
         raise InputError([error("agent_command", "the command is empty", "remove it")])
     for word in agent_command:
         check_shell_path(word, "agent_command")
-    slurm = plan.slurm
+    return root
 
+
+def _header(plan: Plan, nodes: int, output: Path) -> list[str]:
+    """The ``#SBATCH`` items of a job of ``nodes`` nodes writing its output to ``output``."""
+    slurm = plan.slurm
     header = [
         f"--job-name={job_name(plan.name)}",
-        f"--nodes={slurm.nodes}",
+        f"--nodes={nodes}",
         "--ntasks-per-node=1",
     ]
     if slurm.gpus_per_node > 0:
@@ -143,8 +156,12 @@ def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
         if value:
             header.append(f"--{flag}={_header_value(value, key)}")
     header.append(f"--signal=TERM@{int(slurm.signal_lead_s)}")
-    header.append(f"--output={_sbatch_quoted(str(Path(root) / 'logs' / SBATCH_LOG))}")
+    header.append(f"--output={_sbatch_quoted(str(output))}")
+    return header
 
+
+def _prologue(plan: Plan, root: str, agent_command: list[str], header: list[str]) -> list[str]:
+    """The script up to its steps: header, job directory, agent command, job control."""
     lines = [
         "#!/bin/bash",
         f"# Rendered by tilert-submit for {job_name(plan.name)}. Only the job directory and fixed",
@@ -170,10 +187,12 @@ def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
         "pids=()",
         "",
     ]
-    # A convert job (tilert-submit convert) has no prefill node.
-    for role in (r for r in (plan.prefill, plan.decode) if r.nodes > 0):
-        lines += [*_step(role), 'pids+=("$!")', ""]
-    lines += [
+    return lines
+
+
+def _wait_steps() -> list[str]:
+    """The script's end: wait for every step; the first one that fails cancels the job."""
+    return [
         "# From here on SIGTERM is the agents' to handle (tilert-submit stop, the time limit):",
         "# they drain their engines and exit, the steps end, and this shell waits for them.",
         "trap '' TERM",
@@ -204,4 +223,49 @@ def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
         'exit "$failed"',
         "",
     ]
-    return "\n".join(lines)
+
+
+def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
+    """The batch script text for ``plan`` in job directory ``job`` (InputError on unsafe input)."""
+    root = _checked_root(job, agent_command)
+    header = _header(plan, plan.slurm.nodes, Path(root) / "logs" / SBATCH_LOG)
+    lines = _prologue(plan, root, agent_command, header)
+    # A convert job (tilert-submit convert) has no prefill node.
+    for role in (r for r in (plan.prefill, plan.decode) if r.nodes > 0):
+        lines += [*_step(role), 'pids+=("$!")', ""]
+    return "\n".join(lines + _wait_steps())
+
+
+def render_grow(
+    plan: Plan, job: JobDir, agent_command: list[str], indexes: list[int], first_job: str
+) -> str:
+    """The batch script of a job growing ``job``'s decode pool (``tilert-submit scale``): one
+    decode agent per node with ``--index`` each of ``indexes``, ended when ``first_job`` ends."""
+    root = _checked_root(job, agent_command)
+    if not first_job.isdigit():
+        raise ValueError(f"not a Slurm job id: {first_job!r}")
+    tag = "-".join(str(i) for i in indexes)
+    header = _header(plan, len(indexes), Path(root) / "logs" / f"sbatch-grow-{tag}.out")
+    lines = _prologue(plan, root, agent_command, header)
+    lines += [
+        f"# This job serves with Slurm job {first_job} and ends with it (stop, time limit,",
+        "# failure): its agents then get SIGTERM and drain, as the first job's did.",
+        "(",
+        f'  while squeue -h -j {first_job} -o %T 2>/dev/null | grep -qv "^COMPLET"; do',
+        "    sleep 5",
+        "  done",
+        '  scancel --signal=TERM "$SLURM_JOB_ID"',
+        ") &",
+        "",
+    ]
+    gres = f" --gres=gpu:{plan.decode.gpus_per_worker}" if plan.decode.gpus_per_worker else ""
+    for offset, index in enumerate(indexes):
+        lines += [
+            f"# decode-{index}: node {offset} of this allocation",
+            f"srun --nodes=1 --ntasks=1 --relative={offset} --job-name=decode --export=ALL "
+            f"--kill-on-bad-exit=0{gres} \\",
+            f'  "${{AGENT[@]}}" --role decode --job-dir "$JOB_DIR" --index {index} &',
+            'pids+=("$!")',
+            "",
+        ]
+    return "\n".join(lines + _wait_steps())
