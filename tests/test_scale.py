@@ -9,14 +9,17 @@ Chats are sent throughout by a client that retries on a refused connection, and 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import kit
+from tests.infra.slurm import ENDED_STATES, LocalSlurm
 from tests.kit import FAST
 from tests.kit.chatload import ChatLoad, stream_chat
 
@@ -28,18 +31,44 @@ SCALE_S = 300.0
 TOKEN_DELAY = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.3"
 # The old router finishes its streams within its grace (FAST's 2 s would cut a 3 s chat).
 ROUTER_GRACE = "agent.stop_grace_s.router=30"
+# The real router's /health can take over FAST's 0.5 s on a loaded machine: not a dead router.
+PROBE = "agent.probe.timeout_s=5"
 
 
-def scale(job: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def scale(
+    job: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``tilert-submit scale J ...`` as a user runs it."""
     return subprocess.run(
         [*kit.SUBMIT, "scale", str(job), *args],
         cwd=kit.REPO,
         capture_output=True,
         text=True,
-        env=kit.clean_env(),
+        env=env or kit.clean_env(),
         timeout=SCALE_S + 60,
     )
+
+
+def streams_during(
+    action: Callable[[], subprocess.CompletedProcess[str]], url: str, model: str
+) -> list[dict[str, Any]]:
+    """Two chats streaming at once (two decodes busy), ``action`` (a shrink) run meanwhile and
+    passing; the chats' results once both ended."""
+    started = [threading.Event(), threading.Event()]
+    results: list[dict[str, Any]] = []
+    threads = [
+        threading.Thread(target=lambda e=e: results.append(stream_chat(url, model, e)))
+        for e in started
+    ]
+    for thread, event in zip(threads, started, strict=True):
+        thread.start()
+        assert event.wait(60), "the chat never streamed"
+    done = action()
+    assert done.returncode == 0, done.stdout + done.stderr
+    for thread in threads:
+        thread.join(120)
+    assert len(results) == 2, "a chat failed (see the warnings)"
+    return results
 
 
 def pool(status: dict[str, Any]) -> dict[str, str]:
@@ -49,7 +78,7 @@ def pool(status: dict[str, Any]) -> dict[str, str]:
 
 def test_scale_up_then_down_under_a_streaming_chat(tmp_path: Path, router_python: Path) -> None:
     """Grow 2 -> 3, shrink 3 -> 1 with a chat streaming on a leaving decode; chats throughout."""
-    args, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, ROUTER_GRACE)
+    args, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, ROUTER_GRACE, PROBE)
     job_dir = tmp_path / "job"
     with kit.LocalJob(job_dir, args) as job:
         status = job.wait_state("ready", timeout=READY_S)
@@ -70,21 +99,8 @@ def test_scale_up_then_down_under_a_streaming_chat(tmp_path: Path, router_python
         assert len(kit.chat_concurrently(url, model, 3)) == 3
         assert kit.record(job_dir, "decode-2")["index"] == 2
 
-        # decode-0 busy with one chat, the next one streams through decode-1, which leaves.
-        busy = [threading.Event(), threading.Event()]
-        results: list[dict[str, Any]] = []
-        streams = [
-            threading.Thread(target=lambda e=e: results.append(stream_chat(url, model, e)))
-            for e in busy
-        ]
-        for stream, started in zip(streams, busy, strict=True):
-            stream.start()
-            assert started.wait(60), "the chat never streamed"
-        shrunk = scale(job_dir, "--decode", "1")
-        assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
-        for stream in streams:
-            stream.join(120)
-        assert len(results) == 2
+        # Two chats streaming (one on a leaving decode at least) while the pool shrinks.
+        results = streams_during(lambda: scale(job_dir, "--decode", "1"), url, model)
         full = stream_chat(url, model)
         for result in results:
             assert result["text"] == full["text"], result
@@ -117,3 +133,66 @@ def test_scale_refuses_bad_input(tmp_path: Path) -> None:
         assert words in done.stderr
         assert "Traceback" not in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slurm
+def test_scale_on_slurm_with_a_second_job(
+    slurm: LocalSlurm, slurm_cluster_file: Path, router_python: Path, tmp_path: Path
+) -> None:
+    """On the local Slurm: 1 decode grown to 2 by a second Slurm job (its agent decode-1, its
+    record naming that job), shrunk back to 1 under a streaming chat (the second job ends when
+    its agent has left), grown again, then ``stop`` ends both jobs."""
+    sets, _ = kit.isolated_sets(
+        router_python, TOKEN_DELAY, ROUTER_GRACE, "roles.decode.nodes=1", "roles.decode.workers=1"
+    )
+    job_dir = tmp_path / "job"
+    done = kit.submit_cmd(
+        str(kit.DEMO_RECIPE),
+        "--mock",
+        "--cluster",
+        str(slurm_cluster_file),
+        "--job-dir",
+        str(job_dir),
+        *sets,
+        env=slurm.env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = kit.current_status(job_dir)["slurm_job_id"]
+    try:
+        status = kit.wait_state(job_dir, "ready", READY_S)
+        url, model = status["router_url"], status["model"]
+        load = ChatLoad(url, model).start()
+
+        grown = scale(job_dir, "--decode", "2", env=slurm.env)
+        assert grown.returncode == 0, grown.stdout + grown.stderr
+        grow_jobs = json.loads((job_dir / "pool.json").read_text())["grow_jobs"]
+        second = grow_jobs[0]["slurm_job_id"]
+        assert second != first
+        assert grow_jobs[0]["indexes"] == [1]
+        status = kit.current_status(job_dir)
+        assert pool(status) == {"decode-0": "member", "decode-1": "member"}
+        assert kit.agent_entry(status, "decode-1")["slurm_job_id"] == second
+        assert kit.agent_entry(status, "decode-0")["slurm_job_id"] == first
+        shown = kit.submit_cmd("status", str(job_dir), env=slurm.env).stdout
+        assert f"(slurm {second})" in shown
+
+        results = streams_during(lambda: scale(job_dir, "--decode", "1", env=slurm.env), url, model)
+        full = stream_chat(url, model)
+        assert [r["text"] for r in results] == [full["text"]] * 2
+        exited = kit.record(job_dir, "decode-1")["exited"]
+        assert exited["code"] == 0, exited
+        assert "left the pool" in exited["reason"], exited
+        assert slurm.wait_job_end(second, timeout=60) in ENDED_STATES
+        assert slurm.job_state(first) not in (None, *ENDED_STATES)
+
+        again = scale(job_dir, "--decode", "2", env=slurm.env)
+        assert again.returncode == 0, again.stdout + again.stderr
+        third = json.loads((job_dir / "pool.json").read_text())["grow_jobs"][-1]["slurm_job_id"]
+        load.finish()
+        assert not load.failures, load.failures
+        stopped = kit.submit_cmd("stop", str(job_dir), env=slurm.env)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        for job_id in (first, third):
+            assert slurm.wait_job_end(job_id, timeout=60) in ENDED_STATES
+    finally:
+        kit.kill_all(kit.job_processes(job_dir, kit.job_ports(job_dir)))
