@@ -60,10 +60,11 @@ class StatusConnection:
                 reused = self._stream is not None
                 try:
                     return await self._exchange(request)
-                except _Closed:
+                except (_Closed, trio.BrokenResourceError, ConnectionResetError):
                     if not reused:
                         raise
-                    return await self._exchange(request)  # closed while idle: once more
+                    self.close()  # the peer closed it while idle: once more, on a new one
+                    return await self._exchange(request)
         except trio.TooSlowError:
             self.close()
             raise PollFailed(f"no answer from {self.url} within {timeout_s:g}s") from None
