@@ -23,10 +23,11 @@ import msgspec
 import psutil
 import trio
 
+from agent.head.head import GATE_POLL_S
 from agent.http.client import build_client
 from agent.job.paths import JobDir
 from agent.job.records import RendezvousRecord
-from tests.bench.idle import TICKER
+from tests.bench.idle import ticker_program
 from tests.bench.procs import PY, REPO, env, read_status, submit, timed, wait_status
 from tests.bench.results import Figure
 from tests.kit.jobs import isolated_sets
@@ -113,8 +114,8 @@ class FollowRun:
 
     def head_cpu_pct(self, seconds: float) -> tuple[float, float]:
         """The head agent's own CPU (its process, not its engine) over ``seconds``, % of a core;
-        beside it, a bare trio process waking every 0.5 s over the same seconds."""
-        ticker = subprocess.Popen([PY, "-c", TICKER], cwd=REPO, env=env())
+        beside it, a bare trio process waking as often as the gate loop over the same seconds."""
+        ticker = subprocess.Popen([PY, "-c", ticker_program(GATE_POLL_S)], cwd=REPO, env=env())
         try:
             procs = [psutil.Process(self.head.pid), psutil.Process(ticker.pid)]
             before = [sum(p.cpu_times()[:2]) for p in procs]
@@ -187,7 +188,7 @@ def measure(names: set[str], *, quick: bool) -> list[Figure]:
                     ticker.append(floor_pct)
                 finally:
                     run.close()
-            what = "a bare trio process waking every 0.5 s (the gate loop's pace)"
+            what = f"a bare trio process waking every {GATE_POLL_S:g} s (the gate loop's pace)"
             figures.append(Figure("head_follow_cpu_1024_pct", cpu, what, ticker, "mean"))
     return figures
 
