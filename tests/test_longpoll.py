@@ -71,6 +71,7 @@ async def test_an_answer_with_a_length_on_one_kept_connection() -> None:
         poll = BarePoll()
         assert await poll(url, -1, 5.0, 2.0) == BODY
         assert await poll(url, 7, 5.0, 2.0) == BODY
+        poll.close()
         nursery.cancel_scope.cancel()
     assert server.heads[0].startswith(b"GET /decode-1/status?after=-1&timeout=5 HTTP/1.1\r\n")
     assert server.heads[1].startswith(b"GET /decode-1/status?after=7&timeout=5 HTTP/1.1\r\n")
@@ -96,6 +97,7 @@ async def test_a_chunked_answer_is_read_whole() -> None:
         poll = BarePoll()
         assert await poll(url, -1, 5.0, 2.0) == BODY
         assert await poll(url, -1, 5.0, 2.0) == BODY  # the connection is still in step
+        poll.close()
         nursery.cancel_scope.cancel()
 
 
@@ -111,6 +113,7 @@ async def test_a_connection_closed_while_idle_is_opened_again_at_once() -> None:
         assert await poll(url, -1, 5.0, 2.0) == BODY
         await trio.testing.wait_all_tasks_blocked()
         assert await poll(url, 3, 5.0, 2.0) == BODY
+        poll.close()
         nursery.cancel_scope.cancel()
     assert (len(server.heads), server.connections) == (2, 2)
 
@@ -132,8 +135,10 @@ async def test_an_unusable_answer_says_what_it_was(reply: bytes, says: str) -> N
 
     async with trio.open_nursery() as nursery:
         url = await Server(answer).start(nursery)
+        poll = BarePoll()
         with pytest.raises(PollFailed, match=says):
-            await BarePoll()(url, -1, 5.0, 2.0)
+            await poll(url, -1, 5.0, 2.0)
+        poll.close()  # a 503 is an answer: its connection stays open for the next poll
         nursery.cancel_scope.cancel()
 
 
