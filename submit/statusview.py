@@ -160,6 +160,10 @@ def render_table(status: JobStatus, stale: str | None) -> str:
     for r in rows:
         cells = [c.ljust(w) for c, w in zip(r[:6], widths, strict=True)]
         lines.append("  ".join([*cells, r[6]]).rstrip())
+    rejoined = [a for a in status.agents if a.rejoin_reason]
+    if rejoined:
+        lines.append("")
+        lines += [f"{a.name}: taken back {a.rejoins} time(s); {a.rejoin_reason}" for a in rejoined]
     return "\n".join(lines)
 
 

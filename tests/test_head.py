@@ -40,7 +40,7 @@ from agent.head.decisions import (
     waiting_for,
 )
 from agent.head.peers import UNREACHABLE_FAIL_S, Peer, Peers
-from agent.http.longpoll import client_fetch
+from agent.http.longpoll import ClientFetch
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names, parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.records import (
@@ -569,7 +569,7 @@ async def test_peers_follow_every_peer_over_the_agents_one_client(
         own_status=lambda: status("healthy", HEAD_NAME),
         log=LOG,
         on_change=lambda: None,
-        fetch=lambda: client_fetch(client),
+        fetch=lambda: ClientFetch(client),
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(peers.follow, lambda: None)
@@ -607,7 +607,7 @@ async def test_a_peer_answering_an_unknown_state_is_unreachable_alone(tmp_path: 
         own_status=lambda: status("healthy", HEAD_NAME),
         log=LOG,
         on_change=lambda: None,
-        fetch=lambda: client_fetch(httpx.AsyncClient(transport=httpx.MockTransport(handler))),
+        fetch=lambda: ClientFetch(httpx.AsyncClient(transport=httpx.MockTransport(handler))),
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(peers.follow, lambda: None)

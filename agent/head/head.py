@@ -81,6 +81,7 @@ class Head:
             own_status=ctx.own_status,
             log=ctx.log,
             on_change=self.poke,
+            fetch=ctx.peer_fetch,
         )
         self.router = Router(ctx, self.peers.records)
         # Decodes the router no longer uses, with the failure that dropped each.
@@ -111,6 +112,9 @@ class Head:
         self.ended_by: BenchmarkSummary | None = None
         self._poke = trio.Event()
         self._stop = trio.Event()
+        # Changes seen (pokes, and the head's own decisions), and the view built at that count.
+        self._changes = 0
+        self._viewed: tuple[tuple[int, object], JobView] | None = None
         # The restart marks (decisions.restart_marks) when a canary last passed: any restart
         # since then keeps the job degraded until a canary passes again.
         self.proven: dict[str, int] | None = None
@@ -131,6 +135,7 @@ class Head:
 
     def poke(self) -> None:
         """Something changed: re-evaluate now."""
+        self._changes += 1
         self._poke.set()
 
     def request_stop(self) -> None:
@@ -150,6 +155,17 @@ class Head:
     # ---- what the head knows -----------------------------------------------------------------
 
     def _view(self) -> JobView:
+        """What the head knows now; built again only after a change (a poke, the head's own
+        engine or the router changing, a decision of the head's own): with 1,024 agents a view
+        costs milliseconds, and the gate loop and status.json each want one per pass."""
+        mark = (self._changes, self.router.mark())
+        if self._viewed is not None and self._viewed[0] == mark:
+            return self._viewed[1]
+        view = self._build_view()
+        self._viewed = (mark, view)
+        return view
+
+    def _build_view(self) -> JobView:
         return JobView(
             agents={n: self._row(n) for n in self.expected},
             healthy_since=self.peers.healthy_since(),
@@ -230,7 +246,8 @@ class Head:
         while True:
             if self._stop.is_set():
                 return False
-            self.peers.refresh_own()
+            if self.peers.refresh_own():
+                self._changes += 1
             view = self._view()
             self._check_fatal(view)
             last = gate(view, time.monotonic())
@@ -248,6 +265,7 @@ class Head:
             self.dropped[name] = failure_of(view.agents[name])
         decodes = [n for n in view.decodes if n not in self.dropped]
         router = self.router.start(nursery, decodes)
+        self._changes += 1  # the dropped decodes and the router's row
         decision_s = time.monotonic() - last
         self.ctx.figures.gate_latency_s = decision_s
         self.router_url = self.router.url
@@ -365,6 +383,7 @@ class Head:
                 limit,
                 failure,
             )
+        self._changes += 1  # the rows of the decodes dropped or taken back
         why = [f"without {', '.join(newly)}"] if newly else []
         why += [f"with {', '.join(back)} back"] if back else []
         self.router.use([n for n in view.decodes if n not in self.dropped], " and ".join(why))
@@ -376,6 +395,7 @@ class Head:
         ).items():
             if self.rejoin_reason.get(name) != why:
                 self.rejoin_reason[name] = why
+                self._changes += 1
                 self.log.warning("head: %s: %s", name, why)
 
     # ---- the pool: tilert-submit scale (agent.head.pool) ---------------------------------------
@@ -483,7 +503,8 @@ class Head:
         """While serving: degrade, drop failed decodes, re-prove after restarts, fail only when
         nothing can serve."""
         while not self._stop.is_set():
-            self.peers.refresh_own()
+            if self.peers.refresh_own():
+                self._changes += 1
             view = self._view()
             self._check_fatal(view)
             newly = to_drop(view, self.dropped)

@@ -49,9 +49,14 @@ IDLE_POLL_S = 1.0  # a peer that exited or was lost: look again only for a new r
 
 
 def _steady(status: AgentStatus | None) -> AgentStatus | None:
-    """An answer without what moves by itself (the engine's uptime): two answers of a peer where
-    nothing happened compare equal."""
-    return None if status is None else msgspec.structs.replace(status, uptime_s=None)
+    """An answer without what moves by itself (the engine's and the head's router's uptime): two
+    answers of a peer where nothing happened compare equal."""
+    if status is None:
+        return None
+    router = status.router
+    if router is not None:
+        router = msgspec.structs.replace(router, uptime_s=None)
+    return msgspec.structs.replace(status, uptime_s=None, router=router)
 
 
 @dataclass
@@ -204,11 +209,11 @@ class Peers:
             return self.own_status().state
         return self.by_name[name].state
 
-    def refresh_own(self) -> None:
-        """Take the head's own status into its peer (for the gate's healthy times)."""
+    def refresh_own(self) -> bool:
+        """Take the head's own status into its peer (for the gate's healthy times); True when it
+        changed."""
         me = self.by_name[HEAD_NAME]
-        me.observe(self.own_status(), time.monotonic())
-        me.reachable = True
+        return me.observe(self.own_status(), time.monotonic())
 
     def records(self) -> dict[str, RendezvousRecord]:
         """The records published so far, in listing order."""
@@ -321,10 +326,16 @@ class Peers:
 
     async def _poll(self, name: str) -> None:
         """Long-poll a peer's /status forever; each answer is pushed into the gate at once."""
+        fetch = self.fetch()
+        try:
+            await self._poll_with(name, fetch)
+        finally:
+            fetch.close()
+
+    async def _poll_with(self, name: str, fetch: Fetch) -> None:
         peer = self.by_name[name]
         version = -1
         polled: RendezvousRecord | None = None
-        fetch = self.fetch()
         while True:
             # Read each time: every republish replaces the record.
             record = self.record(name)

@@ -131,6 +131,11 @@ class Router:
             # A hand-over: the old router finishes its streams while the new one starts.
             self.supervisor.relaunch(f"restarting the router {why}", handover=True)
 
+    def mark(self) -> tuple[str, int, str] | None:
+        """What the router's row shows (state, restarts, reason); None before it starts."""
+        sup = self.supervisor
+        return None if sup is None else (sup.state, sup.restarts, sup.reason)
+
     def status(self) -> EngineStatus | None:
         """The router's ``/status`` view; None before it starts."""
         return self.supervisor.status() if self.supervisor is not None else None

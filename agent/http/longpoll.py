@@ -14,7 +14,7 @@ once at once, as httpx does, so a peer that restarted is not taken for one that 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -60,10 +60,11 @@ class StatusConnection:
                 reused = self._stream is not None
                 try:
                     return await self._exchange(request)
-                except _Closed:
+                except (_Closed, trio.BrokenResourceError, ConnectionResetError):
                     if not reused:
                         raise
-                    return await self._exchange(request)  # closed while idle: once more
+                    self.close()  # the peer closed it while idle: once more, on a new one
+                    return await self._exchange(request)
         except trio.TooSlowError:
             self.close()
             raise PollFailed(f"no answer from {self.url} within {timeout_s:g}s") from None
@@ -169,9 +170,18 @@ class StatusConnection:
             await self._read_exactly(2)  # the chunk's CRLF
 
 
-# One long poll: (status URL, version after which to answer, seconds the peer may hold it, the
-# bound of the whole request) -> the answer's body; ``PollFailed`` for no usable answer.
-Fetch = Callable[[str, int, float, float], Awaitable[bytes]]
+class Fetch(Protocol):
+    """One peer's long polls: ``await fetch(url, after, hold_s, timeout_s)`` is the body of the
+    peer's answer to ``GET url?after=..&timeout=hold_s`` within ``timeout_s`` (``PollFailed``
+    otherwise); ``close()`` when done with the peer."""
+
+    async def __call__(self, url: str, after: int, hold_s: float, timeout_s: float) -> bytes:
+        """The body of a 200 answer."""
+        ...
+
+    def close(self) -> None:
+        """Release what the polls hold (a connection)."""
+        ...
 
 
 class BarePoll:
@@ -191,13 +201,23 @@ class BarePoll:
             raise PollFailed(f"{url} answered HTTP {code}: {body[:200].decode(errors='replace')}")
         return body
 
+    def close(self) -> None:
+        """Close the connection, if any."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
-def client_fetch(client: httpx.AsyncClient) -> Fetch:
+
+class ClientFetch:
     """A ``Fetch`` through an httpx client (tests hand a mock transport in)."""
 
-    async def fetch(url: str, after: int, hold_s: float, timeout_s: float) -> bytes:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def __call__(self, url: str, after: int, hold_s: float, timeout_s: float) -> bytes:
+        """GET through the client; the body of a 2xx answer."""
         try:
-            response = await client.get(
+            response = await self.client.get(
                 url, params={"after": after, "timeout": hold_s}, timeout=timeout_s
             )
             response.raise_for_status()
@@ -205,4 +225,5 @@ def client_fetch(client: httpx.AsyncClient) -> Fetch:
             raise PollFailed(str(exc) or type(exc).__name__) from None
         return response.content
 
-    return fetch
+    def close(self) -> None:
+        """Nothing to close: the client is its owner's."""

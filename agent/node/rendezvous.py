@@ -129,7 +129,7 @@ class Records:
 # tick leave the same mtime) or every STAT_PASS_S (a file rewritten in place changes only its
 # own stat), and every record read again every FULL_PASS_S whatever the stats say (an NFS client
 # caches attributes for seconds, `actimeo`, and may show an old size and mtime).
-STAT_PASS_S = 1.0
+STAT_PASS_S = 2.0
 FULL_PASS_S = 10.0
 RECENT_S = 1.0
 
