@@ -457,12 +457,18 @@ def _parse_sample(line: str, lineno: int) -> _Sample:
     return _Sample(name, labels, value, stamp, lineno)
 
 
+def _skip_blanks(line: str, pos: int) -> int:
+    """The position of the first non-blank at or after ``pos``."""
+    while pos < len(line) and line[pos] in _BLANKS:
+        pos += 1
+    return pos
+
+
 def _parse_labels(line: str, pos: int, lineno: int, labels: list[tuple[str, str]]) -> int:
     """Labels from just after ``{`` to just after ``}``; returns the position after ``}``."""
     seen: set[str] = set()
     while True:
-        while pos < len(line) and line[pos] in _BLANKS:
-            pos += 1
+        pos = _skip_blanks(line, pos)
         if line.startswith("}", pos):
             return pos + 1
         match = _LABEL_NAME.match(line, pos)
@@ -472,23 +478,17 @@ def _parse_labels(line: str, pos: int, lineno: int, labels: list[tuple[str, str]
         if label == "__name__" or label in seen:
             raise PageError(f"line {lineno}: label {label!r} reserved or repeated")
         seen.add(label)
-        pos = match.end()
-        while pos < len(line) and line[pos] in _BLANKS:
-            pos += 1
+        pos = _skip_blanks(line, match.end())
         if not line.startswith("=", pos):
             raise PageError(f"line {lineno}: expected '=' after label {label}")
-        pos += 1
-        while pos < len(line) and line[pos] in _BLANKS:
-            pos += 1
+        pos = _skip_blanks(line, pos + 1)
         if not line.startswith('"', pos):
             raise PageError(f"line {lineno}: expected a quoted value for label {label}")
         value = _LABEL_VALUE.match(line, pos + 1)
         if not value:
             raise PageError(f"line {lineno}: unterminated value for label {label}")
         labels.append((label, _unescape(value.group(1), _LABEL_UNESCAPES, lineno, "a label value")))
-        pos = value.end()
-        while pos < len(line) and line[pos] in _BLANKS:
-            pos += 1
+        pos = _skip_blanks(line, value.end())
         if line.startswith(",", pos):
             pos += 1
         elif not line.startswith("}", pos):
