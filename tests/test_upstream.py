@@ -12,9 +12,9 @@ import pytest
 import trio
 import trio.testing
 
-from agent.http.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
 from agent.http.reexport import relabel_page
 from agent.http.upstream import UpstreamMetrics
+from agent.web.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
 from tests.infra.ports import free_port
 from tests.kit.metrics import (
     BAD_PAGES,

@@ -19,15 +19,6 @@ from pathlib import Path
 import msgspec
 import trio
 
-from agent.http.asgi import (
-    App,
-    HTTPError,
-    Request,
-    Response,
-    StreamingResponse,
-    json_response,
-    text_response,
-)
 from agent.http.metrics import CONTENT_TYPE
 from agent.job.logfiles import rotated_files
 from agent.job.logtail import (
@@ -41,6 +32,15 @@ from agent.job.logtail import (
 )
 from agent.job.records import AgentStatus
 from agent.problems import printable
+from agent.web.asgi import (
+    App,
+    HTTPError,
+    Request,
+    Response,
+    StreamingResponse,
+    json_response,
+    text_response,
+)
 
 MAX_LONG_POLL_S = 60.0
 MAX_VERSION_DIGITS = 18  # a version counts changes; more digits than an int64 holds is no version

@@ -33,6 +33,8 @@ from itertools import chain
 
 from prometheus_client.registry import Collector
 
+from agent.errors import RuntimeFailure
+
 ACCEPT = "text/plain; version=0.0.4"
 DROP_PREFIXES = ("process_", "python_", "http_")
 PROMETHEUS_LABELS = (
@@ -76,7 +78,7 @@ _LABEL_UNESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
 _HELP_UNESCAPES = {"\\": "\\", "n": "\n"}
 
 
-class PageError(ValueError):
+class PageError(RuntimeFailure, ValueError):
     """A page that is not valid classic exposition text (the message names the line)."""
 
 

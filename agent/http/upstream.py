@@ -15,6 +15,7 @@ from collections.abc import Collection, Mapping
 import httpx
 import trio
 
+from agent.errors import RuntimeFailure
 from agent.http.reexport import ACCEPT, PageError, Relabeller, check_labels
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 _REUSE_ON_LOOP_BYTES = 1024 * 1024
 
 
-class UpstreamError(Exception):
+class UpstreamError(RuntimeFailure):
     """The upstream answer is unusable before parsing (status, type, size, time)."""
 
 
