@@ -556,7 +556,8 @@ def test_logs_follow_shows_new_lines_then_sigint_exits_0(job: kit.LocalJob) -> N
         for line in stdout:
             lines.put(line)
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     seen: list[str] = []
 
     def until(what: str, pred: Callable[[list[str]], bool], timeout: float = 15) -> None:
@@ -600,6 +601,11 @@ def test_logs_follow_shows_new_lines_then_sigint_exits_0(job: kit.LocalJob) -> N
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+        # The reader ends at the pipe's end; then both pipes are closed (no ResourceWarning).
+        reader.join(5)
+        stdout.close()
+        assert proc.stderr is not None
+        proc.stderr.close()
 
 
 # ---- restarts -------------------------------------------------------------------------------
