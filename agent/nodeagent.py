@@ -35,7 +35,7 @@ from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
-from agent.node.leave import IDLE_MARGIN_S, wait_idle
+from agent.node.leave import LEAVE_IDLE_S, wait_idle
 from agent.node.logpump import LogSink
 from agent.node.ownrecord import OwnRecord
 from agent.node.ports import choose_port, is_bindable
@@ -412,9 +412,9 @@ class NodeAgent:
         return "draining, then stopping"
 
     async def _leave(self) -> None:
-        bound = self.plan.router.stop_grace_s + IDLE_MARGIN_S
         self.log.info("%s: leaving the pool; waiting until its engine is idle", self.id.name)
-        how = await wait_idle(self.client, self.engine_url("/decode_status"), bound, self.log)
+        url = self.engine_url("/decode_status")
+        how = await wait_idle(self.client, url, LEAVE_IDLE_S, self.log)
         self.leaving = f"left the pool (tilert-submit scale): {how}"
         self.log.info("%s: %s; stopping", self.id.name, self.leaving)
         self.stop_requested = True

@@ -29,8 +29,6 @@ READY_S = 120.0
 SCALE_S = 300.0
 # Slow decode tokens, so a chat is still streaming while the pool shrinks.
 TOKEN_DELAY = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.3"
-# The old router finishes its streams within its grace (FAST's 2 s would cut a 3 s chat).
-ROUTER_GRACE = "agent.stop_grace_s.router=30"
 # The real router's /health can take over FAST's 0.5 s on a loaded machine: not a dead router.
 PROBE = "agent.probe.timeout_s=5"
 
@@ -78,7 +76,7 @@ def pool(status: dict[str, Any]) -> dict[str, str]:
 
 def test_scale_up_then_down_under_a_streaming_chat(tmp_path: Path, router_python: Path) -> None:
     """Grow 2 -> 3, shrink 3 -> 1 with a chat streaming on a leaving decode; chats throughout."""
-    args, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, ROUTER_GRACE, PROBE)
+    args, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, PROBE)
     job_dir = tmp_path / "job"
     with kit.LocalJob(job_dir, args) as job:
         status = job.wait_state("ready", timeout=READY_S)
@@ -143,7 +141,7 @@ def test_scale_on_slurm_with_a_second_job(
     record naming that job), shrunk back to 1 under a streaming chat (the second job ends when
     its agent has left), grown again, then ``stop`` ends both jobs."""
     sets, _ = kit.isolated_sets(
-        router_python, TOKEN_DELAY, ROUTER_GRACE, "roles.decode.nodes=1", "roles.decode.workers=1"
+        router_python, TOKEN_DELAY, PROBE, "roles.decode.nodes=1", "roles.decode.workers=1"
     )
     job_dir = tmp_path / "job"
     done = kit.submit_cmd(

@@ -21,6 +21,7 @@ from agent.job.names import ROUTER_NAME
 from agent.job.records import EngineStatus, JobAgent, RendezvousRecord
 from agent.launch import LaunchSpec, preflight
 from agent.launch.commands import DecodeEndpoint, arg_value, router_command
+from agent.node.leave import HANDOVER_DRAIN_S
 from agent.node.logpump import LogSink
 from agent.node.supervisor import EngineSupervisor, policy_for
 
@@ -120,6 +121,7 @@ class Router:
             on_change=ctx.on_change,
             observe_probe=ctx.probe_observer("router"),
             client=ctx.client,
+            handover_drain_s=HANDOVER_DRAIN_S,
         )
         nursery.start_soon(self.supervisor.run)
         return self.supervisor

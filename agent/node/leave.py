@@ -17,8 +17,12 @@ import msgspec
 import trio
 
 IDLE_POLL_S = 0.2
-# Beyond the router's stop grace (the longest an old router streams through a leaving decode).
-IDLE_MARGIN_S = 10.0
+# How long an old router may finish its streams after a hand-over (agent.head.router); a stop of
+# the job cuts it to the router's stop grace.
+HANDOVER_DRAIN_S = 120.0
+# A leaving decode waits for idle at most this long: beyond the longest an old router may stream
+# through it.
+LEAVE_IDLE_S = HANDOVER_DRAIN_S + 10.0
 
 
 class DecodeStatus(msgspec.Struct):

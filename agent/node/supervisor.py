@@ -113,6 +113,7 @@ class EngineSupervisor:
         on_address_in_use: Callable[[], None] | None = None,
         observe_probe: Callable[[float], None] | None = None,
         client: httpx.AsyncClient | None = None,
+        handover_drain_s: float = 0.0,
     ) -> None:
         self.name = name
         self.launcher = launcher
@@ -146,6 +147,10 @@ class EngineSupervisor:
         self._handover = False
         self._await_ports = False
         self._drains: trio.Nursery | None = None
+        self._draining: set[trio.CancelScope] = set()
+        # How long a handed-over engine may finish what it serves (not capped by Slurm's KillWait
+        # as the stop grace is: the job goes on meanwhile).
+        self.handover_drain_s = handover_drain_s
         self._cancel = trio.CancelScope()
         self._probe_wakeup = trio.Event()
         self.done = trio.Event()
@@ -188,6 +193,9 @@ class EngineSupervisor:
         """Stop for good: the engine gets SIGTERM, the grace, then SIGKILL. Returns when done."""
         self.stopping = True
         self._cancel.cancel()
+        # A handed-over engine still draining gets the stop grace from now, no more.
+        for scope in self._draining:
+            scope.deadline = min(scope.deadline, trio.current_time() + self.policy.stop_grace_s)
         await self.done.wait()
 
     def relaunch(self, reason: str, *, handover: bool = False) -> None:
@@ -222,7 +230,8 @@ class EngineSupervisor:
             self.done.set()
 
     async def _drain(self, engine: ProcessHandle, pumped: trio.Event) -> None:
-        """A handed-over engine: SIGTERM now, its output still logged, SIGKILL after the grace."""
+        """A handed-over engine: SIGTERM now, its output still logged, SIGKILL after
+        ``handover_drain_s`` (cut to the stop grace when the supervisor stops meanwhile)."""
         async with trio.open_nursery() as nursery:
 
             async def pump() -> None:
@@ -230,7 +239,17 @@ class EngineSupervisor:
                 await self.sink.pump(engine.output)
 
             nursery.start_soon(pump)
-            await self._stop_engine(engine)
+            drain_s = max(self.handover_drain_s, self.policy.stop_grace_s)
+            with trio.CancelScope(deadline=trio.current_time() + drain_s) as scope:
+                self._draining.add(scope)
+                code = await engine.stop(drain_s)
+            self._draining.discard(scope)
+            if scope.cancelled_caught:
+                engine.kill()
+                code = await engine.wait()
+            self.log.info(
+                "%s: handed-over engine pid %s ended with status %d", self.name, engine.pid, code
+            )
             with trio.move_on_after(2.0):
                 await engine.wait()
             nursery.cancel_scope.cancel()

@@ -45,9 +45,10 @@ def _scale(job: Path, count: int) -> None:
 
 def _one_round(root: Path, router_python: str | None) -> tuple[list[float], int, list[float]]:
     """(refused stretches, failed requests, the router's own starts) of one grow + shrink."""
-    # A grace long enough for the old router's streams (the demo's chats take well under 1 s).
-    args, _ = isolated_sets(Path(router_python) if router_python else None, *FAST)
-    args += ["--set", "agent.stop_grace_s.router=30"]
+    # The real router's /health can take over FAST's 0.5 s while it streams on a loaded machine.
+    args, _ = isolated_sets(
+        Path(router_python) if router_python else None, *FAST, "agent.probe.timeout_s=5"
+    )
     root.mkdir(parents=True, exist_ok=True)
     with LocalJob(root / "job", args, env=env()) as job:
         status = wait_status(job.job, ("ready",), READY_TIMEOUT_S)
