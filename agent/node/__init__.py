@@ -9,7 +9,8 @@ shown, never fatal), ``supervisor`` (one engine's state machine: probe, restart,
 agent's own log), the decode's weights: ``weightsfolder`` (complete or not, the marker, its path
 through the mounts), ``folderlock`` (a lock on a shared file system), ``converter`` (TileRT's
 converter: its preflight, its run, its marker) and ``conversion`` (the gate before the engine:
-check, wait, or convert once), and ``jobend`` (the head ends the whole job). ``agent.nodeagent``
+check, wait, or convert once), ``leave`` (a decode leaving the pool: drained to idle, then
+stopped), and ``jobend`` (the head ends the whole job). ``agent.nodeagent``
 puts them together; ``agent.head`` uses them too.
 
 May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``, ``agent.problems``,
