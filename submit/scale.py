@@ -3,9 +3,10 @@ pool (docs/cli.md, "Scaling the decode pool").
 
 It writes ``J/pool.json`` (atomically; ``agent.job.pool``), then starts the new agents where the
 job runs: the ``--local`` supervisor sees the file and starts them itself; on Slurm a second Slurm
-job for the same job folder runs them (``submit.slurm.grow``). The head proves each new decode by
-its canary before the router is restarted with it; a shrink takes the named (``--leave``) or the
-highest-index decodes out of the router first, and each then drains and stops. It waits until
+job for the same job folder runs them (``SlurmBackend.grow``, ``submit.slurm.render``). The head
+proves each new decode by its canary before the router is restarted with it; a shrink takes the
+named (``--leave``) or the highest-index decodes out of the router first, and each then drains
+and stops. It waits until
 ``status.json`` shows the pool as asked (exit 0), or says what is still moving when its limit
 passes (exit 1).
 """
