@@ -95,17 +95,19 @@ def pool_line(status: JobStatus) -> str:
     )
 
 
-def settled(status: JobStatus, wanted: list[str]) -> bool:
+def settled(status: JobStatus, wanted: list[str], *, degraded_ok: bool = False) -> bool:
     """Whether ``status.json`` shows exactly ``wanted`` as members, nothing joining or leaving,
-    and the job proven again (``ready``, or ``degraded`` for another reason than the pool)."""
+    and the job proven again: ``ready`` (``degraded`` too with ``degraded_ok``: it was before the
+    scale, for another reason than the pool)."""
     rows = [a for a in status.agents if a.role == "decode"]
     members = sorted(a.name for a in rows if a.pool == "member")
     moving = [a for a in rows if a.pool in ("joining", "leaving")]
     router_ok = status.router is not None and status.router.state == "healthy"
-    return members == sorted(wanted) and not moving and router_ok and status.state == "ready"
+    serving = status.state == "ready" or (degraded_ok and status.state == "degraded")
+    return members == sorted(wanted) and not moving and router_ok and serving
 
 
-def _wait(job: JobDir, wanted: list[str], limit: float) -> int:
+def _wait(job: JobDir, wanted: list[str], limit: float, *, degraded_ok: bool) -> int:
     deadline = time.monotonic() + limit
     last = ""
     start = time.monotonic()
@@ -119,7 +121,7 @@ def _wait(job: JobDir, wanted: list[str], limit: float) -> int:
             if line != last:
                 print(f"[{time.monotonic() - start:6.1f}s] {line}", flush=True)
                 last = line
-            if settled(status, wanted):
+            if settled(status, wanted, degraded_ok=degraded_ok):
                 print(f"the pool is {', '.join(wanted)}; job {status.state}")
                 return EXIT_OK
             if status.state in ("failed", "stopped", "stopping"):
@@ -179,4 +181,5 @@ def main(args: argparse.Namespace) -> int:
         except BackendError as exc:
             print(f"{PROG} scale: {exc}", file=sys.stderr)
             return EXIT_RUNTIME
-    return _wait(job, wanted.names, scale_limit(plan, bool(adding)))
+    limit = scale_limit(plan, bool(adding))
+    return _wait(job, wanted.names, limit, degraded_ok=status.state == "degraded")
