@@ -32,6 +32,7 @@ from agent.launch.commands import MANAGED_ENV, Command, decode_command, prefill_
 from agent.launch.enginechecks import connector_choice, engine_checks, with_standin_connector
 from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
+from agent.node.decodestats import DecodeStats, PoolFigures, poll_decode_status, poll_pool_status
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
 from agent.node.logpump import LogSink
@@ -72,6 +73,11 @@ class NodeAgent:
         self.engine: EngineSupervisor | None = None
         self.head: Head | None = None  # prefill-0 only
         self.head_figures = HeadFigures() if identity.is_head else None
+        # The decode's figures from its REQSTAT lines and /decode_status (tilert_decode_*); the
+        # head's, the router's pool and the refusals it logs.
+        self.decode_stats = DecodeStats() if identity.role == "decode" else None
+        self.pool = PoolFigures() if identity.is_head else None
+        self._decode_names: dict[str, str] = {}
         self.metrics = AgentMetrics(
             role=identity.role,
             node=identity.node,
@@ -79,6 +85,8 @@ class NodeAgent:
             supervisors=self._supervisors,
             upstream_up=(lambda: self.upstream.up) if identity.role == "prefill" else None,
             head=self.head_figures,
+            decode=self.decode_stats,
+            pool=(self.pool, self._decode_name) if self.pool is not None else None,
         )
         make_log_dir(job, identity.name, plan)  # node-local with agent.logs.location: node
         self.sink = LogSink(
@@ -86,6 +94,8 @@ class NodeAgent:
             max_bytes=plan.agent.log_max_bytes,
             backups=plan.agent.log_backups,
         )
+        if self.decode_stats is not None:
+            self.sink.watchers.append(self.decode_stats.feed)
         self.preflight_failure: str | None = None
         self.start_failure: str | None = None  # why the agent could not start at all
         self.upstream = UpstreamMetrics(
@@ -181,7 +191,27 @@ class NodeAgent:
             writes=self.writes,
             client=self.client,
             scratch_folder=self.scratch.folder,
+            pool=self.pool,
         )
+
+    def _decode_name(self, url: str) -> str:
+        """The decode agent behind an HTTP base URL as the router names it (else the URL)."""
+        if url not in self._decode_names:
+            names = agent_names(self.plan.prefill.workers, self.plan.decode.workers)
+            for rec in read_records(self.job, set(names)).by_name.values():
+                if rec.role == "decode" and "http" in rec.ports:
+                    self._decode_names[f"http://{rec.address}:{rec.ports['http']}"] = rec.name
+        return self._decode_names.get(url, url)
+
+    def _pool_url(self) -> str | None:
+        """The router's /pool_status while it is healthy (head only)."""
+        router = self.head.router_supervisor if self.head is not None else None
+        if router is None or router.state != "healthy":
+            return None
+        return f"http://{self.id.address}:{self.plan.router.port}/pool_status"
+
+    def _engine_serving(self) -> bool:
+        return self.engine is not None and self.engine.state == "healthy"
 
     # ---- ports and the record --------------------------------------------------------------
 
@@ -429,6 +459,16 @@ class NodeAgent:
             nursery.start_soon(self.writes.retry)
             if self.head_figures is not None:  # prefill-0, the head agent
                 self.head = Head(self._head_context(self.head_figures))
+            if self.pool is not None:
+                nursery.start_soon(poll_pool_status, self.pool, client, self._pool_url)
+            if self.decode_stats is not None:
+                nursery.start_soon(
+                    poll_decode_status,
+                    self.decode_stats,
+                    client,
+                    lambda: self.engine_url("/decode_status"),  # its port may move
+                    self._engine_serving,
+                )
             if await self.run_preflight() and (self.weights is None or await self.weights.ready()):
                 self.publish()  # now with the versions the preflight found
                 self.engine = EngineSupervisor(

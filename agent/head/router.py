@@ -101,6 +101,8 @@ class Router:
             max_bytes=plan.agent.log_max_bytes,
             backups=plan.agent.log_backups,
         )
+        if ctx.pool is not None:
+            sink.watchers.append(ctx.pool.feed)  # the refusals it logs per decode
         self.supervisor = EngineSupervisor(
             name=ROUTER_NAME,
             launcher=ctx.launcher,

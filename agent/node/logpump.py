@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import trio
@@ -153,6 +153,9 @@ class LogSink:
         self._times = TimesWriter()
         self._size = 0
         self._failing = False
+        # Called with every block of whole engine lines as it is read (REQSTAT figures, failure
+        # signatures, startup progress): the lines pass by once, the file is never read again.
+        self.watchers: list[Callable[[bytes], None]] = []
 
     # ---- reading side (trio loop) ----
 
@@ -253,6 +256,7 @@ class LogSink:
         """Ring and queue for complete engine lines; what does not fit the queue is dropped."""
         lines = block.count(b"\n")
         self._remember(block, lines)
+        self._watch(block)
         room = self.queue_bytes - self._queued_bytes
         if len(block) <= room or not self._queued_bytes:  # one read may exceed a small queue
             self._push(block, lines, len(block))
@@ -265,6 +269,18 @@ class LogSink:
         self.bytes_dropped += len(block) - cut
         self._unnoted_lines += lines - kept
         self._unnoted_bytes += len(block) - cut
+
+    def _watch(self, block: bytes) -> None:
+        """Hand ``block`` to every watcher; a watcher's bug costs its figures, never the log."""
+        for watcher in list(self.watchers):
+            try:
+                watcher(block)
+            except Exception:
+                # Once: a watcher that fails on one block would fail on the next ones too.
+                self.watchers.remove(watcher)
+                _log.exception(
+                    "log watcher %r failed on %s; it is switched off", watcher, self.path
+                )
 
     def _remember(self, block: bytes, lines: int) -> None:
         """Keep the newest blocks holding the last ``ring_lines`` lines (``recent`` splits them)."""

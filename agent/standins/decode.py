@@ -43,6 +43,7 @@ from agent.http.asgi import (
     serve,
 )
 from agent.standins import lifecycle, tokens, wire
+from agent.standins.tilertlog import FORMAT, TileRTFormatter
 from agent.standins.faults import Crasher, Faults
 from agent.standins.kvlink import Receiver
 
@@ -217,7 +218,7 @@ def build_app(
                 )
             why = _unsupported(body.sampling or {}, kind)
             if why is not None:
-                log.info("sampling rejected for %s: %s", rid, why)
+                log.info("sampling rejected for %s: %s (%s)", rid, why, "capability_unavailable")
                 cleanup(rid)
                 return json_response({"error": why, "error_type": "capability_unavailable"}, 501)
             seq_len = 0
@@ -335,7 +336,7 @@ def _probe_local_ip() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: ``python -m agent.standins.decode [decode_server flags]``."""
-    lifecycle.setup_logging("%(asctime)s %(name)s %(message)s")
+    lifecycle.setup_logging(FORMAT, formatter=TileRTFormatter())
     args = lifecycle.parse_known(build_parser(), argv)
     faults = lifecycle.load_faults()
     kind = ENGINES[args.engine]

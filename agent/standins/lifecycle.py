@@ -30,9 +30,14 @@ def parse_known(parser: argparse.ArgumentParser, argv: list[str] | None) -> argp
     return args
 
 
-def setup_logging(fmt: str, datefmt: str | None = None) -> None:
-    """Log to stderr in the real engine's format."""
+def setup_logging(
+    fmt: str, datefmt: str | None = None, formatter: logging.Formatter | None = None
+) -> None:
+    """Log to stderr in the real engine's format (``formatter``: one of its own making)."""
     logging.basicConfig(level=logging.INFO, format=fmt, datefmt=datefmt, stream=sys.stderr)
+    if formatter is not None:
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(formatter)
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
 
 
