@@ -401,7 +401,7 @@ class NodeAgent:
         if self.start_failure or self.preflight_failure:
             return self.start_failure or self.preflight_failure or ""
         if self.engine is not None and self.engine.state == "failed":
-            return f"engine failed: {self.engine.reason}"
+            return f"engine failed: {self.engine.explained_reason()}"
         return "see its agent.log"
 
     def _last_word(self, code: int, reason: str) -> None:
@@ -488,6 +488,7 @@ class NodeAgent:
                     on_address_in_use=self._on_address_in_use,
                     observe_probe=self.metrics.observer("engine"),
                     client=client,
+                    where=self.id.role,
                 )
                 nursery.start_soon(self.engine.run)
                 self.changed()

@@ -119,6 +119,7 @@ class Router:
             on_change=ctx.on_change,
             observe_probe=ctx.probe_observer("router"),
             client=ctx.client,
+            where="router",
         )
         nursery.start_soon(self.supervisor.run)
         return self.supervisor

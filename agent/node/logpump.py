@@ -45,6 +45,8 @@ DEFAULT_QUEUE_BYTES = 8 * 1024 * 1024
 _READ_CHUNK = 1024 * 1024
 _BATCH_BYTES = 8 * 1024 * 1024
 _IOV_MAX = 1024  # buffers per writev (Linux's limit)
+# How much of an unfinished line partial watchers see (its newest redraws).
+_PARTIAL_TAIL = 4096
 # How long the reader waits for the file to take a batch before it drops lines instead.
 _STALL_S = 0.1
 # How long a cancelled pump keeps trying to get its queue into the file (shutdown must stay short).
@@ -156,6 +158,8 @@ class LogSink:
         # Called with every block of whole engine lines as it is read (REQSTAT figures, failure
         # signatures, startup progress): the lines pass by once, the file is never read again.
         self.watchers: list[Callable[[bytes], None]] = []
+        # Called with the end of an unfinished line that a carriage return redrew (a progress bar).
+        self.partial_watchers: list[Callable[[bytes], None]] = []
 
     # ---- reading side (trio loop) ----
 
@@ -214,6 +218,10 @@ class LogSink:
             if block:
                 await self._room_for(len(block))
                 self._accept(block)
+            if partial and self.partial_watchers and b"\r" in data:
+                # A progress bar (tqdm) redraws its line with CR and ends it only when done.
+                for watcher in self.partial_watchers:
+                    watcher(partial[-_PARTIAL_TAIL:])
 
     async def _room_for(self, size: int) -> None:
         """Wait while the queue is full and the file is taking batches, at most ``_STALL_S``.

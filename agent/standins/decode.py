@@ -43,9 +43,9 @@ from agent.http.asgi import (
     serve,
 )
 from agent.standins import lifecycle, tokens, wire
-from agent.standins.tilertlog import FORMAT, TileRTFormatter
 from agent.standins.faults import Crasher, Faults
 from agent.standins.kvlink import Receiver
+from agent.standins.tilertlog import FORMAT, TileRTFormatter
 
 log = logging.getLogger("pd_vllm.decode_server")
 recv_log = logging.getLogger("pd_vllm.receive")

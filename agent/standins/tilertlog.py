@@ -18,6 +18,7 @@ FILES = {
     "pd_vllm.receive": "receive_server.py",
     "pd_vllm.connector": "prefill_connector.py",
 }
+_NO_CONSUMER = "refusing %s rank %d for now: no consumer is waiting for this request"
 # (file, message format) -> line, read from the tilert 0.1.6.post3 wheel (tilert/pd_vllm/).
 LINES = {
     ("decode_server.py", "cancel requested for %s"): 64,
@@ -33,7 +34,7 @@ LINES = {
     ("decode_server.py", "TileRT engine ready (cache window %d, num_mtp %d)"): 332,
     ("decode_server.py", "decode server on :%d (profile=%s, engine=%s, ctrl=:%d)"): 335,
     ("receive_server.py", "control plane listening on :%d"): 101,
-    ("receive_server.py", "refusing %s rank %d for now: no consumer is waiting for this request"): 190,
+    ("receive_server.py", _NO_CONSUMER): 190,
     ("receive_server.py", "request %s: seq_len=%d (generation %d)"): 203,
     ("receive_server.py", "request %s drained; receive slot free"): 218,
     ("receive_server.py", "rank %d sent non-done message: %s"): 241,
