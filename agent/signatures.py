@@ -443,7 +443,8 @@ SIGNATURES: tuple[Signature, ...] = (
     _sig(
         "address-in-use",
         "prefill,decode,router",
-        r"\[Errno 98\] [Aa]ddress already in use",
+        r"\[Errno 98\] (?:[Aa]ddress already in use|error while attempting to bind on address "
+        r".*: address already in use)",
         ["Errno 98"],
         "a port the engine binds is taken",
         "the agent moves an engine that never served to new ports; otherwise stop the stale "
@@ -504,23 +505,28 @@ def match_line(line: str, signatures: Iterable[Signature]) -> Finding | None:
     return None
 
 
-def match_block(block: bytes, signatures: Iterable[Signature]) -> Iterator[Finding]:
-    """The signatures shown in a block of whole lines (its last ``SCAN_TAIL_BYTES`` when larger),
-    in the order of their lines."""
-    if len(block) > SCAN_TAIL_BYTES:
-        block = block[block.find(b"\n", len(block) - SCAN_TAIL_BYTES) + 1 :]
+def match_block(
+    block: bytes, signatures: Iterable[Signature], *, whole: bool = False
+) -> Iterator[tuple[int, Finding]]:
+    """``(offset of the line, finding)`` for each signature shown in a block of whole lines, in
+    the order of their lines; of a block over ``SCAN_TAIL_BYTES`` only its last part (a flood
+    read at once) unless ``whole``."""
+    start = 0
+    if not whole and len(block) > SCAN_TAIL_BYTES:
+        start = block.find(b"\n", len(block) - SCAN_TAIL_BYTES) + 1
+    view = block[start:] if start else block
     found: list[tuple[int, Finding]] = []
     for sig in signatures:
-        if not any(n in block for n in sig.bneedles):
+        if not any(n in view for n in sig.bneedles):
             continue
-        for m in sig.bregex.finditer(block):
-            start = block.rfind(b"\n", 0, m.start()) + 1
-            end = block.find(b"\n", m.end())
-            line = block[start : end if end >= 0 else len(block)].decode("utf-8", "replace")
+        for m in sig.bregex.finditer(view):
+            first = view.rfind(b"\n", 0, m.start()) + 1
+            end = view.find(b"\n", m.end())
+            line = view[first : end if end >= 0 else len(view)].decode("utf-8", "replace")
             groups = {k: v.decode("utf-8", "replace") for k, v in m.groupdict().items() if v}
-            found.append((m.start(), Finding(sig, line.rstrip("\r"), groups)))
+            found.append((start + first, Finding(sig, line.rstrip("\r"), groups)))
     found.sort(key=lambda item: item[0])
-    return (f for _, f in found)
+    return iter(found)
 
 
 def best(findings: Iterable[Finding]) -> Finding | None:

@@ -75,7 +75,7 @@ class EngineWatch:
         """A block of whole lines (a log pump watcher)."""
         if self.starting:
             self._progress(block)
-        for finding in match_block(block, self.signatures):
+        for _, finding in match_block(block, self.signatures):
             self.findings.append((time.time(), finding))
             if finding.signature.fatal and self.starting and self.fatal is None:
                 self.fatal = finding

@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
             log.info(
                 "loading TileRT engine (profile=%s, weights=%s)...", profile, args.model_weights_dir
             )
-        if not await lifecycle.loading(faults, shutdown):
+        if not await lifecycle.loading(faults, shutdown, "decode"):
             return
         if args.engine == "tilert":
             num_mtp = args.num_mtp if args.with_mtp else 0
