@@ -379,7 +379,8 @@ SIGNATURES: tuple[Signature, ...] = (
     _sig(
         "ibv-reg-mr",
         "decode,prefill",
-        r"ibv_reg_mr\S* failed.*Bad address",
+        # UCX prints the call's arguments: ibv_reg_mr(address=..., access=0xf) failed: ...
+        r"ibv_reg_(?:dmabuf_)?mr\S*(?:\(.*\))? failed.*Bad address",
         ["ibv_reg_mr"],
         "the NIC cannot register GPU memory (no nvidia_peermem, no DMA-BUF path)",
         "modprobe nvidia_peermem on the nodes, or use a DMA-BUF capable UCX",

@@ -44,6 +44,8 @@ from agent.signatures import Where
 
 ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
 FAILURE_LOG_LINES = 50
+# How long an engine that exited while starting may take to get its last lines to the log pump.
+_LAST_LINES_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -346,7 +348,7 @@ class EngineSupervisor:
 
             nursery.start_soon(wait_exit)
             try:
-                result = await self._watch(client, engine, exited, start)
+                result = await self._watch(client, engine, exited, start, pumped)
             finally:
                 with trio.CancelScope(shield=True):
                     await self._stop_engine(engine)
@@ -422,9 +424,15 @@ class EngineSupervisor:
         )
 
     async def _watch(
-        self, client: httpx.AsyncClient, engine: ProcessHandle, exited: trio.Event, start: float
+        self,
+        client: httpx.AsyncClient,
+        engine: ProcessHandle,
+        exited: trio.Event,
+        start: float,
+        pumped: trio.Event,
     ) -> str | None:
         policy = self.policy
+        waited_for_lines = False
         # Startup probe: fast, so readiness is seen within ~50 ms.
         while True:
             if self._relaunch_reason is not None:
@@ -433,6 +441,12 @@ class EngineSupervisor:
                 over = self._startup_over(start)
                 self._fail(over or "fatal log line")
                 return None
+            if exited.is_set() and self.watch is not None and not waited_for_lines:
+                # Its last lines may still be in the pipe: a fatal one decides, not the exit.
+                waited_for_lines = True
+                with trio.move_on_after(_LAST_LINES_S):
+                    await pumped.wait()
+                continue
             if exited.is_set():
                 if not self.ever_healthy and self._address_in_use() and self.on_address_in_use:
                     self.on_address_in_use()
