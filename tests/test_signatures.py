@@ -54,7 +54,7 @@ def test_layout_versions_in_words() -> None:
     assert "roles.decode.args.kv-cache-dtype" in found.reason()
 
 
-def _argv(mode: FailMode, port: int) -> list[str]:
+def _argv(mode: FailMode) -> list[str]:
     if mode.program == "decode":
         return [PY, "-m", "agent.standins.decode", "--engine", "tilert"]
     if mode.program == "prefill":
@@ -86,7 +86,7 @@ class Run:
             "TILERT_PD_PROBE_ADDR": "127.0.0.1",
             "TILERT_MOCK_FAILURE": name,
         }
-        argv = [*_argv(self.mode, self.port), *_flags(self.mode, self.port)]
+        argv = [*_argv(self.mode), *_flags(self.mode, self.port)]
         self.sup = EngineSupervisor(
             name=f"{self.mode.program}-{name}",
             launcher=ProcessLauncher(),
@@ -111,7 +111,7 @@ class Run:
         async with limiter, trio.open_nursery() as nursery:
             nursery.start_soon(self.sup.run)
             with trio.fail_after(WAIT_S):
-                while not self.settled():
+                while not self.settled():  # noqa: ASYNC110 - "healthy with a finding" has no event
                     await trio.sleep(0.05)
             status = self.sup.status()
             await self.sup.stop()
@@ -135,8 +135,10 @@ async def test_every_failure_switch_is_named_in_reason_and_diagnose(tmp_path: Pa
         watch = run.sup.watch
         assert watch is not None
         best = watch.diagnosis()
-        assert best is not None and best.signature.name == run.name, (run.name, reason)
-        assert best.cause in reason and sig.fix in reason, (run.name, reason)
+        assert best is not None, (run.name, reason)
+        assert best.signature.name == run.name, (run.name, reason)
+        assert best.cause in reason, (run.name, reason)
+        assert sig.fix in reason, (run.name, reason)
         if run.mode.when == "serve":
             assert state == "healthy", (run.name, reason)
             assert "but its log shows" in reason, reason
