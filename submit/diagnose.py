@@ -20,7 +20,7 @@ from agent.job.logfiles import log_path, node_local, rotated_files
 from agent.job.paths import JobDir
 from agent.job.records import JobAgent, JobStatus
 from agent.problems import printable
-from agent.signatures import Finding, Signature, for_role, match_block
+from agent.signatures import Finding, SignatureSet, for_role, match_block
 from submit.statusview import open_job, read_plan, read_status
 
 # Lines shown per signature and agent (the first and the last ones; the count says how many).
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def scan_file(path: Path, signatures: tuple[Signature, ...]) -> Iterator[tuple[int, Finding]]:
+def scan_file(path: Path, signatures: SignatureSet) -> Iterator[tuple[int, Finding]]:
     """``(line number, finding)`` for every signature line of ``path``, read in blocks."""
     lines_before = 0
     rest = b""
@@ -120,7 +120,7 @@ def _findings(files: list[Path], role: str) -> list[Diagnosis]:
             else:  # keep the first ones and the latest
                 entry.lines[-1] = line
     # Specific causes first; a generic one ("the engine core died") only says "look above".
-    by_name = {s.name: s for s in signatures}
+    by_name = {s.name: s for s in signatures.items}
     return sorted(found.values(), key=lambda d: (by_name[d.signature].generic, not d.fatal))
 
 

@@ -46,6 +46,7 @@ _PROGRESS_NEEDLES = (
     b"/",
 )
 PROGRESS_TEXT_CHARS = 120
+PROGRESS_TAIL_BYTES = 8192
 KEPT_FINDINGS = 20
 # A healthy engine's reason shows a signature seen this recently (older ones were transient).
 RECENT_S = 600.0
@@ -90,6 +91,9 @@ class EngineWatch:
             self._progress(segments[-2] if len(segments) > 1 else tail)
 
     def _progress(self, block: bytes) -> None:
+        # The latest progress line is at the end: a flood is searched in its last part only.
+        if len(block) > PROGRESS_TAIL_BYTES:
+            block = block[block.find(b"\n", len(block) - PROGRESS_TAIL_BYTES) + 1 :]
         if not any(n in block for n in _PROGRESS_NEEDLES):
             return
         matches = list(PROGRESS.finditer(block))
