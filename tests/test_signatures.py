@@ -165,3 +165,11 @@ def test_unknown_failure_name_exits_2_naming_it(bad: str) -> None:
     )
     assert done.returncode == 2
     assert f"TILERT_MOCK_FAILURE={bad!r} names no known failure" in done.stderr
+
+
+def test_docs_list_every_signature_with_its_regex() -> None:
+    text = (kit.REPO / "docs" / "diagnose.md").read_text()
+    for sig in SIGNATURES:
+        row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{sig.name}` |")), None)
+        assert row is not None, f"docs/diagnose.md lacks {sig.name}"
+        assert sig.pattern.replace("|", "\\|") in row, f"docs/diagnose.md: {sig.name}'s regex"
