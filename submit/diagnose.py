@@ -27,6 +27,8 @@ from submit.statusview import open_job, read_plan, read_status
 SHOWN_LINES = 4
 _READ_BYTES = 4 * 1024 * 1024
 BAD_STATES = ("failed", "unhealthy", "restarting", "degraded")
+# The agent's marker lines in an engine log (docs/logs.md): ``=== decode-1 failed: WHY ===``.
+MARKER = "=== "
 
 
 class LogLine(msgspec.Struct, kw_only=True):
@@ -91,6 +93,8 @@ def scan_file(path: Path, signatures: SignatureSet) -> Iterator[tuple[int, Findi
             else:
                 rest = b""
             for offset, finding in match_block(block, signatures, whole=True):
+                if finding.line.startswith(MARKER):
+                    continue  # the agent's own note, which quotes the engine's line
                 yield lines_before + block.count(b"\n", 0, offset) + 1, finding
             lines_before += block.count(b"\n")
             if not data:

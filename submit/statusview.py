@@ -147,7 +147,18 @@ def render_table(status: JobStatus, stale: str | None) -> str:
         cells = [c.ljust(w) for c, w in zip(r[:5], widths, strict=True)]
         lines.append("  ".join([*cells, r[5]]).rstrip())
     lines.extend(progress_lines(status.agents, time.time()))
+    lines.extend(trouble_lines([*status.agents, *([status.router] if status.router else [])]))
     return "\n".join(lines)
+
+
+def trouble_lines(agents: list[JobAgent]) -> list[str]:
+    """The whole reason of each agent in trouble whose REASON cell was cut (its cause and fix)."""
+    out = [
+        f"{a.name} {a.state}: {printable(a.reason)}"
+        for a in agents
+        if a.state in ("failed", "unhealthy", "restarting") and len(a.reason) > REASON_WIDTH
+    ]
+    return ["", *out] if out else []
 
 
 def progress_lines(agents: list[JobAgent], now: float) -> list[str]:

@@ -50,6 +50,8 @@ def test_failed_decode_named_in_status_and_diagnose(tmp_path: Path, router_pytho
         number = int(line.split(f"{engine_log}:")[1].split(":")[0])
         assert "No such file or directory" in Path(engine_log).read_text().splitlines()[number - 1]
         assert "fix: convert the weights" in text, text
+        # One line shows it: the agent's own "=== decode-1 failed: ... ===" note is not counted.
+        assert "[weights-incomplete, fatal] the decode" in text, text
         # decode-0 is fine: nothing found in its log.
         part = text.split("decode-0:")[1].split("\n\n")[0]
         assert "no known failure in its log" in part, part
@@ -62,6 +64,7 @@ def test_failed_decode_named_in_status_and_diagnose(tmp_path: Path, router_pytho
     assert report["ok"] is False
     decode = next(a for a in report["agents"] if a["name"] == "decode-1")
     assert decode["findings"][0]["signature"] == "weights-incomplete"
+    assert decode["findings"][0]["count"] == 1
     assert decode["findings"][0]["lines"][0]["file"] == engine_log
 
 

@@ -5,14 +5,14 @@ record, read and watch the others', trusting no file), ``jobwrites`` (writes int
 directory that may fail: retried, shown, never fatal), ``supervisor`` (one engine's state
 machine: probe, restart, give up), ``logpump`` (engine output to rotated files, never blocking
 the engine; watchers see the lines as they pass), ``enginewatch`` (startup progress and failure
-signatures in those lines), ``decodestats`` (a TileRT decode's figures from its REQSTAT lines and
-``/decode_status``, the router's pool), ``agentlog`` (the agent's own log), the decode's
-weights: ``weightsfolder`` (complete or not, the marker), ``folderlock`` (a lock on a shared file system) and
-``conversion`` (the gate before the engine: check, wait, or convert once), and ``jobend`` (the
-head ends the whole job). ``agent.nodeagent``
-puts them together; ``agent.head`` uses them too.
+signatures in those lines), ``decodestats`` (a TileRT decode's figures from its REQSTAT lines
+and ``/decode_status``, the router's pool), ``agentlog`` (the agent's own log), the decode's
+weights: ``weightsfolder`` (complete or not, the marker), ``folderlock`` (a lock on a shared
+file system) and ``conversion`` (the gate before the engine: check, wait, or convert once), and
+``jobend`` (the head ends the whole job). ``agent.nodeagent`` puts them together; ``agent.head``
+uses them too.
 
 May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``,
-``agent.signatures``, ``agent.problems``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
-``agent.nodeagent``.
+``agent.signatures``, ``agent.problems``, ``agent.job`` and ``agent.launch``. Never
+``agent.http``, ``agent.head`` or ``agent.nodeagent``.
 """
