@@ -93,7 +93,7 @@ class Run:
             build=lambda: LaunchSpec(name=name, argv=argv, env=env),
             health_url=lambda: f"http://127.0.0.1:{self.port}/health",
             ports=lambda: {"http": self.port},
-            policy=policy(max_restarts=0, startup_budget_s=WAIT_S),
+            policy=policy(restart_max=0, startup_budget_s=WAIT_S),
             sink=LogSink(self.log_file, max_bytes=1 << 20, backups=0),
             log=logging.getLogger(f"test-signatures-{name}"),
             on_change=lambda: None,

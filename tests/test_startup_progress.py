@@ -68,7 +68,7 @@ async def _until_settled(sup: EngineSupervisor, seen: list[str]) -> None:
 
 
 async def test_progress_lines_outlive_the_fixed_budget(tmp_path: Path) -> None:
-    pol = policy(startup_budget_s=BUDGET_S, startup_silence_s=SILENCE_S, max_restarts=0)
+    pol = policy(startup_budget_s=BUDGET_S, startup_silence_s=SILENCE_S, restart_max=0)
     seen: list[str] = []
     sup = _supervisor(tmp_path, pol, TILERT_MOCK_PROGRESS_EVERY_S="0.5")
     await _until_settled(sup, seen)
@@ -85,7 +85,7 @@ async def test_progress_lines_outlive_the_fixed_budget(tmp_path: Path) -> None:
 
 
 async def test_a_silent_load_fails_at_the_budget(tmp_path: Path) -> None:
-    pol = policy(startup_budget_s=BUDGET_S, startup_silence_s=SILENCE_S, max_restarts=0)
+    pol = policy(startup_budget_s=BUDGET_S, startup_silence_s=SILENCE_S, restart_max=0)
     seen: list[str] = []
     sup = _supervisor(tmp_path, pol)
     t0 = trio.current_time()
@@ -101,7 +101,7 @@ async def test_a_silent_load_fails_at_the_budget(tmp_path: Path) -> None:
 async def test_progress_too_far_apart_fails_after_the_silence_bound(tmp_path: Path) -> None:
     # A bar every 3 s, a silence bound of 1.5 s: past the budget (long enough for the stand-in to
     # import and print its first bar), the first gap ends the wait, long before the load would.
-    pol = policy(startup_budget_s=8.0, startup_silence_s=1.5, max_restarts=0)
+    pol = policy(startup_budget_s=8.0, startup_silence_s=1.5, restart_max=0)
     env = {"TILERT_MOCK_STARTUP_DELAY_S": "40", "TILERT_MOCK_PROGRESS_EVERY_S": "3"}
     seen: list[str] = []
     sup = _supervisor(tmp_path, pol, **env)

@@ -22,6 +22,11 @@ import httpx
 import msgspec
 import trio
 
+from agent.job.names import agent_names
+from agent.job.paths import JobDir
+from agent.job.plan import Plan
+from agent.node.rendezvous import read_records
+
 _log = logging.getLogger(__name__)
 
 # TileRT's format (pd_vllm/decode_server.py _log_reqstat), anywhere in a line (a launcher may
@@ -291,3 +296,19 @@ async def poll_pool_status(
                 raw = None
         figures.pool(raw)
         await trio.sleep(interval_s)
+
+
+def decode_namer(job: JobDir, plan: Plan) -> Callable[[str], str]:
+    """A decode's HTTP base URL as the router names it -> its agent's name (else the URL); the
+    records are read again only for a URL not seen yet."""
+    known: dict[str, str] = {}
+
+    def name(url: str) -> str:
+        if url not in known:
+            names = agent_names(plan.prefill.workers, plan.decode.workers)
+            for rec in read_records(job, set(names)).by_name.values():
+                if rec.role == "decode" and "http" in rec.ports:
+                    known[f"http://{rec.address}:{rec.ports['http']}"] = rec.name
+        return known.get(url, url)
+
+    return name

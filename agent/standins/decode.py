@@ -33,7 +33,11 @@ from agent.facts import (
     NUM_MTP_CHOICES,
     TRANSPORTS,
 )
-from agent.http.asgi import (
+from agent.standins import lifecycle, tokens, wire
+from agent.standins.faults import Crasher, Faults
+from agent.standins.kvlink import Receiver
+from agent.standins.tilertlog import FORMAT, TileRTFormatter
+from agent.web.asgi import (
     App,
     Request,
     Response,
@@ -42,10 +46,6 @@ from agent.http.asgi import (
     json_response,
     serve,
 )
-from agent.standins import lifecycle, tokens, wire
-from agent.standins.faults import Crasher, Faults
-from agent.standins.kvlink import Receiver
-from agent.standins.tilertlog import FORMAT, TileRTFormatter
 
 log = logging.getLogger("pd_vllm.decode_server")
 recv_log = logging.getLogger("pd_vllm.receive")

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import trio
 
+from agent.errors import BadInput
 from agent.standins.failmodes import MODES
 
 log = logging.getLogger("standin.faults")
@@ -61,7 +62,7 @@ AGENT_NAME_ENV = "TILERT_AGENT_NAME"
 _CRASH_FLUSH_S = 0.1
 
 
-class FaultConfigError(ValueError):
+class FaultConfigError(BadInput, ValueError):
     """A TILERT_MOCK_* value that cannot be parsed."""
 
 
