@@ -24,8 +24,8 @@ from tests.infra.ports import free_port
 from tests.test_supervisor import policy
 
 PY = sys.executable
-LOAD_S = 12.0
-BUDGET_S = 5.0  # well above the stand-in's import time, so its first bar comes in time
+LOAD_S = 18.0
+BUDGET_S = 8.0  # well above the stand-in's import time, so its first bar comes in time
 SILENCE_S = 3.0
 WAIT_S = 60.0
 
