@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 
+from agent.errors import EXIT_OK, EXIT_RUNTIME
 from agent.job.logfiles import log_path, node_local, rotated_files
 from agent.job.paths import JobDir
 from agent.job.records import JobAgent, JobStatus
@@ -195,4 +196,4 @@ def main(args: argparse.Namespace) -> int:
         print(msgspec.json.encode(report).decode())
     else:
         print(render(report))
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_RUNTIME
