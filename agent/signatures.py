@@ -3,9 +3,10 @@
 Each comes from TileRT 0.1.6.post3, vLLM, NCCL, UCX/NIXL or huggingface_hub as they write their
 messages (docs/diagnose.md lists them with their sources). ``where`` names the logs it appears in:
 ``prefill`` (vLLM, with TileRT's connector), ``decode`` (TileRT's decode server), ``router``.
-``fatal`` signatures end an engine's startup wait at once (it will not come up); the others
-describe a job that runs but fails requests. ``generic`` ones say only that something earlier
-went wrong: a specific signature of the same log wins over them.
+``fatal`` signatures end an engine's startup wait at once: only exceptions that end a start for
+sure, with words no healthy start prints. The others (warnings a start may survive, per-request
+failures) name the cause once the engine fails or while it serves. ``generic`` ones say only
+that something earlier went wrong: a specific signature of the same log wins over them.
 
 The agent's supervisor matches the lines as its log pump reads them (``Matcher``), and
 ``tilert-submit diagnose`` reads the log files (``match_line``).
@@ -338,7 +339,6 @@ SIGNATURES: tuple[Signature, ...] = (
         "TileRT found no route to TILERT_PD_PROBE_ADDR to pick its own address",
         "set TILERT_PD_PROBE_ADDR to a peer address on the RDMA network (the agent sets it to "
         "the node's address: check the role's env does not override it)",
-        fatal=True,
     ),
     _sig(
         "unsupported-field",
@@ -375,7 +375,6 @@ SIGNATURES: tuple[Signature, ...] = (
         ["UCX"],
         "UCX was built or loaded without CUDA: GPU memory cannot be sent",
         "use a CUDA-enabled UCX/NIXL build (the image's nixl-cu* wheel)",
-        fatal=True,
     ),
     _sig(
         "ibv-reg-mr",
@@ -385,7 +384,6 @@ SIGNATURES: tuple[Signature, ...] = (
         ["ibv_reg_mr"],
         "the NIC cannot register GPU memory (no nvidia_peermem, no DMA-BUF path)",
         "modprobe nvidia_peermem on the nodes, or use a DMA-BUF capable UCX",
-        fatal=True,
     ),
     _sig(
         "ucx-gda-cuda",
@@ -394,7 +392,6 @@ SIGNATURES: tuple[Signature, ...] = (
         ["gdaki.c"],
         "UCX's GPU-direct-async transport failed to initialise CUDA",
         "fix CUDA in the container, or leave the rc_gda transport out of UCX_TLS",
-        fatal=True,
     ),
     _sig(
         "ibv-no-device",
@@ -467,7 +464,6 @@ SIGNATURES: tuple[Signature, ...] = (
         ],
         "a model was named by hub id, and it is neither cached nor downloadable here",
         "download it beforehand and use local paths (model.path), or share HF_HOME with its cache",
-        fatal=True,
     ),
     _sig(
         "nccl-init",
@@ -477,7 +473,6 @@ SIGNATURES: tuple[Signature, ...] = (
         "NCCL could not initialise (IPC_LOCK missing, /dev/shm not mounted, or GPUDirect RDMA "
         "disabled on the HCA)",
         "give the container IPC_LOCK and /dev/shm, and run with NCCL_DEBUG=INFO to see which",
-        fatal=True,
     ),
     _sig(
         "no-ipv6",
