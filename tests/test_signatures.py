@@ -4,7 +4,7 @@ Each ``TILERT_MOCK_FAILURE`` mode runs its real stand-in program (decode, prefil
 a real ``EngineSupervisor``: a startup failure must leave the engine ``failed`` with the cause and
 the fix in its reason (a fatal one at once, without a restart), a serving one ``healthy`` with
 the cause in its reason; the log file it wrote must show the signature to ``diagnose``'s scan at
-the right line.
+the right line. The catalogue alone: tests/test_signature_catalogue.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import trio
 from agent.launch import LaunchSpec, ProcessLauncher
 from agent.node.logpump import LogSink
 from agent.node.supervisor import EngineSupervisor
-from agent.signatures import BY_NAME, SIGNATURES, describe_layout, for_role, match_line
+from agent.signatures import BY_NAME, for_role
 from agent.standins.failmodes import MODES, FailMode
 from submit.diagnose import scan_file
 from tests import kit
@@ -32,26 +32,6 @@ PY = sys.executable
 # Processes at once: the machine has two cores, and a stand-in takes about a second to import.
 PARALLEL = 6
 WAIT_S = 60.0
-
-
-def test_catalogue_has_one_switch_per_signature() -> None:
-    """At least 20 signatures, named uniquely, each with a stand-in switch in the right program."""
-    assert len(SIGNATURES) >= 20
-    assert len(BY_NAME) == len(SIGNATURES)
-    assert set(MODES) == set(BY_NAME)
-    for name, mode in MODES.items():
-        assert mode.program in BY_NAME[name].where, name
-
-
-def test_layout_versions_in_words() -> None:
-    assert describe_layout("10") == "glm5 fp8_ds_mla, v10"
-    assert describe_layout("50") == "glm5 bf16, v50"
-    assert describe_layout("312") == "glm5_2 ROCm fp8, tiled KI, v312"
-    assert describe_layout("7") == "layout v7"
-    found = match_line("AssertionError: layout version mismatch: 50 vs 10", for_role("prefill"))
-    assert found is not None
-    assert "between prefill (glm5 fp8_ds_mla, v10) and decode (glm5 bf16, v50)" in found.reason()
-    assert "roles.decode.args.kv-cache-dtype" in found.reason()
 
 
 def _argv(mode: FailMode) -> list[str]:
@@ -165,11 +145,3 @@ def test_unknown_failure_name_exits_2_naming_it(bad: str) -> None:
     )
     assert done.returncode == 2
     assert f"TILERT_MOCK_FAILURE={bad!r} names no known failure" in done.stderr
-
-
-def test_docs_list_every_signature_with_its_regex() -> None:
-    text = (kit.REPO / "docs" / "diagnose.md").read_text()
-    for sig in SIGNATURES:
-        row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{sig.name}` |")), None)
-        assert row is not None, f"docs/diagnose.md lacks {sig.name}"
-        assert sig.pattern.replace("|", "\\|") in row, f"docs/diagnose.md: {sig.name}'s regex"
