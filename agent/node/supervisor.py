@@ -397,11 +397,73 @@ class EngineSupervisor:
             )
         return f"engine pid {engine.pid} exited with code {code}"
 
+    async def _watch(
+        self,
+        client: httpx.AsyncClient,
+        engine: ProcessHandle,
+        exited: trio.Event,
+        start: float,
+        pumped: trio.Event,
+    ) -> str | None:
+        healthy, outcome = await self._until_healthy(client, engine, exited, start, pumped)
+        if self.watch is not None:
+            self.watch.starting = False
+        if not healthy:
+            return outcome
+        elapsed = time.monotonic() - start
+        self.healthy_at = time.time()
+        self.ever_healthy = True
+        self.stats.time_to_healthy_s = elapsed
+        self.stats.healthy_count += 1
+        self._set("healthy", f"{self.health_url()} answered 200 after {elapsed:.2f}s")
+        return await self._while_healthy(client, engine, exited)
+
+    async def _until_healthy(
+        self,
+        client: httpx.AsyncClient,
+        engine: ProcessHandle,
+        exited: trio.Event,
+        start: float,
+        pumped: trio.Event,
+    ) -> tuple[bool, str | None]:
+        """Startup probe: (True, None) once the engine answers, else (False, what ended it).
+
+        It ends at once on a fatal line in the log, and at a deadline that progress lines move
+        (``_startup_over``).
+        """
+        policy = self.policy
+        # Fast, so readiness is seen within ~50 ms.
+        while True:
+            if self._relaunch_reason is not None:
+                return False, "relaunch"
+            if exited.is_set():
+                # Its last lines may still be in the pipe: a fatal one decides, not the exit.
+                with trio.move_on_after(_LAST_LINES_S if self.watch is not None else 0):
+                    await pumped.wait()
+                if self.watch is not None and self.watch.fatal is not None:
+                    self._fail(self._startup_over(start) or "a fatal line in its log")
+                    return False, None
+                if not self.ever_healthy and self._address_in_use() and self.on_address_in_use:
+                    self.on_address_in_use()
+                    self._relaunch_reason = "address in use before first healthy: new ports"
+                    return False, "relaunch"
+                return False, self._exit_reason(engine) + " before becoming healthy"
+            if await self._probe(client):
+                if self._answered_by_engine(engine):
+                    return True, None
+                if self._port_taken():
+                    return False, "relaunch"
+            over = self._startup_over(start)
+            if over is not None:
+                self._fail(over)
+                return False, None
+            await self._sleep_or_wake(policy.probe_startup_interval_s)
+
     def _startup_over(self, start: float) -> str | None:
         """Why the startup wait ends now (a fatal log line, or past its deadline), or None.
 
         The deadline is the budget, moved on by ``startup_silence_s`` from each progress line,
-        never past ``startup_max_s`` (docs/agent.md "Startup deadlines").
+        never past ``startup_max_s`` (docs/agent.md "Startup deadlines that watch progress").
         """
         policy, watch, now = self.policy, self.watch, time.monotonic()
         if watch is not None and watch.fatal is not None:
@@ -420,78 +482,39 @@ class EngineSupervisor:
                 f"({self.health_url()}), and no progress line in its log; raise "
                 "agent.startup_budget_s or health_check"
             )
-        quiet = now - last
         text = watch.progress if watch is not None else None
         if now > start + policy.startup_max_s:
             return (
                 f"still starting after agent.startup_max_s ({policy.startup_max_s:g}s); last "
-                f"progress {quiet:.0f}s ago: {text!r}"
+                f"progress {now - last:.0f}s ago: {text!r}"
             )
         return (
-            f"no progress line for {quiet:.0f}s (agent.startup_silence_s "
+            f"no progress line for {now - last:.0f}s (agent.startup_silence_s "
             f"{policy.startup_silence_s:g}) after the startup budget of "
             f"{policy.startup_budget_s:g}s; last progress: {text!r}"
         )
 
-    async def _watch(
-        self,
-        client: httpx.AsyncClient,
-        engine: ProcessHandle,
-        exited: trio.Event,
-        start: float,
-        pumped: trio.Event,
+    def _port_taken(self) -> bool:
+        """Another process answered on the engine's port: whether that means new ports now."""
+        # A probed-free port can be taken by another process before a slow engine binds
+        # it: that process's 200 is not our engine's, and our engine will never bind.
+        self.log.warning(
+            "%s: %s answered, but not from the engine's own process tree: the port was "
+            "taken by another process",
+            self.name,
+            self.health_url(),
+        )
+        if not self.ever_healthy and self.on_address_in_use:
+            self.on_address_in_use()
+            self._relaunch_reason = "port taken by another process: new ports"
+            return True
+        return False
+
+    async def _while_healthy(
+        self, client: httpx.AsyncClient, engine: ProcessHandle, exited: trio.Event
     ) -> str | None:
+        """Liveness: N consecutive failures -> unhealthy -> restart; what ended it."""
         policy = self.policy
-        waited_for_lines = False
-        # Startup probe: fast, so readiness is seen within ~50 ms.
-        while True:
-            if self._relaunch_reason is not None:
-                return "relaunch"
-            if self.watch is not None and self.watch.fatal is not None:
-                over = self._startup_over(start)
-                self._fail(over or "fatal log line")
-                return None
-            if exited.is_set() and self.watch is not None and not waited_for_lines:
-                # Its last lines may still be in the pipe: a fatal one decides, not the exit.
-                waited_for_lines = True
-                with trio.move_on_after(_LAST_LINES_S):
-                    await pumped.wait()
-                continue
-            if exited.is_set():
-                if not self.ever_healthy and self._address_in_use() and self.on_address_in_use:
-                    self.on_address_in_use()
-                    self._relaunch_reason = "address in use before first healthy: new ports"
-                    return "relaunch"
-                return self._exit_reason(engine) + " before becoming healthy"
-            if await self._probe(client):
-                if self._answered_by_engine(engine):
-                    break
-                # A probed-free port can be taken by another process before a slow engine binds
-                # it: that process's 200 is not our engine's, and our engine will never bind.
-                self.log.warning(
-                    "%s: %s answered, but not from the engine's own process tree: the port was "
-                    "taken by another process",
-                    self.name,
-                    self.health_url(),
-                )
-                if not self.ever_healthy and self.on_address_in_use:
-                    self.on_address_in_use()
-                    self._relaunch_reason = "port taken by another process: new ports"
-                    return "relaunch"
-            over = self._startup_over(start)
-            if over is not None:
-                self._fail(over)
-                return None
-            await self._sleep_or_wake(policy.probe_startup_interval_s)
-        if self.watch is not None:
-            self.watch.starting = False
-        elapsed = time.monotonic() - start
-        self.healthy_at = time.time()
-        self.ever_healthy = True
-        self.stats.time_to_healthy_s = elapsed
-        self.stats.healthy_count += 1
-        self._set("healthy", f"{self.health_url()} answered 200 after {elapsed:.2f}s")
-        # Liveness: N consecutive failures -> unhealthy -> restart.
         failures = 0
         while True:
             await self._sleep_or_wake(policy.probe_interval_s)
