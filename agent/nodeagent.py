@@ -108,8 +108,6 @@ class NodeAgent:
             max_bytes=plan.agent.log_max_bytes,
             backups=plan.agent.log_backups,
         )
-        if self.decode_stats is not None:
-            self.sink.watchers.append(self.decode_stats.feed)
         self.preflight_failure: str | None = None
         self.start_failure: str | None = None  # why the agent could not start at all
         self.upstream = UpstreamMetrics(
@@ -406,9 +404,11 @@ class NodeAgent:
         self.changed()
 
     def _start_figures(self, nursery: trio.Nursery) -> None:
-        """Poll what TileRT gives besides its log: the decode's /decode_status (decode agents),
-        the router's /pool_status (the head); both only while their process is healthy."""
+        """The decode figures: its engine's lines as they pass, and what TileRT gives besides its
+        log: the decode's /decode_status (decode agents), the router's /pool_status (the head),
+        each polled only while its process is healthy."""
         if self.decode_stats is not None:
+            self.sink.watchers.append(self.decode_stats.feed)  # its REQSTAT lines as they pass
             nursery.start_soon(
                 poll_decode_status,
                 self.decode_stats,
