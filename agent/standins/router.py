@@ -28,6 +28,7 @@ import trio
 
 from agent.facts import ROUTER_PARSERS
 from agent.standins import lifecycle, openai_api, tokens, wire
+from agent.standins.failmodes import print_failure
 from agent.standins.faults import Crasher, Faults
 from agent.web.asgi import (
     App,
@@ -262,15 +263,7 @@ class Router:
             except httpx.HTTPError as exc:
                 return json_response({"error": str(exc)}, 502)
             if resp.status_code != 200:
-                await resp.aread()
-                await resp.aclose()
-                if resp.status_code == 429:
-                    return json_response(
-                        {"error": "decode node busy", "error_type": "decode_busy", "rid": rid}, 429
-                    )
-                return json_response(
-                    {"error": "decode call failed", "status": resp.status_code, "rid": rid}, 502
-                )
+                return await _decode_refusal(resp, rid)
             usage_prompt = int((prefill.get("usage") or {}).get("prompt_tokens") or 0)
             if is_chat and body.get("stream"):
                 handed_off = True
@@ -278,29 +271,40 @@ class Router:
                     self.sse(node, rid, resp, prefill, body, usage_prompt),
                     content_type="text/event-stream",
                 )
-            ids, finish, error = await self.collect(resp)
-            if error is not None:
-                return json_response(error, 502)
-            text = self.detok(ids)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-            if is_chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            return json_response(
-                {
-                    "id": prefill["id"],
-                    "object": openai_api.object_name(is_chat),
-                    "created": int(time.time()),
-                    "model": prefill.get("model"),
-                    "choices": [choice],
-                    "usage": _usage(usage_prompt, len(ids)),
-                    "timing_ms": {"total": round(1000 * (time.monotonic() - t0), 1)},
-                }
-            )
+            return await self.whole(resp, prefill, is_chat, usage_prompt, t0)
         finally:
             if not handed_off:
                 self.pool.release(node)
+
+    async def whole(
+        self,
+        resp: httpx.Response,
+        prefill: dict[str, Any],
+        is_chat: bool,
+        usage_prompt: int,
+        t0: float,
+    ) -> Response:
+        """The non-streamed OpenAI reply from the whole decode stream."""
+        ids, finish, error = await self.collect(resp)
+        if error is not None:
+            return json_response(error, 502)
+        text = self.detok(ids)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return json_response(
+            {
+                "id": prefill["id"],
+                "object": openai_api.object_name(is_chat),
+                "created": int(time.time()),
+                "model": prefill.get("model"),
+                "choices": [choice],
+                "usage": _usage(usage_prompt, len(ids)),
+                "timing_ms": {"total": round(1000 * (time.monotonic() - t0), 1)},
+            }
+        )
 
     @staticmethod
     async def lines(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
@@ -409,6 +413,19 @@ def _refused(body: dict[str, Any]) -> str | None:
     )
 
 
+async def _decode_refusal(resp: httpx.Response, rid: str) -> Response:
+    """The router's answer when the decode node refused ``rid`` (busy: 429, else 502)."""
+    await resp.aread()
+    await resp.aclose()
+    if resp.status_code == 429:
+        return json_response(
+            {"error": "decode node busy", "error_type": "decode_busy", "rid": rid}, 429
+        )
+    return json_response(
+        {"error": "decode call failed", "status": resp.status_code, "rid": rid}, 502
+    )
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """A reply's usage, in TileRT's router order (``build_usage``)."""
     return {
@@ -438,7 +455,12 @@ def main(argv: list[str] | None = None) -> None:
         log.error("cannot bind %s:%d: %s", args.host, args.port, exc)
         raise SystemExit(PORT_IN_USE_EXIT_CODE) from None
 
+    # Of the switches only TILERT_MOCK_FAILURE: the router is not a GPU engine.
+    failure = lifecycle.load_faults().failure
+
     async def body(_nursery: trio.Nursery, _crasher: Crasher, shutdown: trio.Event) -> None:
+        print_failure(failure, "router", "start")
+        print_failure(failure, "router", "serve")
         router = Router(args, Pool(nodes, args.queue_timeout), detok)
         log.info(
             "router on :%d -> vllm=%s, %d decode node(s), parser=%s (stand-in)",
@@ -453,7 +475,6 @@ def main(argv: list[str] | None = None) -> None:
             with trio.CancelScope(shield=True):
                 await router.client.aclose()
 
-    # No fault switches: the router is not a GPU engine, and the real one ignores them.
     lifecycle.run("router", Faults(), body, term_exit_code=TERM_EXIT_CODE)
 
 
