@@ -50,3 +50,5 @@ class HeadContext:
     client: httpx.AsyncClient
     # process name -> its scratch folder (temp and caches; agent.launch.scratch), or None.
     scratch_folder: Callable[[str], str] | None = None
+    # The job's state or its reason changed (systemd hears of it: agent.node.servicenotes).
+    on_state: Callable[[], None] | None = None
