@@ -15,10 +15,12 @@ import signal
 import msgspec
 import trio
 
+from agent.errors import EXIT_OK, EXIT_RUNTIME
 from agent.job.logfiles import convert_log_path
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
-from agent.job.records import JobAgent, JobState, JobStatus
+from agent.job.records import JobAgent, JobStatus
+from agent.job.vocab import AgentState, JobState
 from agent.launch import make_launcher
 from agent.launch.jobspecs import JobSpecs
 from agent.launch.scratch import scratch_root
@@ -50,7 +52,7 @@ class ConvertJob:
             on_change=self._changed,
         )
         self.state: JobState = "starting"
-        self.agent_state = "starting"
+        self.agent_state: AgentState = "starting"
         self.reason = "checking the weights folder"
         self.error: str | None = None
         # Carried into every status.json: `stop` checks the supervisor by them.
@@ -94,7 +96,7 @@ class ConvertJob:
     async def run(self) -> int:
         """Convert (or find the folder complete); the exit code."""
         self.status_file.write()
-        code = 0
+        code = EXIT_OK
         ok = stopped = False
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
@@ -126,7 +128,7 @@ class ConvertJob:
             self.state, self.agent_state = "stopped", "stopped"
             self.reason = "the decode has no model-weights-dir: nothing to convert"
         else:
-            code = 1
+            code = EXIT_RUNTIME
             self.state = "failed"
             self.error = f"{self.id.name} on {self.id.node}: {self.gate.failure}"
         self.log.info("%s: convert job %s: %s", self.id.name, self.state, self.error or self.reason)

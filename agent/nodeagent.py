@@ -16,6 +16,7 @@ import httpx
 import msgspec
 import trio
 
+from agent.errors import EXIT_OK, EXIT_RUNTIME
 from agent.head import Head, HeadContext
 from agent.http.client import open_client
 from agent.http.endpoint import LogStreams, StatusFeed, build_app
@@ -235,7 +236,7 @@ class NodeAgent:
         """The seconds-long checks before the long load; a failure is final and explained."""
         # The engine's own environment (role env, PATH, PYTHONPATH), as it will run.
         env = self._engine_command().env
-        checks = engine_checks(self.plan, self.id.role, env)  # type: ignore[arg-type]
+        checks = engine_checks(self.plan, self.id.role, env)
         base = self.specs(f"{self.id.name}-preflight", [], env, self.role.image)
         t0 = time.monotonic()
         result = await preflight.run_preflight(self.launcher, base, checks)
@@ -303,7 +304,7 @@ class NodeAgent:
         if self.id.is_head and not is_bindable(self.plan.router.port):
             return self._router_port_taken()
         sock = self._open_ports()
-        exit_code = 0
+        exit_code = EXIT_OK
         # Built once, off the event loop, before anything probes or polls (agent.http.client).
         async with await open_client() as client, trio.open_nursery() as nursery:
             self.client = client
@@ -330,9 +331,9 @@ class NodeAgent:
                 await self.stop_all()
                 nursery.cancel_scope.cancel()
         if self.engine is not None and self.engine.state == "failed":
-            exit_code = exit_code or 1
+            exit_code = exit_code or EXIT_RUNTIME
         if self.preflight_failure or (self.weights is not None and self.weights.failure):
-            exit_code = 1
+            exit_code = EXIT_RUNTIME
         self.log.info("%s: exiting with code %d", self.id.name, exit_code)
         return exit_code
 
@@ -353,7 +354,7 @@ class NodeAgent:
             self.log.error(
                 "%s: cannot record the failure in %s: %s", self.id.name, self.job.status, exc
             )
-        return 1
+        return EXIT_RUNTIME
 
     def _open_ports(self) -> socket.socket:
         """Bind the agent's own port, choose the engine's, publish them; the bound socket."""

@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "agent.facts": 0,
     "agent.problems": 0,
     "agent.web": 1,  # the ASGI toolkit: the agent's endpoint and the stand-ins serve HTTP with it
+    "agent.errors": 0,
     "agent.job": 1,
     "agent.standins": 2,  # separate programs (the engines' stand-ins): facts and the toolkit only
     "agent.recipe": 2,

@@ -540,12 +540,13 @@ async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
 def test_a_converting_worker_is_not_late_and_not_healthy() -> None:
     from agent.head.decisions import JobView, converting, gate, waiting_for
     from agent.job.records import JobAgent
+    from agent.job.vocab import AgentState, as_role
 
-    def row(name: str, state: str) -> JobAgent:
+    def row(name: str, state: AgentState) -> JobAgent:
         role, _, index = name.rpartition("-")
         return JobAgent(
             name=name,
-            role=role,
+            role=as_role(role),
             index=int(index),
             node="n",
             state=state,

@@ -10,8 +10,8 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``head``: ``Head``, which runs them in order, writing status.json and targets.json through
   ``agent.node.statuswriter`` (a convert job writes its status.json with it too).
 
-May import: ``agent.facts``, ``agent.problems``, ``agent.job``, ``agent.launch``, ``agent.node``,
-``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` only.
+May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``,
+``agent.node``, ``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` only.
 """
 
 from agent.head.context import HeadContext

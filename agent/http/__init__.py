@@ -6,6 +6,6 @@ registry; ``reexport`` fetches vLLM's page and re-exports it with our labels; ``
 agent's one HTTP client (probes, long polls, canaries, the vLLM scrape).
 
 May import: the standard library, trio, httpx, psutil, msgspec, prometheus_client,
-``agent.problems``, ``agent.web``, ``agent.job`` and ``agent.node``. Never ``agent.head`` or
-``agent.nodeagent``.
+``agent.problems``, ``agent.errors``, ``agent.web``, ``agent.job`` and ``agent.node``. Never
+``agent.head`` or ``agent.nodeagent``.
 """

@@ -1,21 +1,22 @@
 """The launch plan (``J/plan.json``): what every agent needs to start its engine, and nothing
 secret.
 
-The submitter's planner (``agent.planner``) writes it; every agent reads it. Commands are kept as
-``program`` + ``args`` *without* the arguments the agent manages (hosts, ports, ``--engine``,
-``--vllm-url``, ``--decode``): the agent adds those once it has chosen its ports
-(``agent.commands``). For each process named in ``standins`` (``tilert-submit --mock [ROLES]``) the
-agent swaps the program for the project's stand-in and keeps the argument list, so the command
-builders are exercised exactly as in production.
+The submitter's planner (``agent.recipe.planner``) writes it; every agent reads it. Commands are
+kept as ``program`` + ``args`` *without* the arguments the agent manages (hosts, ports,
+``--engine``, ``--vllm-url``, ``--decode``): the agent adds those once it has chosen its ports
+(``agent.launch.commands``). For each process named in ``standins`` (``tilert-submit --mock
+[ROLES]``) the agent swaps the program for the project's stand-in and keeps the argument list, so
+the command builders are exercised exactly as in production.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
 from agent.job.benchmark import BenchmarkPlan
+from agent.job.vocab import PROCESSES, Process, Role
 
 PLAN_SCHEMA = 1
 # What an agent may take to exit beyond its engines' graces (sweep leftovers, write its last
@@ -28,33 +29,29 @@ AGENT_EXIT_SLACK_S = 10.0
 DEFAULT_CONVERT_BUDGET_S = 4 * 3600.0
 DEFAULT_CONVERT_LOCK_STALE_S = 120.0
 
-RoleName = Literal["prefill", "decode"]
 LauncherName = Literal["process", "pyxis"]
-# The processes a stand-in can replace; the router's stand-in runs only where the real router
-# cannot be imported (docs/cli.md, --mock).
-StandinName = Literal["prefill", "decode", "router"]
-STANDIN_NAMES: tuple[StandinName, ...] = ("prefill", "decode", "router")
+LAUNCHERS: tuple[LauncherName, ...] = get_args(LauncherName)
 
 
-def parse_standins(spec: str) -> list[StandinName]:
+def parse_standins(spec: str) -> list[Process]:
     """``--mock``'s ROLES (``decode``, ``prefill,router``, ``all``) in canonical order.
 
     ValueError names what is not a role.
     """
     names = {part.strip() for part in spec.split(",") if part.strip()}
     if "all" in names:
-        names = (names - {"all"}) | set(STANDIN_NAMES)
-    unknown = sorted(names - set(STANDIN_NAMES))
+        names = (names - {"all"}) | set(PROCESSES)
+    unknown = sorted(names - set(PROCESSES))
     if unknown or not names:
         raise ValueError(
             f"{', '.join(unknown) or spec!r} is not a role; name one or more of "
-            f"{', '.join(STANDIN_NAMES)} separated by commas, or all"
+            f"{', '.join(PROCESSES)} separated by commas, or all"
         )
-    return [name for name in STANDIN_NAMES if name in names]
+    return [name for name in PROCESSES if name in names]
 
 
 class RolePlan(msgspec.Struct, kw_only=True):
-    role: RoleName
+    role: Role
     nodes: int
     workers: int
     gpus_per_worker: int
@@ -157,7 +154,7 @@ class Plan(msgspec.Struct, kw_only=True):
     # The public model name clients send (the prefill's served-model-name, else the model path).
     model: str
     # The processes the project's stand-ins replace (``--mock``: all three); [] in production.
-    standins: list[StandinName] = []
+    standins: list[Process] = []
     launcher: LauncherName
     # Cluster file's network interface ("lo" means 127.0.0.1); None: the node's resolved address.
     network_interface: str | None
@@ -177,17 +174,13 @@ class Plan(msgspec.Struct, kw_only=True):
     # Absent for ``benchmark.type: manual`` (docs/benchmark.md), so those plans read as before.
     benchmark: BenchmarkPlan | msgspec.UnsetType = msgspec.UNSET
 
-    def standin(self, name: StandinName) -> bool:
+    def standin(self, name: Process) -> bool:
         """Whether ``name``'s process is the project's stand-in (the router's: where needed)."""
         return name in self.standins
 
-    def role(self, name: str) -> RolePlan:
+    def role(self, name: Role) -> RolePlan:
         """The plan of one role by name."""
-        if name == "prefill":
-            return self.prefill
-        if name == "decode":
-            return self.decode
-        raise KeyError(name)
+        return self.prefill if name == "prefill" else self.decode
 
     def drain_s(self) -> float:
         """How long a whole job may take to drain: the router, then the slower worker, plus slack.

@@ -24,9 +24,9 @@ it starts: an engine, the router, a preflight, or (``--local``) an agent. The ha
 called an engine here.
 
 May import: the standard library, trio, psutil, msgspec, and ``agent.facts``, ``agent.problems``,
-``agent.job`` (commands reads the plan); nothing of ``agent.recipe``, ``agent.standins`` (the
-stand-ins are run by module name, and ``agent.facts`` says where the connector stand-in lies),
-``agent.node`` or above.
+``agent.errors``, ``agent.job`` (commands reads the plan); nothing of ``agent.recipe``,
+``agent.standins`` (the stand-ins are run by module name, and ``agent.facts`` says where the
+connector stand-in lies), ``agent.node`` or above.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ converter: its preflight, its run, its marker) and ``conversion`` (the gate befo
 check, wait, or convert once), and ``jobend`` (the head ends the whole job). ``agent.nodeagent``
 puts them together; ``agent.head`` uses them too.
 
-May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``,
-``agent.problems``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
+May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``, ``agent.problems``,
+``agent.errors``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
 ``agent.nodeagent``.
 """

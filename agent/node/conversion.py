@@ -42,7 +42,8 @@ from agent.job.plan import (
     ConvertPlan,
     Plan,
 )
-from agent.job.records import ConvertProgress, EngineState, EngineStatus
+from agent.job.records import ConvertProgress, EngineStatus
+from agent.job.vocab import EngineState
 from agent.launch import Launcher
 from agent.launch.jobspecs import SpecBuilder
 from agent.node.converter import Converter

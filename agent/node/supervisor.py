@@ -36,7 +36,8 @@ import psutil
 import trio
 
 from agent.job.plan import Plan
-from agent.job.records import EngineState, EngineStatus
+from agent.job.records import EngineStatus
+from agent.job.vocab import EngineState
 from agent.launch import Launcher, LaunchSpec, ProcessHandle
 from agent.node.logpump import LogSink
 

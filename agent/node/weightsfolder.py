@@ -36,6 +36,7 @@ from pathlib import Path
 
 import msgspec
 
+from agent.errors import RuntimeFailure
 from agent.facts import WEIGHTS_INDEX_FILE
 from agent.job.atomicfile import is_temp_name, write_atomic
 
@@ -341,7 +342,7 @@ def sync_dir(path: Path) -> None:
             os.close(fd)
 
 
-class WeightsError(Exception):
+class WeightsError(RuntimeFailure):
     """The weights folder cannot be served; the message says why and what to do."""
 
 

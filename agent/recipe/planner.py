@@ -2,8 +2,8 @@
 
 The plan holds each engine's program and the user's arguments rendered as argv, *without* what the
 agent manages (hosts, ports, ``--engine``, the router's ``--vllm-url`` / ``--decode``): those are
-added by ``agent.commands`` once ports are chosen on the node. The same input always gives the same
-plan, byte for byte, so a golden test can pin it.
+added by ``agent.launch.commands`` once ports are chosen on the node. The same input always gives
+the same plan, byte for byte, so a golden test can pin it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any
 import msgspec
 
 from agent.facts import DECODE_MODULE, DEFAULT_TILERT_MODEL, ROUTER_MODULE
+from agent.job import vocab
 from agent.job.benchmark import BenchmarkPlan
 from agent.job.plan import (
-    STANDIN_NAMES,
+    LAUNCHERS,
     AgentPlan,
     DecodePlan,
     LauncherName,
@@ -25,9 +26,9 @@ from agent.job.plan import (
     RolePlan,
     RouterPlan,
     SlurmPlan,
-    StandinName,
 )
 from agent.job.secrets import is_secret_name
+from agent.job.vocab import PROCESSES, Process
 from agent.problems import InputError, error
 from agent.recipe.benchplan import benchmark_plan
 from agent.recipe.cluster import ClusterConfig
@@ -110,7 +111,7 @@ def health_check_budget_s(recipe: Recipe) -> float:
     return float(attempts * interval)
 
 
-def _startup_budget(recipe: Recipe, role: str) -> float:
+def _startup_budget(recipe: Recipe, role: Process) -> float:
     value = getattr(recipe.agent.startup_budget_s, role)
     if value is not None:
         return float(value)
@@ -119,7 +120,7 @@ def _startup_budget(recipe: Recipe, role: str) -> float:
     return health_check_budget_s(recipe)
 
 
-def _requested_grace(recipe: Recipe, role: str) -> float:
+def _requested_grace(recipe: Recipe, role: Process) -> float:
     value = getattr(recipe.agent.stop_grace_s, role)
     if value is None:
         value = getattr(_AGENT_DEFAULTS.stop_grace_s, role)
@@ -136,7 +137,7 @@ def stop_graces(recipe: Recipe, kill_wait_s: float) -> dict[str, float]:
     the agent's own exit.
     """
     budget = max(max(kill_wait_s, SLURM_MIN_KILL_WAIT_S) - DRAIN_MARGIN_S, 0.0)
-    want = {role: _requested_grace(recipe, role) for role in ("prefill", "decode", "router")}
+    want = {role: _requested_grace(recipe, role) for role in PROCESSES}
     decode = min(want["decode"], budget)
     head = want["prefill"] + want["router"]
     scale = budget / head if head > budget else 1.0
@@ -156,7 +157,7 @@ def _model_argument(recipe: Recipe) -> str:
     return path[len(HF_PREFIX) :] if path.startswith(HF_PREFIX) else path
 
 
-def _role(recipe: Recipe, name: str) -> Role:
+def _role(recipe: Recipe, name: vocab.Role) -> Role:
     role: Role | None = getattr(recipe.roles, name)
     if role is None:
         raise InputError([error(f"roles.{name}", f"the {name} role is missing", "add it")])
@@ -165,7 +166,7 @@ def _role(recipe: Recipe, name: str) -> Role:
 
 def _role_plan(
     recipe: Recipe,
-    name: str,
+    name: vocab.Role,
     *,
     program: list[str],
     first_node: int,
@@ -179,7 +180,7 @@ def _role_plan(
     if bases.ctrl is not None:
         port_base["ctrl"] = bases.ctrl
     return RolePlan(
-        role=name,  # type: ignore[arg-type]  # "prefill" | "decode", checked by the callers
+        role=name,
         nodes=nodes,
         workers=workers,
         gpus_per_worker=gpus,
@@ -212,15 +213,16 @@ def choose_launcher(
     if mock:
         return "process"
     chosen = launcher or (cluster.launcher if cluster is not None else "process")
-    if chosen not in ("process", "pyxis"):
-        raise ValueError(f"unknown launcher {chosen!r}")
-    return chosen  # type: ignore[return-value]
+    for known in LAUNCHERS:
+        if chosen == known:
+            return known
+    raise ValueError(f"unknown launcher {chosen!r}")
 
 
 def make_plan(
     loaded: LoadedRecipe,
     *,
-    mock: bool | Collection[StandinName] = False,
+    mock: bool | Collection[Process] = False,
     launcher: str | None = None,
 ) -> Plan:
     """The launch plan of a loaded (validated, resolved) recipe.
@@ -228,8 +230,8 @@ def make_plan(
     ``mock``: True replaces every engine by its stand-in (``--mock``), a collection only those
     named (``--mock decode``).
     """
-    named = set(STANDIN_NAMES) if mock is True else set(mock or ())
-    standins = [name for name in STANDIN_NAMES if name in named]
+    named = set(PROCESSES) if mock is True else set(mock or ())
+    standins = [name for name in PROCESSES if name in named]
     recipe = loaded.recipe
     # No cluster file: the site defaults every field of ClusterConfig states (one source).
     cluster = loaded.cluster or ClusterConfig()

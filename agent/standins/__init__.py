@@ -31,8 +31,8 @@ What they share:
   own byte-level BPE, for the prefill's ``/tokenize``;
 - ``faults``: the ``TILERT_MOCK_*`` fault switches; ``lifecycle``: parse, load, serve, stop.
 
-May import: the standard library, third-party packages, ``agent.facts`` (what TileRT and vLLM
-are) and ``agent.web`` (the HTTP toolkit); nothing else of ``agent``, so a stand-in is as
-independent of the agent as the engine it replaces. Nothing imports a stand-in: the agent runs
-them by module name.
+May import: the standard library, third-party packages, ``agent.facts`` (what TileRT and vLLM are),
+``agent.errors`` (the error tree) and ``agent.web`` (the HTTP toolkit); nothing else of ``agent``,
+so a stand-in is as independent of the agent as the engine it replaces. Nothing imports a stand-in:
+the agent runs them by module name.
 """
