@@ -46,7 +46,7 @@ from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
 from agent.job.records import EngineStatus, Gate, JobStatus
-from agent.job.vocab import JobState
+from agent.job.vocab import SERVING_STATES, JobState
 from agent.node.jobend import end_job
 from agent.node.servicenotes import Standing
 from agent.node.statuswriter import StatusWriter, read_local_supervisor
@@ -187,7 +187,7 @@ class Head:
         proven = self.proven is not None
         return Standing(
             status=f"job {self.state}: {self.why}",
-            ready=proven and self.state in ("ready", "degraded"),
+            ready=proven and self.state in SERVING_STATES,
             loading=not proven and self.state in ("starting", "waiting"),
         )
 
