@@ -9,9 +9,11 @@ The pace is read from the kernel's receive stamps and checked loosely ([0.2, 1.0
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 from pathlib import Path
 
+from agent.node.servicenotes import EXTEND_BY_S
 from tests import kit
 from tests.kit.notifysocket import Note, abstract_address, index_of, listening, pets_after
 
@@ -40,7 +42,9 @@ def test_worker_notes_load_ready_watchdog_wedge_stop(tmp_path: Path) -> None:
         ready = index_of(notes, "READY")
         loading = index_of(notes, "STATUS", "decode-0 starting")
         assert 0 <= loading < ready, [n.fields for n in notes]
-        assert index_of(notes, "EXTEND_TIMEOUT_USEC") < ready
+        assert 0 <= index_of(notes, "EXTEND_TIMEOUT_USEC") < ready
+        # Every new status while loading asks for more time.
+        assert "EXTEND_TIMEOUT_USEC" in notes[loading].fields
         assert "decode-0 healthy" in notes[ready].fields["STATUS"]
         assert not [n for n in notes[:ready] if "healthy" in n.fields.get("STATUS", "")]
         # The watchdog's pace, once ready (kernel receive times).
@@ -66,6 +70,36 @@ def test_worker_notes_load_ready_watchdog_wedge_stop(tmp_path: Path) -> None:
     assert stopping < engine_stops, [n.fields for n in notes[stopping:]]
     assert index_of(notes, "STATUS", "decode-0 stopped") > engine_stops
     assert len([n for n in notes if "READY" in n.fields]) == 1
+
+
+def test_conversion_and_load_extend_the_start(tmp_path: Path) -> None:
+    """A decode converting its weights, then loading: STATUS says so, each with more time asked
+    (EXTEND_TIMEOUT_USEC), and READY=1 comes only once the engine is healthy."""
+    weights = tmp_path / "weights"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "m-1.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    job = kit.make_job(
+        tmp_path / "a",
+        f"roles.decode.args.model-weights-dir={weights}",
+        f"roles.decode.convert={{source: {hf}}}",
+        "roles.decode.env.TILERT_MOCK_CONVERT_DELAY_S=0.5",
+        f"roles.decode.env.TILERT_MOCK_STARTUP_DELAY_S={LOAD_S}",
+    )
+    address = abstract_address()
+    with listening(address) as listener, kit.running_agents() as agents:
+        agent = agents.start(job, "decode", 0, NOTIFY_SOCKET=address)
+        notes = listener.wait("READY=1", lambda n: index_of(n, "READY") >= 0, 90)
+        assert agent.status()["state"] == "healthy"
+    ready = index_of(notes, "READY")
+    converting = index_of(notes, "STATUS", "decode-0 converting")
+    loading = index_of(notes, "STATUS", "decode-0 starting: engine pid")  # after the preflight
+    assert 0 <= converting < loading < ready, [n.fields for n in notes]
+    for note in (notes[converting], notes[loading]):
+        assert note.fields["EXTEND_TIMEOUT_USEC"] == str(int(EXTEND_BY_S * 1e6)), note
+    assert not [n for n in notes[:ready] if "READY" in n.fields]
+    assert "EXTEND_TIMEOUT_USEC" not in notes[ready].fields  # ready: no more time asked
 
 
 def head_engine_counted(notes: list[Note]) -> bool:

@@ -3,7 +3,8 @@
 - ``STATUS=`` one sentence for ``systemctl status``, sent whenever it changes;
 - ``READY=1`` once, when the agent serves: its engine healthy, or for the head (prefill-0) the job
   proven by canaries through the router; never while a model loads or weights convert;
-- ``EXTEND_TIMEOUT_USEC=`` every ``EXTEND_EVERY_S`` while it is still on its way to ready, so
+- ``EXTEND_TIMEOUT_USEC=`` with every new status and every ``EXTEND_EVERY_S`` while it is still
+  on its way to ready, so
   ``TimeoutStartSec`` need not cover the longest load: the agent's own budgets end a load that
   takes too long, and a loop that stops extending is timed out;
 - ``WATCHDOG=1`` every half ``WATCHDOG_USEC``, from a task of the agent's one trio loop, the loop
@@ -82,7 +83,7 @@ class ServiceNotes:
         if standing.ready and not self.ready_sent and not self.stopping_sent:
             self.ready_sent = True
             fields["READY"] = "1"
-        if self._extending(standing) and now >= next_extend:
+        if self._extending(standing) and (now >= next_extend or "STATUS" in fields):
             fields["EXTEND_TIMEOUT_USEC"] = str(int(EXTEND_BY_S * 1_000_000))
         if self.notifier.watchdog_s is not None and now >= next_pet:
             fields["WATCHDOG"] = "1"
