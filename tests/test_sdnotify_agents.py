@@ -116,9 +116,9 @@ def test_head_ready_only_when_the_job_is(tmp_path: Path, router_python: Path) ->
     address = abstract_address()
     with listening(address) as listener, kit.running_agents() as agents:
         head = agents.start(job, "prefill", 0, NOTIFY_SOCKET=address)
-        head.wait_state("healthy", 60)
         # The head has seen its engine healthy (no longer among those it waits for): not ready.
-        notes = listener.wait("a status without prefill-0", head_engine_counted, 30)
+        notes = listener.wait("a status without prefill-0", head_engine_counted, 60)
+        assert head.status()["state"] == "healthy"
         assert index_of(notes, "READY") < 0
         for index in (0, 1):
             agents.start(job, "decode", index)
