@@ -105,6 +105,8 @@ class Router:
             max_bytes=plan.agent.log_max_bytes,
             backups=plan.agent.log_backups,
         )
+        if ctx.pool is not None:
+            sink.watchers.append(ctx.pool.feed)  # the refusals it logs per decode
         self.supervisor = EngineSupervisor(
             name=ROUTER_NAME,
             launcher=ctx.launcher,
@@ -122,6 +124,7 @@ class Router:
             observe_probe=ctx.probe_observer("router"),
             client=ctx.client,
             handover_drain_s=HANDOVER_DRAIN_S,
+            where="router",
         )
         nursery.start_soon(self.supervisor.run)
         return self.supervisor
