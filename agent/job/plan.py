@@ -16,6 +16,7 @@ from typing import Literal
 import msgspec
 
 from agent.job.benchmark import BenchmarkPlan
+from agent.job.preflightpolicy import PreflightPolicy
 
 PLAN_SCHEMA = 1
 # What an agent may take to exit beyond its engines' graces (sweep leftovers, write its last
@@ -118,6 +119,8 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     # agent.logs.location: node -> the node-local folder (None: engine logs in J/logs). Last and
     # omitted when None, so plans of jobs with logs in the job directory read as before.
     log_node_dir: str | None = None
+    # agent.preflight: the node checks' policy (omitted when every value is the default).
+    preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
 
 
 class ConvertPlan(msgspec.Struct, kw_only=True):

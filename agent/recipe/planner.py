@@ -215,6 +215,27 @@ def choose_launcher(
     return chosen  # type: ignore[return-value]
 
 
+def _cpu_only_cluster(recipe: Recipe, standins: Collection[StandinName]) -> None:
+    """On a CPU-only cluster (gpus_per_node: 0) a real engine must say ``gpus: 0`` itself."""
+    if gpus_per_node(recipe) != 0:
+        return
+    problems = [
+        error(
+            f"roles.{name}.gpus",
+            f"the cluster has no GPUs (gpus_per_node: 0) and the {name} engine is real with no "
+            "GPU count of its own",
+            f"set roles.{name}.gpus: 0 to run it on CPUs, or run it as a stand-in "
+            f"(--mock {name}), or set resources.gpus_per_node (cluster file gpus_per_node)",
+        )
+        for name in ("prefill", "decode")
+        if name not in standins
+        and (role := getattr(recipe.roles, name)) is not None
+        and role.gpus is None
+    ]
+    if problems:
+        raise InputError(problems)
+
+
 def make_plan(
     loaded: LoadedRecipe,
     *,
@@ -229,6 +250,7 @@ def make_plan(
     named = set(STANDIN_NAMES) if mock is True else set(mock or ())
     standins = [name for name in STANDIN_NAMES if name in named]
     recipe = loaded.recipe
+    _cpu_only_cluster(recipe, standins)
     # No cluster file: the site defaults every field of ClusterConfig states (one source).
     cluster = loaded.cluster or ClusterConfig()
     graces = stop_graces(recipe, cluster.kill_wait_s)
@@ -291,6 +313,7 @@ def make_plan(
             canary_attempt_timeout_s=agent.canary.attempt_timeout_s,
             scratch_dir=agent.scratch_dir,
             log_node_dir=agent.logs.node_dir if agent.logs.location == "node" else None,
+            preflight=agent.preflight,
         ),
         slurm=SlurmPlan(
             account=recipe.slurm.account,
