@@ -345,6 +345,13 @@ class NodeAgent:
             self.log.warning("%s: node check cleaned (agent.preflight): %s", self.id.name, done)
         for finding in report.warnings:
             self.log.warning("%s: node check: %s", self.id.name, finding.line())
+        self.log.info(
+            "%s: node checks (agent.preflight): %d failures, %d warnings, %d cleaned",
+            self.id.name,
+            len(report.failures),
+            len(report.warnings),
+            len(report.cleaned),
+        )
         if report.failures:
             checks = ", ".join(sorted({f.check for f in report.failures}))
             return self._fail_preflight(

@@ -73,6 +73,8 @@ class FlagVerdict:
 
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # What was compared with what, for the log ("" when nothing was).
+    summary: str = ""
 
 
 class _CacheEntry(msgspec.Struct):
@@ -219,7 +221,9 @@ async def check_flags(
     # A stand-in answers in a second and changes with this project's code: never cached.
     entry = None if question.standin else _cached(folder, key)
     notes: list[str] = []
+    source = f"cached in {_cache_file(folder, key)}"
     if entry is None:
+        source = "asked now"
         known, answered = await _ask(launcher, spec_base, question, timeout_s)
         if known is None:
             return FlagVerdict(
@@ -234,6 +238,10 @@ async def check_flags(
         notes += [stored] if stored else []
     verdict = judge(question, entry, version=named, image=spec_base.image)
     verdict.notes[:0] = notes
+    verdict.summary = (
+        f"{len(question.flags)} flags of the command line against the {len(entry.flags)} that "
+        f"`{entry.answered}` lists ({named}, {source})"
+    )
     return verdict
 
 
@@ -287,6 +295,8 @@ async def flag_refusals(
     )
     for note in verdict.notes:
         log.warning("%s: engine flags: %s", who, note)
+    if verdict.summary:
+        log.info("%s: engine flags: %s", who, verdict.summary)
     if policy.engine_flags == "check":
         return verdict.problems
     for problem in verdict.problems:
