@@ -49,7 +49,7 @@ class NothingRuns(ProcessLauncher):
     """A launcher whose short commands fail the test: the answer must come from the cache."""
 
     async def run(self, spec: LaunchSpec, *, timeout_s: float) -> tuple[int, bytes]:
-        raise AssertionError(f"{spec.argv} was run; the cache should have answered")
+        raise AssertionError(f"{spec.argv} was run (bound {timeout_s}s); the cache should answer")
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,8 @@ async def test_the_real_router_refuses_a_flag_it_does_not_know_and_the_answer_is
     assert "the node's installation (no image)" in problem
     assert "asked now" in verdict.summary
     cached = list(folder.iterdir())
-    assert len(cached) == 1 and cached[0].name.startswith("tilert-0.1.6.post3-")
+    assert len(cached) == 1
+    assert cached[0].name.startswith("tilert-0.1.6.post3-")
     # The second check reads the cache: a launcher that runs nothing still answers.
     again = await check_flags(
         NothingRuns(), spec, question, versions=versions, folder=folder, timeout_s=120
