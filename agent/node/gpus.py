@@ -65,11 +65,12 @@ def _number(text: str) -> float:
 
 
 def _csv(text: str, columns: int) -> list[list[str]]:
+    # The last column (a process name) may itself hold commas.
     rows = []
     for line in text.splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) >= columns and cells[0]:
-            rows.append([*cells[: columns - 1], ",".join(cells[columns - 1 :])])
+        cells = [c.strip() for c in line.split(",", columns - 1)]
+        if len(cells) == columns and cells[0]:
+            rows.append(cells)
     return rows
 
 
