@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 
@@ -22,6 +23,15 @@ from agent.job.preflightpolicy import PreflightPolicy
 from agent.node.gpus import parse_gpus, parse_processes, read_gpus
 from agent.node.hygiene import NodeScene, inspect_node
 from tests.kit import wait_for
+
+QUIET = PreflightPolicy(
+    stale_processes="ignore", gpu_processes="ignore", stale_shm="ignore", disk="ignore"
+)
+
+
+def only(**checks: object) -> PreflightPolicy:
+    """Every check off except those given."""
+    return msgspec.structs.replace(QUIET, **checks)
 
 
 def scene(tmp_path: Path, env: dict[str, str] | None = None, **kw: object) -> NodeScene:
@@ -78,7 +88,7 @@ def test_a_process_of_an_ended_job_is_reported_with_its_cleanup_command(
     gone = start(sleeper, **{JOB_DIR_ENV: str(tmp_path / "deleted")})
     live = start(sleeper, **{JOB_DIR_ENV: str(running)})
     mine = start(sleeper, **{JOB_DIR_ENV: str(tmp_path / "job")})
-    policy = PreflightPolicy(**{**_quiet(), "stale_processes": "fail"})
+    policy = only(stale_processes="fail")
     report = inspect_node(scene(tmp_path), policy)
     by_pid = {f.target: f for f in report.failures}
     assert set(by_pid) >= {str(stale), str(gone)}
@@ -89,9 +99,7 @@ def test_a_process_of_an_ended_job_is_reported_with_its_cleanup_command(
     assert by_pid[str(stale)].fix.startswith(f"kill {stale}")
     assert by_pid[str(stale)].line().startswith(f"stale_processes: pid {stale} ")
     # warn: the same findings, logged only.
-    warned = inspect_node(
-        scene(tmp_path), PreflightPolicy(**{**_quiet(), "stale_processes": "warn"})
-    )
+    warned = inspect_node(scene(tmp_path), only(stale_processes="warn"))
     assert not warned.failures
     assert {str(stale), str(gone)} <= {f.target for f in warned.warnings}
     # A process started after the agent is not an earlier job's.
@@ -104,9 +112,7 @@ def test_clean_kills_the_stale_processes_and_says_so(
 ) -> None:
     stopped = ended_job(tmp_path / "old", "failed")
     stale = start(sleeper, **{JOB_DIR_ENV: str(stopped)})
-    report = inspect_node(
-        scene(tmp_path), PreflightPolicy(**{**_quiet(), "stale_processes": "clean"})
-    )
+    report = inspect_node(scene(tmp_path), only(stale_processes="clean"))
     assert f"killed pid {stale}" in report.cleaned
     assert not report.failures
     assert sleeper[0].wait(timeout=10) is not None
@@ -122,7 +128,7 @@ def test_a_slurm_process_is_stale_once_its_job_left_the_node(
     old = start(sleeper, **{JOB_DIR_ENV: "/j5", "SLURM_JOB_ID": "5", "SLURM_CONF": "/c"})
     current = start(sleeper, **{JOB_DIR_ENV: "/j7", "SLURM_JOB_ID": "7", "SLURM_CONF": "/c"})
     elsewhere = start(sleeper, **{JOB_DIR_ENV: "/j3", "SLURM_JOB_ID": "3", "SLURM_CONF": "/d"})
-    policy = PreflightPolicy(**{**_quiet(), "stale_processes": "fail"})
+    policy = only(stale_processes="fail")
     found = {f.target: f for f in inspect_node(scene(tmp_path, env), policy).failures}
     assert "its Slurm job 5 no longer runs on this node" in found[str(old)].what
     assert str(current) not in found
@@ -153,7 +159,7 @@ def test_a_foreign_gpu_process_and_a_full_gpu_are_reported(
     foreign = start(sleeper)
     fake_nvidia_smi(tmp_path / "bin", foreign, 40000)
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
-    policy = PreflightPolicy(**{**_quiet(), "gpu_processes": "fail"})
+    policy = only(gpu_processes="fail")
     report = inspect_node(scene(tmp_path, env), policy)
     lines = [f.line() for f in report.failures]
     assert any(
@@ -170,7 +176,7 @@ def test_a_foreign_gpu_process_and_a_full_gpu_are_reported(
 
 def test_without_a_gpu_tool_there_is_a_note_for_a_gpu_role(tmp_path: Path) -> None:
     env = {"PATH": str(tmp_path)}  # neither nvidia-smi nor amd-smi here
-    policy = PreflightPolicy(**{**_quiet(), "gpu_processes": "fail"})
+    policy = only(gpu_processes="fail")
     report = inspect_node(scene(tmp_path, env, uses_gpus=True), policy)
     assert report.failures == []
     assert report.notes == [read_gpus(env).note]
@@ -199,13 +205,13 @@ def test_stale_shared_memory_files_are_reported_and_cleaned_only_when_asked(
     os.utime(shm / "psm_fresh")  # written now, after the job (a minute old) began
     began = time.time() - 60
     with (shm / "torch_12_held").open("rb"):  # open by a live process (this one)
-        policy = PreflightPolicy(**{**_quiet(), "stale_shm": "warn", "shm_dir": str(shm)})
+        policy = only(stale_shm="warn", shm_dir=str(shm))
         report = inspect_node(scene(tmp_path, started=began), policy)
         assert [f.target for f in report.warnings] == [str(shm / "nccl-old-1")]
         assert report.warnings[0].fix == f"rm -f {shm / 'nccl-old-1'}"
         assert "before the node's current jobs began" in report.warnings[0].what
         assert (shm / "nccl-old-1").exists()  # warn deletes nothing
-        policy = PreflightPolicy(**{**_quiet(), "stale_shm": "clean", "shm_dir": str(shm)})
+        policy = only(stale_shm="clean", shm_dir=str(shm))
         cleaned = inspect_node(scene(tmp_path, started=began), policy)
     assert cleaned.cleaned == [f"removed {shm / 'nccl-old-1'}"]
     assert sorted(os.listdir(shm)) == ["psm_fresh", "torch_12_held", "unrelated-old"]
@@ -213,7 +219,7 @@ def test_stale_shared_memory_files_are_reported_and_cleaned_only_when_asked(
 
 def test_a_folder_short_of_space_fails_by_default(tmp_path: Path) -> None:
     folders = {"weights (roles.decode.args.model-weights-dir)": str(tmp_path / "w" / "not-yet")}
-    policy = PreflightPolicy(**{**_quiet(), "disk": "fail", "min_free_disk_gib": 1_000_000})
+    policy = only(disk="fail", min_free_disk_gib=1_000_000)
     report = inspect_node(scene(tmp_path, folders=folders), policy)
     assert len(report.failures) == 1
     line = report.failures[0].line()
@@ -221,14 +227,5 @@ def test_a_folder_short_of_space_fails_by_default(tmp_path: Path) -> None:
     assert "below agent.preflight.min_free_disk_gib 1e+06" in line
     assert f"du -xsh {tmp_path}/*" in line  # the nearest folder that exists
     assert PreflightPolicy().disk == "fail"
-    enough = PreflightPolicy(**{**_quiet(), "disk": "fail", "min_free_disk_gib": 0})
+    enough = only(disk="fail", min_free_disk_gib=0)
     assert inspect_node(scene(tmp_path, folders=folders), enough).failures == []
-
-
-def _quiet() -> dict[str, object]:
-    return {
-        "stale_processes": "ignore",
-        "gpu_processes": "ignore",
-        "stale_shm": "ignore",
-        "disk": "ignore",
-    }
