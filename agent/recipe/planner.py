@@ -215,9 +215,9 @@ def choose_launcher(
     return chosen  # type: ignore[return-value]
 
 
-def _cpu_only_cluster(recipe: Recipe, standins: Collection[StandinName]) -> None:
+def _cpu_only_cluster(loaded: LoadedRecipe, standins: Collection[StandinName]) -> None:
     """On a CPU-only cluster (gpus_per_node: 0) a real engine must say ``gpus: 0`` itself."""
-    if gpus_per_node(recipe) != 0:
+    if gpus_per_node(loaded.recipe) != 0:
         return
     problems = [
         error(
@@ -227,10 +227,8 @@ def _cpu_only_cluster(recipe: Recipe, standins: Collection[StandinName]) -> None
             f"set roles.{name}.gpus: 0 to run it on CPUs, or run it as a stand-in "
             f"(--mock {name}), or set resources.gpus_per_node (cluster file gpus_per_node)",
         )
-        for name in ("prefill", "decode")
+        for name in loaded.gpus_unset
         if name not in standins
-        and (role := getattr(recipe.roles, name)) is not None
-        and role.gpus is None
     ]
     if problems:
         raise InputError(problems)
@@ -250,7 +248,7 @@ def make_plan(
     named = set(STANDIN_NAMES) if mock is True else set(mock or ())
     standins = [name for name in STANDIN_NAMES if name in named]
     recipe = loaded.recipe
-    _cpu_only_cluster(recipe, standins)
+    _cpu_only_cluster(loaded, standins)
     # No cluster file: the site defaults every field of ClusterConfig states (one source).
     cluster = loaded.cluster or ClusterConfig()
     graces = stop_graces(recipe, cluster.kill_wait_s)
