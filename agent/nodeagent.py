@@ -45,7 +45,7 @@ from agent.launch.enginechecks import (
 from agent.launch.engineflags import flag_refusals
 from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
-from agent.node.hygiene import NodeScene, inspect_node
+from agent.node.hygiene import NodeScene, check_node
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
 from agent.node.logpump import LogSink
@@ -336,27 +336,11 @@ class NodeAgent:
 
     async def _node_clean(self) -> bool:
         """The node checks (docs/preflight.md): each finding logged, failures refuse the load."""
-        report = await trio.to_thread.run_sync(
-            inspect_node, self._scene(), self.plan.agent.preflight
-        )
-        for note in report.notes:
-            self.log.info("%s: node check: %s", self.id.name, note)
-        for done in report.cleaned:
-            self.log.warning("%s: node check cleaned (agent.preflight): %s", self.id.name, done)
-        for finding in report.warnings:
-            self.log.warning("%s: node check: %s", self.id.name, finding.line())
-        self.log.info(
-            "%s: node checks (agent.preflight): %d failures, %d warnings, %d cleaned",
-            self.id.name,
-            len(report.failures),
-            len(report.warnings),
-            len(report.cleaned),
-        )
+        report = await check_node(self._scene(), self.plan.agent.preflight, self.log, self.id.name)
         if report.failures:
             checks = ", ".join(sorted({f.check for f in report.failures}))
-            return self._fail_preflight(
-                f"node checks {checks}", [f.line() for f in report.failures]
-            )
+            lines = [f.line() for f in report.failures]
+            return self._fail_preflight(f"node checks {checks}", lines)
         return True
 
     def _scene(self) -> NodeScene:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
+import logging
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import trio
 
 from agent.job.paths import JOB_DIR_ENV
 from agent.job.preflightpolicy import PreflightPolicy
@@ -372,4 +374,25 @@ def inspect_node(scene: NodeScene, policy: PreflightPolicy) -> NodeReport:
         _weigh(report, stale_shm(scene, policy.shm_dir, jobs), policy.stale_shm, _unlink)
     if policy.disk != "ignore":
         _weigh(report, disk_space(scene, policy.min_free_disk_gib), policy.disk)
+    return report
+
+
+async def check_node(
+    scene: NodeScene, policy: PreflightPolicy, log: logging.Logger, who: str
+) -> NodeReport:
+    """``inspect_node`` off the event loop, every finding, note and cleaning logged."""
+    report = await trio.to_thread.run_sync(inspect_node, scene, policy)
+    for note in report.notes:
+        log.info("%s: node check: %s", who, note)
+    for done in report.cleaned:
+        log.warning("%s: node check cleaned (agent.preflight): %s", who, done)
+    for finding in report.warnings:
+        log.warning("%s: node check: %s", who, finding.line())
+    log.info(
+        "%s: node checks (agent.preflight): %d failures, %d warnings, %d cleaned",
+        who,
+        len(report.failures),
+        len(report.warnings),
+        len(report.cleaned),
+    )
     return report

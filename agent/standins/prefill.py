@@ -68,7 +68,7 @@ def _model_len(raw: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The vLLM flags the stand-in honours."""
-    ap = argparse.ArgumentParser(prog="vllm", allow_abbrev=False)
+    ap = argparse.ArgumentParser(prog="vllm", allow_abbrev=False, epilog=lifecycle.HELP_EPILOG)
     ap.add_argument("subcommand", nargs="?", help="'serve'")
     ap.add_argument("model_tag", nargs="?")
     ap.add_argument("--model", default=None)
