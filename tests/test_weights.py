@@ -330,7 +330,9 @@ def test_a_local_job_converting_then_serving_ends_ready(tmp_path: Path) -> None:
         None,
         f"roles.decode.args.model-weights-dir={weights}",
         f"roles.decode.convert={{source: {checkpoint(tmp_path / 'hf')}}}",
-        f"roles.decode.env.TILERT_MOCK_CONVERT_DELAY_S={SLOW}",
+        # About 4 s of converting: seen in status.json even while the agents' preflights (their
+        # engines' --help) keep two cores busy.
+        "roles.decode.env.TILERT_MOCK_CONVERT_DELAY_S=1",
     )
     job = tmp_path / "job"
     with LocalJob(job, sets) as local:
