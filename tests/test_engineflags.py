@@ -118,7 +118,18 @@ async def test_a_stand_in_lists_its_flags_and_an_unknown_one_is_only_a_note(
     assert verdict.problems == []
     assert any("--enforce-eager" in note and "ignores it" in note for note in verdict.notes)
     assert "--served-model-name" not in " ".join(verdict.notes)
-    assert not (tmp_path / "cache").exists()  # stand-ins are never cached
+    # Cached too, keyed by the stand-in's source file: the next agent does not ask again.
+    assert question.fingerprint
+    again = await check_flags(
+        NothingRuns(),
+        LaunchSpec("flags", [], command.env),
+        question,
+        versions={},
+        folder=tmp_path / "cache",
+        timeout_s=60,
+    )
+    assert again.notes == verdict.notes
+    assert "cached in" in again.summary
 
 
 def router_question(plan: Plan, router_python: Path, **args: str) -> tuple[Plan, list[str]]:

@@ -14,6 +14,7 @@ decodes, and used only when the engine's interpreter has no real ``tilert``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -160,6 +161,16 @@ _ARGS_KEYS = {
 }
 
 
+def _source_fingerprint(module: str) -> str:
+    """A stand-in's source file as size and mtime: its cached flags follow its code."""
+    try:
+        spec = importlib.util.find_spec(module)
+        info = os.stat(spec.origin) if spec is not None and spec.origin else None
+    except (ImportError, OSError, ValueError):
+        return ""
+    return f"{info.st_size}-{info.st_mtime_ns}" if info is not None else ""
+
+
 def flag_question(
     plan: Plan, name: Literal["prefill", "decode", "router"], argv: Sequence[str], *, standin: bool
 ) -> FlagQuestion:
@@ -195,6 +206,7 @@ def flag_question(
             distribution=distribution,
             flags=flags,
             standin=True,
+            fingerprint=_source_fingerprint(base[2]),
         )
     if name != "prefill":
         return FlagQuestion(engine, help_argvs(program, vllm=False), distribution, flags)

@@ -65,6 +65,8 @@ class FlagQuestion:
     lenient: bool = False
     # Why the flags cannot be checked (a site's launcher script that is not vLLM's): a note.
     not_asked: str | None = None
+    # What else tells one answer from another (a stand-in's source file: its size and mtime).
+    fingerprint: str = ""
 
 
 @dataclass
@@ -217,9 +219,9 @@ async def check_flags(
         "version": version,
         "image": spec_base.image or "",
         "help": " ".join(question.help_argvs[0]),
+        "fingerprint": question.fingerprint,
     }
-    # A stand-in answers in a second and changes with this project's code: never cached.
-    entry = None if question.standin else _cached(folder, key)
+    entry = _cached(folder, key)
     notes: list[str] = []
     source = f"cached in {_cache_file(folder, key)}"
     if entry is None:
@@ -234,7 +236,7 @@ async def check_flags(
                 ]
             )
         entry = _CacheEntry(CACHE_SCHEMA, key, sorted(known), answered, time.time())
-        stored = None if question.standin else _store(folder, entry)
+        stored = _store(folder, entry)
         notes += [stored] if stored else []
     verdict = judge(question, entry, version=named, image=spec_base.image)
     verdict.notes[:0] = notes
