@@ -22,13 +22,13 @@ from pathlib import Path
 import psutil
 import yaml
 
+from agent.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUNTIME
 from agent.job.atomicfile import write_atomic
 from agent.problems import InputError, render_problems
 from agent.recipe.cluster import CLUSTER_FILE_NAME, read_cluster
 from submit import PROG
 from submit.slurm.query import ClusterFacts, Partition, gather, gpu_types, gpus_in_gres
 
-EXIT_BAD_INPUT = 2
 WIDTH = 100
 # GPU types that mean an AMD node (ROCR_VISIBLE_DEVICES selects its GPUs).
 AMD_GPU_HINTS = ("mi", "amd", "instinct")
@@ -326,13 +326,13 @@ def main(args: argparse.Namespace) -> int:
     text = render(facts, host=socket.gethostname(), when=time.strftime("%Y-%m-%d %H:%M %Z"))
     if target is None:
         sys.stdout.write(text)
-        return 0
+        return EXIT_OK
     write_atomic(target, text.encode())
     try:
         cluster, warnings = read_cluster(target)
     except InputError as exc:  # a bug of init: say so, keep the file to look at
         print(f"{PROG} init: the file written does not read back: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_RUNTIME
     unknown = sum(1 for line in text.splitlines() if line.startswith("# ?"))
     print(
         f"Wrote {target}: launcher {cluster.launcher}, partition {cluster.default_partition}, "
@@ -340,4 +340,4 @@ def main(args: argparse.Namespace) -> int:
     )
     if warnings:
         print(render_problems(warnings, str(target)), file=sys.stderr)
-    return 0
+    return EXIT_OK

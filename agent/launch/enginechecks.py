@@ -19,14 +19,15 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from agent.facts import CONNECTOR_MODULE, DECODE_MODULE, ENGINE_DISTRIBUTIONS
-from agent.job.plan import Plan, RoleName
+from agent.facts import STANDIN_CONNECTOR_PATH as CONNECTOR_PATH
+from agent.facts import STANDIN_CONNECTOR_SWITCH as SWITCH
+from agent.job.plan import Plan
+from agent.job.vocab import Process, Role
 from agent.launch.engineflags import Flag, FlagQuestion, help_argvs, vllm_program
 from agent.launch.interpreter import is_python, python_of
 from agent.launch.preflight import PreflightChecks, PreflightResult
-from agent.standins.vllm_connector import CONNECTOR_PATH, SWITCH
 
 # What the connector stand-in needs in vLLM's environment (vLLM brings msgspec).
 CONNECTOR_STANDIN_MODULES = ("trio", "msgspec")
@@ -39,7 +40,7 @@ def standin_connector_asked(env: Mapping[str, str]) -> bool:
     return env.get(SWITCH, "").strip() == "1"
 
 
-def _paths(plan: Plan, role: RoleName) -> list[str]:
+def _paths(plan: Plan, role: Role) -> list[str]:
     """Paths the engine needs that must exist as it sees them (an absolute model).
 
     The decode's weights folder is not one: the weights gate checks it (and converts it when the
@@ -52,7 +53,7 @@ def _paths(plan: Plan, role: RoleName) -> list[str]:
     return paths
 
 
-def engine_checks(plan: Plan, role: RoleName, env: Mapping[str, str]) -> PreflightChecks:
+def engine_checks(plan: Plan, role: Role, env: Mapping[str, str]) -> PreflightChecks:
     """The preflight of ``role``'s engine, run with ``env`` (the engine's own environment)."""
     role_plan = plan.role(role)
     if plan.standin(role):
@@ -171,9 +172,7 @@ def _source_fingerprint(module: str) -> str:
     return f"{info.st_size}-{info.st_mtime_ns}" if info is not None else ""
 
 
-def flag_question(
-    plan: Plan, name: Literal["prefill", "decode", "router"], argv: Sequence[str], *, standin: bool
-) -> FlagQuestion:
+def flag_question(plan: Plan, name: Process, argv: Sequence[str], *, standin: bool) -> FlagQuestion:
     """What to ask ``name``'s program (its own help) and which flags of ``argv`` to check.
 
     ``argv`` is the command the agent will run; each long flag is named by where it comes from:
