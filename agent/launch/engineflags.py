@@ -268,11 +268,6 @@ def vllm_program(prefill_command: Sequence[str]) -> list[str] | None:
     return None
 
 
-def program_flags(words: Sequence[str], origin: str) -> list[Flag]:
-    """The long flags among a command's words, each named by where it comes from."""
-    return [Flag(w.split("=", 1)[0], origin) for w in words if w.startswith("--") and len(w) > 2]
-
-
 async def flag_refusals(
     launcher: Launcher,
     spec_base: LaunchSpec,
