@@ -59,7 +59,7 @@ def _partitions(facts: ClusterFacts, out: list[str]) -> Partition | None:
     out.append("# ---- Slurm (asked on this login node) ----")
     if not facts.partitions:
         why = facts.failures.get("sinfo -h -o %P|%a|%l|%D|%G|%N", "sinfo listed no partition")
-        out += [f"# ? which partition should jobs use? (sinfo: {why})", "# default_partition: "]
+        out += [f"# ? which partition should jobs use? (sinfo: {why})", "# default_partition: gpu"]
         return None
     out.append("# Partitions (sinfo; * marks the default):")
     for p in facts.partitions:
@@ -107,7 +107,7 @@ def _account(facts: ClusterFacts, out: list[str]) -> None:
     enforce = facts.config.get("AccountingStorageEnforce")
     if enforce is None:
         out.append("# ? does Slurm require an account? (scontrol show config did not answer)")
-        out.append("# default_account: ")
+        out.append("# default_account: my-account")
     elif "associations" not in enforce:
         out.append(
             f"# No account needed: AccountingStorageEnforce={enforce} (scontrol show config)."
@@ -123,7 +123,7 @@ def _account(facts: ClusterFacts, out: list[str]) -> None:
         out += [
             f"# ? Slurm requires an account (AccountingStorageEnforce={enforce}) and sacctmgr "
             "named none of yours: which one?",
-            "# default_account: ",
+            "# default_account: my-account",
         ]
 
 
@@ -321,8 +321,18 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
+    if target is not None and not target.absolute().parent.is_dir():
+        print(
+            f"{PROG} init: -o {target}: the folder {target.absolute().parent} does not exist; "
+            "create it or pass another FILE",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
     print(f"{PROG} init: asking Slurm (sinfo, scontrol, srun --help) ...", file=sys.stderr)
     facts = gather(os.environ)
+    for command, why in sorted(facts.failures.items()):
+        # Their keys become questions; say so here too (is this a login node? is SLURM_CONF set?).
+        print(f"{PROG} init: {command}: {' '.join(why.split())}", file=sys.stderr)
     text = render(facts, host=socket.gethostname(), when=time.strftime("%Y-%m-%d %H:%M %Z"))
     if target is None:
         sys.stdout.write(text)
@@ -334,8 +344,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"{PROG} init: the file written does not read back: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     unknown = sum(1 for line in text.splitlines() if line.startswith("# ?"))
+    written = yaml.safe_load(text) or {}
+    launcher = written.get("launcher", f"unknown (the default, {cluster.launcher}, applies)")
+    partition = written.get("default_partition", "unknown (Slurm's default applies)")
     print(
-        f"Wrote {target}: launcher {cluster.launcher}, partition {cluster.default_partition}, "
+        f"Wrote {target}: launcher {launcher}, partition {partition}, "
         f"{unknown} questions left (lines starting with `# ?`).",
     )
     if warnings:
