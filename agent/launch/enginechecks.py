@@ -197,7 +197,7 @@ def flag_question(plan: Plan, name: Process, argv: Sequence[str], *, standin: bo
             origin = f"{word} (passed by tilert-agent itself)"
         flags.append(Flag(word, origin))
     if standin:
-        # The stand-in's argv starts [python, -m, agent.standins.ROLE] (+ serve for the prefill).
+        # A stand-in's argv starts [python, -m, MODULE] (+ serve for the prefill): commands.py.
         base = list(argv[:4]) if name == "prefill" else list(argv[:3])
         return FlagQuestion(
             engine=f"{engine} stand-in",
