@@ -127,6 +127,9 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     # agent.logs.location: node -> the node-local folder (None: engine logs in J/logs). Last and
     # omitted when None, so plans of jobs with logs in the job directory read as before.
     log_node_dir: str | None = None
+    # agent.startup_silence_s / startup_max_s: startup deadlines that watch progress.
+    startup_silence_s: float = 900.0
+    startup_max_s: float = 14400.0
     # agent.preflight: the node checks' policy (omitted when every value is the default).
     preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
 
