@@ -1,5 +1,5 @@
 """The job's router: checked before the gate, started once every live worker is healthy, restarted
-without a dropped decode.
+without a dropped decode, and with one taken back once it is healthy again.
 
 It runs under an ``EngineSupervisor`` on the head's node, with its log in the head's folder. Each
 (re)launch builds its command from the decodes' current records, so a decode that republished its
@@ -151,11 +151,16 @@ class Router:
         nursery.start_soon(self.supervisor.run)
         return self.supervisor
 
-    def drop(self, names: list[str]) -> None:
-        """Restart the router without the decodes ``names``."""
-        self.decodes = [n for n in self.decodes if n not in names]
+    def use(self, decodes: list[str], why: str) -> None:
+        """Restart the router through ``decodes`` (a decode dropped, or one taken back)."""
+        self.decodes = decodes
         if self.supervisor is not None:
-            self.supervisor.relaunch(f"restarting the router without {', '.join(names)}")
+            self.supervisor.relaunch(f"restarting the router {why}")
+
+    def mark(self) -> tuple[str, int, str] | None:
+        """What the router's row shows (state, restarts, reason); None before it starts."""
+        sup = self.supervisor
+        return None if sup is None else (sup.state, sup.restarts, sup.reason)
 
     def status(self) -> EngineStatus | None:
         """The router's ``/status`` view; None before it starts."""

@@ -14,7 +14,11 @@ import msgspec
 
 from agent.facts import DECODE_PYTHON, PREFILL_PROGRAM, ROUTER_PYTHON
 from agent.job.logfiles import DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES
-from agent.job.plan import DEFAULT_CONVERT_BUDGET_S, DEFAULT_CONVERT_LOCK_STALE_S
+from agent.job.plan import (
+    DEFAULT_CONVERT_BUDGET_S,
+    DEFAULT_CONVERT_LOCK_STALE_S,
+    DEFAULT_MAX_REJOINS,
+)
 from agent.job.preflightpolicy import PreflightPolicy
 
 # A scalar or structured value as YAML gives it. Engine args keep their YAML type until rendered.
@@ -253,6 +257,9 @@ class AgentSection(_Strict):
         default_factory=lambda: Graces(prefill=20.0, decode=20.0, router=5.0)
     )
     canary: Canary = msgspec.field(default_factory=Canary)
+    # How many times the head takes a dropped decode back once it is healthy again (a decode that
+    # flaps past it stays out, with the reason); 0: a dropped decode never comes back.
+    max_rejoins: Annotated[int, msgspec.Meta(ge=0, le=1000)] = DEFAULT_MAX_REJOINS
     logs: LogSettings = msgspec.field(default_factory=LogSettings)
     # The weights conversion's own budget, apart from the engine's startup budget, and when a
     # conversion lock nobody refreshes is taken over (docs/weights.md).

@@ -350,6 +350,7 @@ def _agent_plan(agent: AgentSection) -> AgentPlan:
         startup_silence_s=agent.startup_silence_s,
         startup_max_s=agent.startup_max_s,
         preflight=agent.preflight,
+        max_rejoins=agent.max_rejoins,
     )
 
 
