@@ -68,6 +68,9 @@ class LoadedRecipe:
     source: str
     # Recipe paths changed by --set, in the order given (for messages and the dry-run printout).
     overridden: list[str] = field(default_factory=list)
+    # Roles whose GPU count the recipe left to gpus_per_node (the planner asks a real engine on a
+    # CPU-only cluster to say gpus: 0 itself).
+    gpus_unset: list[str] = field(default_factory=list)
 
 
 # srtctl keys tilert-agent refuses with a reason: (struct, key) -> (message, hint).
@@ -445,6 +448,11 @@ def load_recipe_text(
         raise InputError([*problems, *exc.problems], source) from None
     overridden = [".".join(parse_override(item)[0]) for item in overrides]
     recipe, pruned = _typed(raw, problems, source)
+    gpus_unset = [
+        name
+        for name in ("prefill", "decode")
+        if (role := getattr(recipe.roles, name)) is not None and role.gpus is None
+    ]
     recipe = _resolve(recipe, cluster, base_dir, problems)
     launcher = cluster.launcher if cluster is not None else None
     problems.extend(p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, pruned))
@@ -458,6 +466,7 @@ def load_recipe_text(
         cluster=cluster,
         source=source,
         overridden=overridden,
+        gpus_unset=gpus_unset,
     )
 
 
