@@ -16,6 +16,7 @@ from agent.errors import EXIT_BAD_INPUT
 from agent.job.logfiles import log_path
 from agent.job.paths import JOB_DIR_ENV, JobDir
 from agent.job.plan import load_plan
+from agent.job.pool import PoolFileError, read_pool
 from agent.job.vocab import ROLES, as_role
 from agent.node.agentlog import setup_agent_logging
 from agent.node.identity import IdentityError, resolve_identity
@@ -46,6 +47,16 @@ def _fail(message: str, details: str = "") -> int:
     if details:
         print(details, file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def _in_pool(job: JobDir, role: str, index: int, workers: int) -> bool:
+    """Whether ``J/pool.json`` (``tilert-submit scale``) names this decode beyond the plan's."""
+    if role != "decode":
+        return False
+    try:
+        return index in read_pool(job, workers).decode
+    except (OSError, PoolFileError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     except IdentityError as exc:
         return _fail(str(exc))
     workers = plan.role(identity.role).workers
-    if identity.index >= workers:
+    if identity.index >= workers and not _in_pool(job, identity.role, identity.index, workers):
         return _fail(
             f"{identity.name}: index {identity.index} but the plan has {workers} {identity.role} "
-            "worker(s); check --index / SLURM_PROCID"
+            f"worker(s) and {job.pool} does not name it; check --index / SLURM_PROCID"
         )
     log = setup_agent_logging(log_path(job, identity.name, agent=True), name=identity.name)
     # Everything this agent starts carries its job: the node check of a later job finds what an

@@ -50,6 +50,7 @@ from agent.node.decodestats import (
 from agent.node.hygiene import NodeScene, check_node
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
+from agent.node.leave import LEAVE_IDLE_S, wait_idle
 from agent.node.logpump import LogSink
 from agent.node.ownrecord import OwnRecord
 from agent.node.ports import choose_port, is_bindable
@@ -128,6 +129,10 @@ class NodeAgent:
         )
         self.client: httpx.AsyncClient  # the agent's one client (agent.http.client), from run()
         self.stop_requested = False
+        # A decode asked to leave the pool (tilert-submit scale): how its drain ended, once it did.
+        self.leaving: str | None = None
+        self._stop_scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
         self.started = time.time()
         # The engines' temp and cache folders on this node; removed when the agent exits.
         self.scratch = Scratch(scratch_root(job, plan.agent.scratch_dir), identity.name)
@@ -361,7 +366,7 @@ class NodeAgent:
 
     def _exit_reason(self, code: int) -> str:
         if code == 0:
-            return "stopped on request"
+            return self.leaving or "stopped on request"
         if self.head is not None and self.head.error:
             return self.head.error
         if self.start_failure or self.preflight_failure:
@@ -384,7 +389,9 @@ class NodeAgent:
                 token=self.job.read_token,
                 log_files=self._log_files,
                 log_streams=self.log_streams,
+                on_leave=self._on_leave if self.id.role == "decode" else None,
             )
+            self._nursery, self._stop_scope = nursery, nursery.cancel_scope
             await nursery.start(serve, app, sock)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             nursery.start_soon(self.writes.retry)
@@ -515,6 +522,25 @@ class NodeAgent:
             await self.engine.stop()
         self.changed()
         await self.log_streams.close()  # /logs followers get the engines' last lines
+
+    def _on_leave(self) -> str:
+        """The head's ``POST /leave``: drain (the engine idle, bounded), then stop; what it does."""
+        if self.leaving is not None or self.stop_requested or self._nursery is None:
+            return "already leaving or stopping"
+        self.leaving = "left the pool (tilert-submit scale): draining"
+        self._nursery.start_soon(self._leave)
+        return "draining, then stopping"
+
+    async def _leave(self) -> None:
+        self.log.info("%s: leaving the pool; waiting until its engine is idle", self.id.name)
+        url = self.engine_url("/decode_status")
+        how = await wait_idle(self.client, url, LEAVE_IDLE_S, self.log)
+        self.leaving = f"left the pool (tilert-submit scale): {how}"
+        self.log.info("%s: %s; stopping", self.id.name, self.leaving)
+        self.stop_requested = True
+        await self.stop_all()
+        if self._stop_scope is not None:
+            self._stop_scope.cancel()
 
     async def _watch_signals(self, scope: trio.CancelScope) -> None:
         async def stop_and_cancel() -> None:

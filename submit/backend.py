@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from agent.errors import RuntimeFailure
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
+from agent.job.pool import DecodePool
 from agent.job.records import JobStatus
 
 POLL_S = 0.2
@@ -73,6 +74,12 @@ class Backend(ABC):
     def stop(self, job: JobDir, status: JobStatus, limit: float) -> None:
         """Stop the running job ``job`` so that its agents drain within ``limit`` s, saying each
         step of the wait; BackendError when it could not (or must not)."""
+
+    def grow(self, job: JobDir, status: JobStatus, pool: DecodePool, indexes: list[int]) -> None:
+        """Start the decode agents ``indexes`` that ``pool`` (already in ``J/pool.json``) adds;
+        BackendError when they cannot be. By default nothing: the job's own supervisor follows
+        ``J/pool.json`` (``--local``)."""
+        del job, status, pool, indexes
 
     def not_running(self, status: JobStatus) -> str:
         """What ``stop`` says when the job is not running."""

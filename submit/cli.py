@@ -53,6 +53,7 @@ JOB_COMMANDS = {
     "status": ("submit.statusview", "show a job's state and its agents"),
     "logs": ("submit.logview", "print (or follow) a job's logs"),
     "stop": ("submit.stop", "stop a job: agents drain, then the job ends"),
+    "scale": ("submit.scale", "grow or shrink a serving job's decode pool"),
     "bench": ("submit.bench", "benchmark a ready job from here, show or compare results"),
     "diagnose": ("submit.diagnose", "name what failed in a job: log lines, cause and fix"),
 }

@@ -94,9 +94,22 @@ def staleness(status: JobStatus, now: float | None = None) -> str | None:
     return None
 
 
+def pool_cell(a: JobAgent) -> str:
+    """A decode's place in the pool, since when, and its Slurm job when it has one:
+    ``member since 10:02:03 (slurm 4243)``; ``-`` for the prefill and the router."""
+    if isinstance(a.pool, msgspec.UnsetType):
+        return "-"
+    cell: str = a.pool
+    if not isinstance(a.pool_since, msgspec.UnsetType):
+        cell += " since " + time.strftime("%H:%M:%S", time.localtime(a.pool_since))
+    if isinstance(a.slurm_job_id, str):
+        cell += f" (slurm {a.slurm_job_id})"
+    return cell
+
+
 def _row(a: JobAgent) -> list[str]:
     endpoints = " ".join(u for u in (a.status_url, a.metrics_url) if u)
-    return [a.name, a.node or "-", a.state, str(a.restarts), a.reason, endpoints]
+    return [a.name, a.node or "-", a.state, pool_cell(a), str(a.restarts), a.reason, endpoints]
 
 
 def benchmark_line(bench: BenchmarkStatus) -> str:
@@ -135,18 +148,18 @@ def render_table(status: JobStatus, stale: str | None) -> str:
         lines.append(f"error: {status.error}")
     if not isinstance(status.benchmark, msgspec.UnsetType):
         lines.append(benchmark_line(status.benchmark))
-    rows = [["NAME", "NODE", "STATE", "RESTARTS", "REASON", "ENDPOINTS"]]
+    rows = [["NAME", "NODE", "STATE", "POOL", "RESTARTS", "REASON", "ENDPOINTS"]]
     rows += [_row(a) for a in status.agents]
     if status.router is not None:
         rows.append(_row(status.router))
     for r in rows:
-        if len(r[4]) > REASON_WIDTH:
-            r[4] = r[4][: REASON_WIDTH - 3] + "..."
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        if len(r[5]) > REASON_WIDTH:
+            r[5] = r[5][: REASON_WIDTH - 3] + "..."
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines.append("")
     for r in rows:
-        cells = [c.ljust(w) for c, w in zip(r[:5], widths, strict=True)]
-        lines.append("  ".join([*cells, r[5]]).rstrip())
+        cells = [c.ljust(w) for c, w in zip(r[:6], widths, strict=True)]
+        lines.append("  ".join([*cells, r[6]]).rstrip())
     lines.extend(progress_lines(status.agents, time.time()))
     lines.extend(trouble_lines([*status.agents, *([status.router] if status.router else [])]))
     rejoined = [a for a in status.agents if a.rejoin_reason]

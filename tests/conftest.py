@@ -54,6 +54,7 @@ UNIT_MODULES = frozenset(
         "test_map",
         "test_overrides",
         "test_planner",
+        "test_pool",
         "test_ports",
         "test_preflight",
         "test_printable",

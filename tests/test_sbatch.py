@@ -26,8 +26,10 @@ from submit.slurm.render import (
     STEPS_MARK,
     TEMPLATE,
     VARIABLES_MARK,
+    agent_command_of,
     default_agent_command,
     job_name,
+    render_grow,
     render_sbatch,
     sbatch_template,
 )
@@ -95,6 +97,27 @@ def test_rendered_scripts_pass_bash_n_and_shellcheck(name: str, tmp_path: Path) 
     script = tmp_path / "sbatch.sh"
     script.write_text(render_sbatch(plan_for(name), JobDir(tmp_path / "J"), GOLDEN_AGENT))
     check_shell(script)
+
+
+def test_a_grow_script_runs_the_first_jobs_agent_with_the_new_indexes(tmp_path: Path) -> None:
+    """``tilert-submit scale`` on Slurm: one node per new decode, ``--index`` each, the first
+    job's agent command read back from its script, a watcher of the first job; shellcheck-clean."""
+    plan = plan_for("b200-nixl-glm5")
+    job = JobDir(tmp_path / "J")
+    first = render_sbatch(plan, job, GOLDEN_AGENT)
+    assert agent_command_of(first) == GOLDEN_AGENT
+    text = render_grow(plan, job, agent_command_of(first), [3, 4], "4242")
+    assert "#SBATCH --nodes=2" in text
+    assert "sbatch-grow-3-4.out" in text
+    for offset, index in enumerate([3, 4]):
+        assert f"--relative={offset} " in text
+        assert f'--role decode --job-dir "$JOB_DIR" --index {index} &' in text
+    assert "squeue -h -j 4242" in text
+    script = tmp_path / "grow.sh"
+    script.write_text(text)
+    check_shell(script)
+    with pytest.raises(ValueError, match="not a Slurm job id"):
+        render_grow(plan, job, GOLDEN_AGENT, [3], "42; rm -rf /")
 
 
 def test_the_template_passes_bash_n_and_shellcheck(tmp_path: Path) -> None:

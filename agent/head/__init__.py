@@ -5,7 +5,10 @@ prove the router, keep the job serving, and write status.json and targets.json.
   hooks); the head never imports the node agent.
 - ``peers``: each agent's record and long-polled ``/status``.
 - ``decisions``: gate, drop, fatal and the job's state, as plain functions over a ``JobView``.
-- ``router``: the router's preflight, start and relaunch; ``canaries``: the streaming chat check.
+- ``router``: the router's preflight, start and relaunch (a hand-over); ``canaries``: the
+  streaming chat check; ``trial``: a trial router proving decodes joining the pool.
+- ``pool``: the decode pool ``tilert-submit scale`` asks for (``J/pool.json``) and where each
+  decode stands in it.
 - ``benchstage``: the recipe's benchmark, checked before the load and run once ready.
 - ``head``: ``Head``, which runs them in order, writing status.json and targets.json through
   ``agent.node.statuswriter`` (a convert job writes its status.json with it too).

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import msgspec
 import trio
 
@@ -45,10 +46,12 @@ from agent.head.decisions import (
     waiting_for,
 )
 from agent.head.peers import Peers
+from agent.head.pool import TRIAL_RETRY_S, Membership, PoolFile
 from agent.head.router import Router
+from agent.head.trial import prove_joining
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
-from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
+from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names, agent_sort_key
 from agent.job.records import EngineStatus, Gate, JobAgent, JobStatus
 from agent.job.vocab import SERVING_STATES, JobState
 from agent.node.jobend import end_job
@@ -96,6 +99,10 @@ class Head:
         self._gate_noted = False
         # Carried into every status.json: `stop` checks the supervisor by them.
         self.local_pid, self.local_started_at = read_local_supervisor(ctx.job)
+        # The decode pool tilert-submit scale changes while the job serves (agent.head.pool).
+        self.pool_file = PoolFile(ctx.job, self.plan.decode.workers, ctx.log)
+        self.pool = Membership()
+        self.started_at = time.time()
         self.status_file = StatusWriter(ctx.job, self._job_status, ctx.writes)
         # The benchmark run once ready; a summary here once it ended the job (keep_serving false).
         bench = self.plan.benchmark
@@ -170,11 +177,24 @@ class Head:
         )
 
     def _row(self, name: str) -> JobAgent:
-        """The status.json row of ``name``, with its rejoins once it was dropped."""
+        """The status.json row of ``name``, with its rejoins once it was dropped and, for a
+        decode, its place in the pool."""
         row = self.peers.entry(name, self.dropped.get(name))
         if name in self.rejoin_reason:
             row.rejoins = self.rejoins.get(name, 0)
             row.rejoin_reason = self.rejoin_reason[name]
+        if row.role == "decode":
+            pool = self.pool
+            record = self.peers.by_name[name].record
+            row.slurm_job_id = record.slurm_job_id if record else None
+            if name in pool.joining:
+                row.pool, row.pool_since = "joining", pool.joining[name]
+                row.reason = f"joining the pool: {pool.note.get(name) or row.reason}"
+            elif name in pool.leaving:
+                row.pool, row.pool_since = "leaving", pool.leaving[name]
+                row.reason = f"leaving the pool: {row.reason}"
+            else:
+                row.pool, row.pool_since = "member", pool.member_since.get(name, self.started_at)
         return row
 
     def _healthy_at(self, name: str) -> float | None:
@@ -191,7 +211,8 @@ class Head:
             local_pid=self.local_pid,
             local_started_at=self.local_started_at,
             error=self.error,
-            agents=list(view.agents.values()),
+            # The pool's members, then the decodes joining and leaving it.
+            agents=[*view.agents.values(), *(self._row(n) for n in self._moving())],
             router=view.router,
             standins=[n for n in self.plan.standins if n != ROUTER_NAME or self.router.standin],
             benchmark=self.bench.status() if self.bench is not None else msgspec.UNSET,
@@ -394,6 +415,107 @@ class Head:
                 self._changes += 1
                 self.log.warning("head: %s: %s", name, why)
 
+    # ---- the pool: tilert-submit scale (agent.head.pool) ---------------------------------------
+
+    def _moving(self) -> list[str]:
+        """The decodes joining or leaving the pool (not in the view: they do not make the job
+        degraded)."""
+        return sorted({*self.pool.joining, *self.pool.leaving}, key=agent_sort_key)
+
+    def _members(self) -> list[str]:
+        return [n for n in self.expected if n != HEAD_NAME]
+
+    def _apply_pool(self, view: JobView, nursery: trio.Nursery) -> None:
+        """Follow ``J/pool.json``: start joining the decodes it adds, take out those it removes,
+        prove the joining ones once healthy, forget the leaving ones once their agents exited."""
+        pool = self.pool
+        wanted = self.pool_file.read()
+        if wanted is not None:
+            join, leave = pool.changes(wanted.names, self._members())
+            for name in join:
+                self.log.info("head: %s joins the pool (J/pool.json)", name)
+                pool.joining[name] = time.time()
+                self.peers.add(name)
+            if leave:
+                self._leave(view, leave, nursery)
+        for name in list(pool.leaving):
+            if self.peers.state(name) in ("stopped", "failed"):
+                self.log.info("head: %s has left the pool", name)
+                del pool.leaving[name]
+        ready = [n for n in pool.joining if self.peers.state(n) == "healthy"]
+        if ready and not pool.trying and time.monotonic() >= pool.retry_at:
+            pool.trying = True
+            nursery.start_soon(self._admit, ready)
+
+    def _leave(self, view: JobView, names: list[str], nursery: trio.Nursery) -> None:
+        """Take ``names`` out of the pool: out of the router's list first, then ask each agent
+        to leave (it drains to idle, then stops)."""
+        members = [n for n in names if n in self.expected]
+        for name in names:
+            self.pool.joining.pop(name, None)
+            self.pool.leaving[name] = time.time()
+            self.pool.member_since.pop(name, None)
+        if members:
+            for name in members:
+                self.expected.remove(name)
+                self.dropped.pop(name, None)
+            self.log.info("head: %s leave(s) the pool: restarting the router without them", names)
+            self.router.use(
+                [n for n in view.decodes if n in self.expected and n not in self.dropped],
+                f"without {', '.join(members)} (leaving the pool)",
+            )
+        nursery.start_soon(self._send_leave, names)
+
+    async def _send_leave(self, names: list[str]) -> None:
+        """Once the router serves without them (bounded), ask each leaving agent to leave."""
+        with trio.move_on_after(self.plan.router.startup_budget_s):
+            while True:  # polled: the router's supervisor says its state to the node agent
+                status = self.router.status()
+                if status is None or status.state == "healthy":
+                    break
+                await trio.sleep(GATE_POLL_S / 5)
+        token = await trio.to_thread.run_sync(self.ctx.job.read_token)
+        for name in names:
+            record = self.peers.by_name[name].record
+            if record is None or not record.status_url:
+                continue  # it never started: tilert-submit's supervisor stops it
+            url = record.status_url.removesuffix("/status") + "/leave"
+            try:
+                response = await self.ctx.client.post(
+                    url, headers={"Authorization": f"Bearer {token}"}, timeout=5.0
+                )
+                self.log.info("head: asked %s to leave: %s", name, response.text.strip()[:200])
+            except httpx.HTTPError as exc:
+                self.log.warning("head: cannot ask %s to leave at %s: %s", name, url, exc)
+
+    async def _admit(self, names: list[str]) -> None:
+        """Prove joining decodes through a trial router; only then restart the router with them."""
+        pool = self.pool
+        try:
+            await prove_joining(self.ctx, self.peers.records(), names, standin=self.router.standin)
+        except JobFailed as exc:
+            for name in names:
+                pool.note[name] = f"its canary through a trial router failed: {exc}"
+            pool.retry_at = time.monotonic() + TRIAL_RETRY_S
+            self.log.warning("head: %s not taken into the pool yet: %s", ", ".join(names), exc)
+        else:
+            joined = [n for n in names if n in pool.joining]
+            for name in joined:
+                del pool.joining[name]
+                pool.note.pop(name, None)
+                pool.member_since[name] = time.time()
+                self.expected.append(name)
+            self.expected.sort(key=agent_sort_key)
+            if joined:
+                self.log.info("head: %s proven: restarting the router with them", joined)
+                self.router.use(
+                    [n for n in self._members() if n not in self.dropped],
+                    f"with {', '.join(joined)} joining the pool",
+                )
+        finally:
+            pool.trying = False
+            self.poke()
+
     async def _serve(self, nursery: trio.Nursery) -> None:
         """While serving: degrade, drop failed decodes, re-prove after restarts, fail only when
         nothing can serve."""
@@ -408,6 +530,7 @@ class Head:
                 self._change_pool(view, newly, back)
                 view = self._view()  # the router is restarting now
             self._hold_out(view)
+            self._apply_pool(view, nursery)
             if (
                 proof_due(view, self.dropped, self.proven)
                 and not self._proving
@@ -426,6 +549,7 @@ class Head:
         code = EXIT_OK
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.peers.follow, self._on_records)
+            nursery.start_soon(self.pool_file.watch, self.poke)
             nursery.start_soon(self.status_file.heartbeat)
             try:
                 if await self._bring_up(nursery):

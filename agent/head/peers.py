@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 import trio
@@ -30,7 +31,7 @@ from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, JobAgent, RendezvousRecord
 from agent.job.vocab import AgentState, Role
-from agent.node.rendezvous import Records, watch_records
+from agent.node.rendezvous import RecordReader, Records, watch_records
 from agent.problems import printable
 
 # A long poll asks the peer to answer within LONG_POLL_S even when nothing changed; one that has
@@ -197,6 +198,8 @@ class Peers:
         self._logs: dict[str, str] = {}
         self._parsed: dict[str, tuple[Role, int]] = {}
         self._strays: set[str] = set()
+        # Reads the rendezvous folder; told about each decode that joins the pool (``add``).
+        self._reader = RecordReader(job, names)
 
     # ---- what the head reads ---------------------------------------------------------------
 
@@ -268,6 +271,12 @@ class Peers:
             found = self._logs[name] = str(log_path(self.job, name, plan=self.plan))
         return found
 
+    def add(self, name: str) -> None:
+        """Follow one more agent (a decode joining the pool); a known one is left as it is."""
+        if name not in self.by_name:
+            self.by_name[name] = Peer()
+            self._reader.expect([name])
+
     # ---- following -------------------------------------------------------------------------
 
     async def follow(self, on_records: Callable[[], None]) -> None:
@@ -281,7 +290,9 @@ class Peers:
                 self._take(records, nursery)
                 on_records()
 
-            nursery.start_soon(watch_records, self.job, list(self.by_name), changed)
+            nursery.start_soon(
+                partial(watch_records, reader=self._reader), self.job, list(self.by_name), changed
+            )
 
     def _take(self, records: Records, nursery: trio.Nursery) -> None:
         for stray in records.strays:

@@ -25,8 +25,19 @@ from agent.launch import LaunchSpec, preflight
 from agent.launch.commands import DecodeEndpoint, arg_value, router_command
 from agent.launch.enginechecks import flag_question
 from agent.launch.engineflags import flag_refusals
+from agent.node.leave import HANDOVER_DRAIN_S
 from agent.node.logpump import LogSink
 from agent.node.supervisor import EngineSupervisor, policy_for
+
+
+def decode_endpoints(
+    records: Mapping[str, RendezvousRecord], names: list[str]
+) -> list[DecodeEndpoint]:
+    """The router's ``--decode`` entries for ``names``, from their current records."""
+    return [
+        DecodeEndpoint(r.address, r.ports["ctrl"], r.ports["http"])
+        for r in (records[n] for n in names)
+    ]
 
 
 class Router:
@@ -102,17 +113,10 @@ class Router:
             )
 
     def _build(self) -> LaunchSpec:
-        records = self.records()
-        endpoints = []
-        for name in self.decodes:
-            record = records[name]
-            endpoints.append(
-                DecodeEndpoint(record.address, record.ports["ctrl"], record.ports["http"])
-            )
         cmd = router_command(
             self.ctx.plan,
             prefill_url=self.ctx.prefill_url(),
-            decodes=endpoints,
+            decodes=decode_endpoints(self.records(), self.decodes),
             host=self.ctx.identity.address,
             use_standin=self.standin,
             scratch=self.ctx.scratch_folder(ROUTER_NAME) if self.ctx.scratch_folder else None,
@@ -146,6 +150,7 @@ class Router:
             on_change=ctx.on_change,
             observe_probe=ctx.probe_observer("router"),
             client=ctx.client,
+            handover_drain_s=HANDOVER_DRAIN_S,
             where="router",
         )
         nursery.start_soon(self.supervisor.run)
@@ -155,7 +160,8 @@ class Router:
         """Restart the router through ``decodes`` (a decode dropped, or one taken back)."""
         self.decodes = decodes
         if self.supervisor is not None:
-            self.supervisor.relaunch(f"restarting the router {why}")
+            # A hand-over: the old router finishes its streams while the new one starts.
+            self.supervisor.relaunch(f"restarting the router {why}", handover=True)
 
     def mark(self) -> tuple[str, int, str] | None:
         """What the router's row shows (state, restarts, reason); None before it starts."""

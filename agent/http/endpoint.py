@@ -273,10 +273,19 @@ def build_app(
     token: Callable[[], str],
     log_files: Callable[[], dict[str, Path]],
     log_streams: LogStreams | None = None,
+    on_leave: Callable[[], str] | None = None,
 ) -> App:
-    """The agent's ASGI app."""
+    """The agent's ASGI app; ``on_leave`` (a decode agent) takes the head's ``POST /leave``."""
     streams = log_streams if log_streams is not None else LogStreams()
     app = App()
+
+    @app.route("POST", "/leave")
+    async def leave(request: Request) -> Response | StreamingResponse:
+        # The head, once the router no longer lists this decode (tilert-submit scale, a shrink).
+        _authorize(request, token())
+        if on_leave is None:
+            raise HTTPError(404, "only a decode agent leaves the pool")
+        return json_response({"leaving": on_leave()})
 
     @app.route("GET", "/healthz")
     async def healthz(_request: Request) -> Response | StreamingResponse:

@@ -1,7 +1,8 @@
 """The job directory and the formats in it: what the submitter and every agent read and write.
 
 ``vocab`` holds the job's typed words (roles and the states of engines, agents, the job and its
-benchmark); ``paths`` knows every path and mode in ``J/``; ``plan`` is ``J/plan.json``; ``records``
+benchmark); ``paths`` knows every path and mode in ``J/``; ``plan`` is ``J/plan.json``; ``pool`` is
+``J/pool.json`` (the decode pool ``tilert-submit scale`` asks for); ``records``
 holds the rendezvous record, an agent's ``/status`` and ``status.json``; ``benchmark`` the
 benchmark's part of the plan, its status block and ``J/benchmark/summary.json``; ``names`` builds
 and parses the names of agents and the router; ``logfiles`` is the log layout, ``logtimes`` the

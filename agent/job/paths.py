@@ -47,6 +47,11 @@ class JobDir:
         return self.root / "status.json"
 
     @property
+    def pool(self) -> Path:
+        """``pool.json``: the decode pool ``tilert-submit scale`` asks for (agent.job.pool)."""
+        return self.root / "pool.json"
+
+    @property
     def rendezvous(self) -> Path:
         return self.root / "rendezvous"
 

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from agent.job.benchmark import BenchmarkStatus
-from agent.job.vocab import AgentState, EngineState, ExitState, JobState, Process, Role
+from agent.job.vocab import AgentState, EngineState, ExitState, JobState, PoolState, Process, Role
 
 RECORD_SCHEMA = 1
 # Linux's largest pid_max.
@@ -48,6 +48,8 @@ class RendezvousRecord(msgspec.Struct, kw_only=True):
     # Engine software detected by the preflight, e.g. {"tilert": "0.1.6.post3", "vllm": "0.11.0"}.
     versions: dict[str, str] = {}
     updated_at: float = msgspec.field(default_factory=time.time)
+    # The Slurm job the agent runs in (a pool grown by ``tilert-submit scale`` has a second one).
+    slurm_job_id: str | None = None
     # Set by the agent as it exits; absent while it runs.
     exited: AgentExit | None = None
 
@@ -127,6 +129,11 @@ class JobAgent(msgspec.Struct, kw_only=True):
     # word on that (why it was taken back, or why it stays out); docs/agent.md, "Rejoin".
     rejoins: int = 0
     rejoin_reason: str | None = None
+    # A decode: its place in the pool (``tilert-submit scale``) and since when (Unix seconds), the
+    # Slurm job it runs in; absent for the prefill and the router.
+    pool: PoolState | msgspec.UnsetType = msgspec.UNSET
+    pool_since: float | msgspec.UnsetType = msgspec.UNSET
+    slurm_job_id: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class Gate(msgspec.Struct, kw_only=True):

@@ -31,6 +31,11 @@ ExitState = Literal["failed", "stopped"]
 # record yet), ``unreachable`` (not answering its ``/status``); ``pending`` until the job starts.
 AgentState = Literal[EngineState, "missing", "unreachable", "pending"]
 
+# A decode's place in the job's pool (``tilert-submit scale``, docs/cli.md): ``joining`` (started,
+# not yet proven by its canary nor in the router's list), ``member`` (in the router's list),
+# ``leaving`` (out of the router's list, draining its last request before its agent stops).
+PoolState = Literal["joining", "member", "leaving"]
+
 # The job's state in status.json.
 JobState = Literal[
     "pending", "starting", "waiting", "ready", "degraded", "stopping", "stopped", "failed"

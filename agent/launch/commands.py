@@ -194,8 +194,10 @@ def router_command(
     use_standin: bool,
     scratch: str | None = None,
     agent_env: Mapping[str, str] = os.environ,
+    port: int | None = None,
 ) -> Command:
-    """``<router_python> -m tilert.pd_vllm.pd_router --vllm-url U --decode h:c:p ... --port P``."""
+    """``<router_python> -m tilert.pd_vllm.pd_router --vllm-url U --decode h:c:p ... --port P``
+    (``port``: the plan's router port unless a trial router needs another)."""
     router: RouterPlan = plan.router
     program = _standin("router") if use_standin else list(router.program)
     # ONE --decode flag with every node: the router's argparse keeps only the last repeated flag.
@@ -208,7 +210,7 @@ def router_command(
         "--host",
         host,
         "--port",
-        str(router.port),
+        str(router.port if port is None else port),
         *router.args,
     ]
     env = _base_env(plan, router.env, router.secret_env, agent_env, "router", scratch)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 
-from agent.job.names import agent_names
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
+from agent.job.pool import every_agent
 from agent.job.records import AgentExit, RendezvousRecord
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
@@ -47,8 +47,9 @@ class OwnRecord:
 
     def peer_ports(self) -> set[int]:
         """The ports the other agents on this node published."""
-        names = agent_names(self.plan.prefill.workers, self.plan.decode.workers)
-        records = read_records(self.job, set(names)).by_name
+        # With the decodes a scaled pool added (their ports count as much as the plan's).
+        names = every_agent(self.job, self.plan.prefill.workers, self.plan.decode.workers)
+        records = read_records(self.job, names).by_name
         return {
             port
             for name, rec in records.items()
@@ -98,6 +99,7 @@ class OwnRecord:
                 status_url=f"{base}/status" if base else "",
                 metrics_url=f"{base}/metrics" if base else "",
                 versions=dict(self.versions),
+                slurm_job_id=self.id.slurm_job_id,
                 exited=self.exited,
             ),
         )

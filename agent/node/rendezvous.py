@@ -161,6 +161,11 @@ class RecordReader:
         self._full_at = -math.inf
         self._result: Records | None = None
 
+    def expect(self, names: Collection[str]) -> None:
+        """Take the records of ``names`` too (a decode joining the pool); looked at next read."""
+        self.expected.update(names)
+        self._folder = None
+
     def read(self, now: float) -> tuple[Records, bool]:
         """What the folder holds (``now`` on a monotonic clock), and whether it changed since the
         last read."""
@@ -273,6 +278,7 @@ async def watch_records(
     *,
     interval_s: float = WATCH_INTERVAL_S,
     retry_s: float = RECORD_RETRY_S,
+    reader: RecordReader | None = None,
 ) -> None:
     """Call ``on_change`` with the records whenever what they say changes (runs forever).
 
@@ -280,7 +286,8 @@ async def watch_records(
     agent keeps its last good record. Records are read again only when their files may have
     changed (``RecordReader``).
     """
-    reader = RecordReader(job, expected)
+    # A caller that passes its reader may make it expect more agents meanwhile.
+    reader = reader if reader is not None else RecordReader(job, expected)
     retry = RecordRetry(retry_s)
     last: bytes | None = None
     while True:

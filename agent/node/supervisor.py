@@ -41,12 +41,14 @@ from agent.job.vocab import EngineState
 from agent.launch import Launcher, LaunchSpec, ProcessHandle
 from agent.node.enginewatch import EngineWatch
 from agent.node.logpump import LogSink
+from agent.node.ports import is_bindable
 from agent.signatures import Where
 
 ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
 FAILURE_LOG_LINES = 50
 # How long an engine that exited while starting may take to get its last lines to the log pump.
 _LAST_LINES_S = 2.0
+PORT_FREE_POLL_S = 0.01  # a hand-over's new engine starts this soon after the old one's listener
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class EngineSupervisor:
         on_address_in_use: Callable[[], None] | None = None,
         observe_probe: Callable[[float], None] | None = None,
         client: httpx.AsyncClient | None = None,
+        handover_drain_s: float = 0.0,
         where: Where | None = None,
     ) -> None:
         self.name = name
@@ -150,6 +153,15 @@ class EngineSupervisor:
         self.stopping = False
         self._restart_times: deque[float] = deque()
         self._relaunch_reason: str | None = None
+        # A hand-over relaunch (``relaunch(handover=True)``): the old engine drains in the
+        # background (in ``_drains``) while the new one starts as soon as its ports are free.
+        self._handover = False
+        self._await_ports = False
+        self._drains: trio.Nursery | None = None
+        self._draining: set[trio.CancelScope] = set()
+        # How long a handed-over engine may finish what it serves (not capped by Slurm's KillWait
+        # as the stop grace is: the job goes on meanwhile).
+        self.handover_drain_s = handover_drain_s
         self._cancel = trio.CancelScope()
         self._probe_wakeup = trio.Event()
         self.done = trio.Event()
@@ -219,15 +231,22 @@ class EngineSupervisor:
         """Stop for good: the engine gets SIGTERM, the grace, then SIGKILL. Returns when done."""
         self.stopping = True
         self._cancel.cancel()
+        # A handed-over engine still draining gets the stop grace from now, no more.
+        for scope in self._draining:
+            scope.deadline = min(scope.deadline, trio.current_time() + self.policy.stop_grace_s)
         await self.done.wait()
 
-    def relaunch(self, reason: str) -> None:
+    def relaunch(self, reason: str, *, handover: bool = False) -> None:
         """Stop the engine and start it again with a fresh ``build()`` (not counted as a crash).
 
         It counts in ``restarts`` (what operators see), not against the restart limit, and the
-        state says so at once, so nobody reads the old engine as healthy meanwhile.
+        state says so at once, so nobody reads the old engine as healthy meanwhile. With
+        ``handover`` the old engine gets SIGTERM and finishes what it serves in the background
+        (within its grace), and the new one starts the moment its ports are free: for the router,
+        whose SIGTERM closes its listener at once and then waits for its in-flight streams.
         """
         self._relaunch_reason = reason
+        self._handover = handover
         self.restarts += 1
         self._set("restarting", reason)
         self._probe_wakeup.set()
@@ -235,14 +254,63 @@ class EngineSupervisor:
     # ---- the loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Supervise until failed or stopped."""
+        """Supervise until failed or stopped (and until every handed-over engine has ended)."""
         try:
-            with self._cancel:
-                await self._loop()
+            async with trio.open_nursery() as drains:
+                self._drains = drains
+                try:
+                    with self._cancel:
+                        await self._loop()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._shutdown()
         finally:
-            with trio.CancelScope(shield=True):
-                await self._shutdown()
             self.done.set()
+
+    async def _drain(self, engine: ProcessHandle, pumped: trio.Event) -> None:
+        """A handed-over engine: SIGTERM now, its output still logged, SIGKILL after
+        ``handover_drain_s`` (cut to the stop grace when the supervisor stops meanwhile)."""
+        async with trio.open_nursery() as nursery:
+
+            async def pump() -> None:
+                await pumped.wait()  # the generation's own pump has let go of the pipe
+                await self.sink.pump(engine.output)
+
+            nursery.start_soon(pump)
+            drain_s = max(self.handover_drain_s, self.policy.stop_grace_s)
+            with trio.CancelScope(deadline=trio.current_time() + drain_s) as scope:
+                self._draining.add(scope)
+                code = await engine.stop(drain_s)
+            self._draining.discard(scope)
+            if scope.cancelled_caught:
+                engine.kill()
+                code = await engine.wait()
+            self.log.info(
+                "%s: handed-over engine pid %s ended with status %d", self.name, engine.pid, code
+            )
+            with trio.move_on_after(2.0):
+                await engine.wait()
+            nursery.cancel_scope.cancel()
+
+    def _handing_over(self, engine: ProcessHandle) -> bool:
+        """Whether this generation ends by a hand-over (its engine drains in the background)."""
+        return (
+            self._handover
+            and self._drains is not None
+            and not self.stopping
+            and engine.returncode is None
+        )
+
+    async def _ports_free(self) -> None:
+        """Before a hand-over's new engine: wait (bounded by the grace) until the old one has
+        closed its listening ports, or the new one would fail with "address already in use"."""
+        self._await_ports = False
+        with trio.move_on_after(self.policy.stop_grace_s):
+            # Polled: nothing signals that another process closed a socket.
+            while True:
+                if all(is_bindable(port) for port in self.ports().values()):
+                    return
+                await trio.sleep(PORT_FREE_POLL_S)
 
     async def _stop_engine(self, engine: ProcessHandle) -> None:
         if engine.returncode is not None:
@@ -322,6 +390,8 @@ class EngineSupervisor:
 
     async def _one_generation(self, client: httpx.AsyncClient) -> str | None:
         """Run the engine once; return why it ended (restartable), or None when failed for good."""
+        if self._await_ports:
+            await self._ports_free()
         spec = self.build()
         self.generation += 1
         self._probe_wakeup = trio.Event()
@@ -361,11 +431,16 @@ class EngineSupervisor:
                 result = await self._watch(client, engine, exited, start, pumped)
             finally:
                 with trio.CancelScope(shield=True):
-                    await self._stop_engine(engine)
-                    # The pipe reaches EOF once the engine's group is gone; a stray holder of
-                    # it must not keep this generation alive.
-                    with trio.move_on_after(2.0):
-                        await pumped.wait()
+                    drains = self._drains if self._handing_over(engine) else None
+                    if drains is not None:
+                        self._handover, self._await_ports = False, True
+                        drains.start_soon(self._drain, engine, pumped)
+                    else:
+                        await self._stop_engine(engine)
+                        # The pipe reaches EOF once the engine's group is gone; a stray holder of
+                        # it must not keep this generation alive.
+                        with trio.move_on_after(2.0):
+                            await pumped.wait()
                 nursery.cancel_scope.cancel()
         return result
 

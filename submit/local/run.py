@@ -33,6 +33,7 @@ from agent.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
 from agent.job.names import HEAD_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
+from agent.job.pool import PoolFileError, read_pool
 from agent.job.records import JobAgent, JobStatus
 from agent.job.vocab import Role
 from agent.launch import LaunchSpec, ProcessHandle, make_launcher
@@ -127,6 +128,9 @@ class LocalRun:
         self.stopping = trio.CancelScope()
         # Why the job failed when tilert-submit itself decided it (its limit, a dead head).
         self.failure: str | None = None
+        # J/pool.json as last acted on (tilert-submit scale): its stat, and where agents start.
+        self._pool_key: tuple[int, int, int] | None = None
+        self._nursery: trio.Nursery | None = None
 
     async def _start(self, nursery: trio.Nursery, role: Role, index: int) -> None:
         name = agent_name(role, index)
@@ -181,6 +185,7 @@ class LocalRun:
             # Held since status.json named this process (LocalBackend.claim): delivered now.
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._on_signals, signals)
                 starts: list[tuple[Role, int]] = [
                     ("prefill", i) for i in range(self.plan.prefill.nodes)
@@ -272,6 +277,8 @@ class LocalRun:
                     self.deadline = max(self.deadline, now + self.limit)
             if lead.returncode is not None:
                 return self._lead_exited(lead)
+            if serving:
+                await self._follow_pool()
             if serving and not ready_said and time.monotonic() > self.deadline:
                 last = f"{status.state}: {_summary(status)}" if status else "no status.json"
                 self.failure = (
@@ -284,6 +291,27 @@ class LocalRun:
             with trio.move_on_after(POLL_S):
                 await self.stop.wait()
         return 0
+
+    async def _follow_pool(self) -> None:
+        """Start the decode agents ``J/pool.json`` adds (``tilert-submit scale``); the head takes
+        them in once proven, and asks those it removes to leave (they exit 0 by themselves)."""
+        try:
+            st = os.stat(self.job.pool)
+        except OSError:
+            return
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if key == self._pool_key or self._nursery is None:
+            return
+        self._pool_key = key
+        try:
+            pool = read_pool(self.job, self.plan.decode.workers)
+        except (OSError, PoolFileError) as exc:
+            _say(f"cannot use {self.job.pool}: {exc}; the pool stays as it is")
+            return
+        for index in sorted(pool.decode):
+            agent = self.agents.get(agent_name("decode", index))
+            if agent is None or agent.returncode is not None:
+                await self._start(self._nursery, "decode", index)
 
     @staticmethod
     def _benchmark_ended(status: JobStatus | None) -> bool:

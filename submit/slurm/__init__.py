@@ -1,5 +1,5 @@
-"""The Slurm backend: the batch script (``render``), the client commands sbatch, scancel and squeue
-(``client``) and the ``Backend`` over them (``backend``).
+"""The Slurm backend: the batch script (``render``; also a job growing the pool), the client
+commands sbatch, scancel and squeue (``client``) and the ``Backend`` over them (``backend``).
 
 May import ``agent.problems``, ``agent.errors``, ``agent.job`` and ``agent.recipe`` (the cluster
 file), and ``submit.backend`` (the interface) and ``submit.PROG``; never ``submit.local`` nor the

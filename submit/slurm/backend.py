@@ -15,11 +15,14 @@ from collections.abc import Mapping
 
 import msgspec
 
+from agent.job.atomicfile import write_atomic
 from agent.job.paths import JobDir
-from agent.job.plan import Plan
+from agent.job.plan import Plan, load_plan
+from agent.job.pool import DecodePool, GrowJob, PoolFileError, read_pool, write_pool
 from agent.job.records import JobStatus
 from submit.backend import Backend, BackendError, Submitted, wait_until
 from submit.slurm import client
+from submit.slurm.render import agent_command_of, render_grow
 
 # How long a job may take to leave squeue after a plain scancel (TERM, then KILL).
 SCANCEL_WAIT_S = 10.0
@@ -75,13 +78,47 @@ class SlurmBackend(Backend):
         """The Slurm job is not running."""
         return f"Slurm job {_job_id(status)} is not running (status.json: {status.state})"
 
-    def stop(self, _job: JobDir, status: JobStatus, limit: float) -> None:
-        """TERM every task of the job, wait for it to end, scancel it for good after ``limit``."""
-        job_id = _job_id(status)
+    def stop(self, job: JobDir, status: JobStatus, limit: float) -> None:
+        """TERM every task of the job (and of the jobs that grew its pool), wait for them to end,
+        scancel them for good after ``limit``."""
+        ids = [_job_id(status), *grow_job_ids(job)]
+        for job_id in ids:
+            try:
+                if job_id == ids[0] or client.job_active(job_id):
+                    stop_job(job_id, limit)
+            except client.SlurmError as exc:
+                raise BackendError(f"could not stop Slurm job {job_id}: {exc}") from None
+
+    def grow(self, job: JobDir, status: JobStatus, pool: DecodePool, indexes: list[int]) -> None:
+        """A second Slurm job for the same job folder: one decode agent per new index, with the
+        first job's agent command; its id recorded in ``J/pool.json`` (``stop`` ends it too)."""
+        if not indexes:
+            return
+        first = _job_id(status)
         try:
-            stop_job(job_id, limit)
+            plan = load_plan(job.plan.read_bytes())
+            command = agent_command_of(job.sbatch.read_text())
+        except (OSError, ValueError, msgspec.DecodeError) as exc:
+            raise BackendError(f"cannot write the job that grows the pool: {exc}") from None
+        script = render_grow(plan, job, command, indexes, first)
+        path = job.root / f"sbatch-grow-{'-'.join(str(i) for i in indexes)}.sh"
+        write_atomic(path, script.encode(), mode=0o755)
+        try:
+            job_id = client.sbatch(path, env=dict(os.environ))
         except client.SlurmError as exc:
-            raise BackendError(f"could not stop Slurm job {job_id}: {exc}") from None
+            raise BackendError(f"sbatch {path} failed: {exc}") from None
+        print(f"Submitted Slurm job {job_id} for {', '.join(f'decode-{i}' for i in indexes)}")
+        pool.grow_jobs.append(GrowJob(slurm_job_id=job_id, indexes=list(indexes)))
+        write_pool(job, pool)
+
+
+def grow_job_ids(job: JobDir) -> list[str]:
+    """The Slurm jobs that grew the pool of ``job`` (``J/pool.json``); none when unreadable."""
+    try:
+        pool = read_pool(job, 0)
+    except (OSError, PoolFileError):
+        return []
+    return [g.slurm_job_id for g in pool.grow_jobs]
 
 
 def stop_job(job_id: str, limit: float) -> None:

@@ -52,6 +52,15 @@ def default_agent_command(cluster: ClusterConfig | None) -> list[str]:
     return [os.path.join(os.path.dirname(os.path.abspath(sys.executable)), AGENT_SCRIPT)]
 
 
+def agent_command_of(script: str) -> list[str]:
+    """The agent command a rendered batch script runs (its ``AGENT=(...)`` line): a job that
+    grows the pool runs the same one as the first job. ValueError when there is none."""
+    for line in script.splitlines():
+        if line.startswith("AGENT=(") and line.endswith(")"):
+            return shlex.split(line[len("AGENT=(") : -1])
+    raise ValueError("no AGENT=(...) line in the batch script")
+
+
 def job_name(name: str) -> str:
     """A Slurm job name from the recipe name: [A-Za-z0-9._-] only."""
     return _JOB_NAME_UNSAFE.sub("_", name) or "tilert"
@@ -135,12 +144,13 @@ def _check_inputs(root: str, agent_command: list[str]) -> None:
         check_shell_path(word, "agent_command")
 
 
-def _header(plan: Plan, root: str) -> list[str]:
-    """The ``#SBATCH`` lines: the allocation, the signal lead and where sbatch writes."""
+def _header(plan: Plan, root: str, nodes: int | None = None, output: str = SBATCH_LOG) -> list[str]:
+    """The ``#SBATCH`` lines: the allocation (the plan's nodes unless ``nodes``), the signal lead
+    and where sbatch writes (``J/logs/<output>``)."""
     slurm = plan.slurm
     header = [
         f"--job-name={job_name(plan.name)}",
-        f"--nodes={slurm.nodes}",
+        f"--nodes={slurm.nodes if nodes is None else nodes}",
         "--ntasks-per-node=1",
     ]
     if slurm.gpus_per_node > 0:
@@ -155,7 +165,7 @@ def _header(plan: Plan, root: str) -> list[str]:
         if value:
             header.append(f"--{flag}={_header_value(value, key)}")
     header.append(f"--signal=TERM@{int(slurm.signal_lead_s)}")
-    header.append(f"--output={_sbatch_quoted(str(Path(root) / 'logs' / SBATCH_LOG))}")
+    header.append(f"--output={_sbatch_quoted(str(Path(root) / 'logs' / output))}")
     return [f"#SBATCH {item}" for item in header]
 
 
@@ -185,11 +195,54 @@ def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
     """The batch script text for ``plan`` in job directory ``job`` (InputError on unsafe input)."""
     root = str(job.root)
     _check_inputs(root, agent_command)
-    sections = {
-        HEADER_MARK: _header(plan, root),
-        VARIABLES_MARK: _variables(root, agent_command),
-        STEPS_MARK: _steps(plan),
-    }
+    return _fill(plan, _header(plan, root), _variables(root, agent_command), _steps(plan))
+
+
+def _grow_steps(plan: Plan, indexes: list[int], first_job: str) -> list[str]:
+    """A watcher that ends this job with ``first_job``, then one decode step per index."""
+    lines = [
+        f"# This job serves with Slurm job {first_job} and ends with it (stop, time limit,",
+        "# failure): its agents then get SIGTERM and drain, as the first job's did.",
+        "(",
+        f'  while squeue -h -j {first_job} -o %T 2>/dev/null | grep -qv "^COMPLET"; do',
+        "    sleep 5",
+        "  done",
+        '  scancel --signal=TERM "$SLURM_JOB_ID"',
+        ") &",
+        "",
+    ]
+    gres = f" --gres=gpu:{plan.decode.gpus_per_worker}" if plan.decode.gpus_per_worker else ""
+    for offset, index in enumerate(indexes):
+        lines += [
+            f"# decode-{index}: node {offset} of this allocation",
+            f"srun --nodes=1 --ntasks=1 --relative={offset} --job-name=decode --export=ALL "
+            f"--kill-on-bad-exit=0{gres} \\",
+            f'  "${{AGENT[@]}}" --role decode --job-dir "$JOB_DIR" --index {index} &',
+            'pids+=("$!")',
+            "",
+        ]
+    return lines
+
+
+def render_grow(
+    plan: Plan, job: JobDir, agent_command: list[str], indexes: list[int], first_job: str
+) -> str:
+    """The batch script of a job growing ``job``'s decode pool (``tilert-submit scale``): one
+    decode agent per node with ``--index`` each of ``indexes``, ended when ``first_job`` ends."""
+    root = str(job.root)
+    _check_inputs(root, agent_command)
+    if not first_job.isdigit():
+        raise ValueError(f"not a Slurm job id: {first_job!r}")
+    output = f"sbatch-grow-{'-'.join(str(i) for i in indexes)}.out"
+    header = _header(plan, root, len(indexes), output)
+    return _fill(
+        plan, header, _variables(root, agent_command), _grow_steps(plan, indexes, first_job)
+    )
+
+
+def _fill(plan: Plan, header: list[str], variables: list[str], steps: list[str]) -> str:
+    """The template with its sections and the job name filled in."""
+    sections = {HEADER_MARK: header, VARIABLES_MARK: variables, STEPS_MARK: steps}
     lines: list[str] = []
     # The job name goes into template lines only: a generated line (the job directory) may hold
     # any text, the marker's included.

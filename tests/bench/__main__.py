@@ -25,6 +25,7 @@ GROUPS = {
         "local_ready_s_p50",
         "heal_s",
     ),
+    "tests.bench.handover": ("handover_gap_s", "handover_failed"),
 }
 
 

@@ -33,6 +33,8 @@ FIGURES: dict[str, tuple[str, float, Literal["lower", "higher"], str]] = {
     "dry_run_64_decode_ms": ("ms", 150, "lower", "tilert-submit --dry-run, 1 prefill + 64 decode"),
     "local_ready_s_p50": ("s", 1.5, "lower", "--local --mock start -> ready, p50"),
     "heal_s": ("s", 0.5, "lower", "decode SIGKILL -> serving again, minus the stand-in's start"),
+    "handover_gap_s": ("s", math.inf, "lower", "router hand-over: refused connections, longest"),
+    "handover_failed": ("", 0, "lower", "router hand-over: requests failed otherwise (worst run)"),
 }
 
 Statistic = Literal["median", "mean", "p50", "p95", "max"]
