@@ -165,6 +165,12 @@ def main(args: argparse.Namespace) -> int:
         selection = Selection(list(words), catalogue)
     except SelectionError as exc:
         return _fail(str(exc))
+    if options.follow:
+        from submit.logview.jobend import never_submitted
+
+        unsubmitted = never_submitted(job)
+        if unsubmitted is not None:
+            return _fail(unsubmitted)
     token = ""
     if catalogue.node_local:
         try:
