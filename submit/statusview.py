@@ -146,7 +146,9 @@ def render_table(status: JobStatus, stale: str | None) -> str:
     for r in rows:
         cells = [c.ljust(w) for c, w in zip(r[:5], widths, strict=True)]
         lines.append("  ".join([*cells, r[5]]).rstrip())
-    return "\n".join(lines)
+    # What engines, clients and peers said is escaped where it is written; once more here, for
+    # a status.json written by another version (every line is ours: no newline inside one).
+    return "\n".join(printable(line) for line in lines)
 
 
 def main(args: argparse.Namespace) -> int:

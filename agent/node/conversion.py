@@ -76,6 +76,7 @@ from agent.node.weightsfolder import (
     replace_folder,
     write_marker,
 )
+from agent.problems import printable
 
 # Builds a LaunchSpec with the job's mounts and settings: (name, argv, env, image).
 SpecBuilder = Callable[[str, list[str], dict[str, str], str | None], LaunchSpec]
@@ -736,4 +737,4 @@ class WeightsGate:
         except OSError:
             return "(none)"
         lines = [ln for ln in lines if ln.strip() and not ln.startswith("===")]
-        return " | ".join(lines[-CONVERT_LOG_TAIL:]) or "(none)"
+        return printable(" | ".join(lines[-CONVERT_LOG_TAIL:])) or "(none)"

@@ -39,6 +39,7 @@ from agent.job.plan import Plan
 from agent.job.records import EngineState, EngineStatus
 from agent.launch import Launcher, LaunchSpec, ProcessHandle
 from agent.node.logpump import LogSink
+from agent.problems import printable
 
 ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
 FAILURE_LOG_LINES = 50
@@ -268,7 +269,7 @@ class EngineSupervisor:
             reason,
             len(lines),
             self.sink.path,
-            "\n".join(lines),
+            "\n".join(printable(line) for line in lines),  # the engine's words, escaped
         )
 
     async def _one_generation(self, client: httpx.AsyncClient) -> str | None:

@@ -145,6 +145,11 @@ class Benchmark(_Strict):
     command: str | None = None
     # Default false for aiperf and custom: the job ends after the benchmark.
     keep_serving: bool | None = None
+    # custom: fail when the command leaves no AIPerf folder to judge (default false: passed,
+    # with the note "no results to judge").
+    require_results: bool | None = None
+    # The whole benchmark's budget (both types); default BENCHMARK_TIMEOUT_S.
+    timeout_s: Budget | None = None
 
 
 # ---- our own section -------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
 from agent.job.records import JobAgent, JobStatus
 from agent.launch import LaunchSpec, ProcessHandle, make_launcher
+from agent.launch.spec import exit_description
 from agent.node.logpump import LogSink
 from agent.problems import printable
 from submit.local.backend import STOP_SIGNALS
@@ -79,18 +80,6 @@ def _read(job: JobDir) -> JobStatus | None:
 
 def _summary(status: JobStatus) -> str:
     return ", ".join(f"{a.name} {a.state}" for a in status.agents) or "no agent yet"
-
-
-def exit_description(code: int) -> str:
-    """How a process ended, from its return code: ``exited with code 1``, ``was killed by
-    SIGKILL``."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
 
 
 def _say(message: str) -> None:
@@ -256,7 +245,7 @@ class LocalRun:
                     ready_said = True
                     self._say_ready(status, elapsed)
                 elif status.state == "failed":
-                    _say(f"job failed: {status.error}")
+                    _say(f"job failed: {printable(status.error or 'no reason given')}")
                     return 1
                 line = f"{status.state}: {_summary(status)}"
                 now = time.monotonic()
@@ -302,7 +291,7 @@ class LocalRun:
         who = f"the head agent {HEAD_NAME}" if self.lead == HEAD_NAME else self.lead
         agent_log = self.job.log_dir(self.lead) / "agent.log"
         error = status.error if status and status.error else f"see {agent_log}"
-        _say(f"{who} {how}: {error}")
+        _say(f"{who} {how}: {printable(error)}")
         tail = self.sinks[self.lead].recent(20)
         if tail:
             _say("last lines of its stderr:\n  " + "\n  ".join(printable(line) for line in tail))

@@ -22,7 +22,7 @@ TYPES = ("manual", "aiperf", "custom")
 PLACEMENTS = ("head", "last_decode")
 DEFAULT_AIPERF_COMMAND = "aiperf"
 # Keys each type reads (``type`` aside); any other key set is refused.
-_SHARED = ("container_image", "client_placement", "env", "keep_serving")
+_SHARED = ("container_image", "client_placement", "env", "keep_serving", "timeout_s")
 TYPE_KEYS: dict[str, tuple[str, ...]] = {
     "manual": (),
     "aiperf": (
@@ -39,7 +39,7 @@ TYPE_KEYS: dict[str, tuple[str, ...]] = {
         "aiperf_command",
         *_SHARED,
     ),
-    "custom": ("command", *_SHARED),
+    "custom": ("command", "require_results", *_SHARED),
 }
 # srtctl's benchmark types and why each cannot run against TileRT 0.1.6.
 _OTHER_TYPES = {
