@@ -165,10 +165,14 @@ class BenchmarkRun:
         self._scope.deadline = trio.current_time() + self.plan.timeout_s
         try:
             with self._scope:
-                if error is None and self.plan.type == "aiperf":
-                    error = await self._levels(sink, levels)
-                elif error is None:
-                    error, exit_code, note = await self._custom(sink, levels)
+                try:
+                    if error is None and self.plan.type == "aiperf":
+                        error = await self._levels(sink, levels)
+                    elif error is None:
+                        error, exit_code, note = await self._custom(sink, levels)
+                except Exception as exc:  # a defect here fails the benchmark, never the job
+                    self.log.exception("benchmark: unexpected error")
+                    error = printable(f"the benchmark stopped on an unexpected error: {exc!r}")
             if self._scope.cancelled_caught:
                 at = f" during concurrency {self.block.level}" if self.block.level else ""
                 done = f" ({self.block.levels_done} of {self.block.levels_total} levels done)"
