@@ -222,6 +222,9 @@ def test_custom_command_sees_its_environment_and_the_job_ends_stopped(
         assert status["state"] == "stopped", status
         assert status["error"] is None, status
         assert status["benchmark"]["state"] == "passed", status["benchmark"]
+        # Ended by its benchmark: the final status shows no agent serving for good.
+        for entry in [*status["agents"], status["router"]]:
+            assert entry["state"] == "stopped", entry
         seen = dict(
             line.split("=", 1)
             for line in (tmp_path / "job" / "benchmark" / "env.txt").read_text().splitlines()

@@ -19,7 +19,7 @@ from agent.benchmark.runner import NO_RESULTS_NOTE, judge_level
 from agent.benchmark.summary import render_summary
 from agent.job.benchmark import BenchmarkSummary, read_summary
 from agent.job.paths import JobDir
-from agent.job.records import JobStatus
+from agent.job.records import JobAgent, JobStatus, with_last_states
 from submit.statusview import benchmark_line, render_table
 from tests.test_benchmark import EXPORT, aiperf_plan, make_run
 
@@ -247,3 +247,41 @@ def test_status_and_show_escape_what_an_older_writer_left_raw() -> None:
         state="failed", error=raw, type="custom", model=raw, router_url="u", note=raw
     )
     assert not has_control(render_summary(summary).replace("\n", ""))
+
+
+def test_the_final_status_shows_every_agent_in_its_last_state() -> None:
+    """A job that ended (its benchmark ended it, say): agents last seen serving are stopped, with
+    what they last said; a failed one keeps its reason."""
+
+    def agent(name: str, state: str, reason: str) -> JobAgent:
+        return JobAgent(
+            name=name,
+            role=name.split("-")[0],
+            index=int(name.split("-")[1]),
+            node="n1",
+            state=state,
+            restarts=0,
+            reason=reason,
+            log="",
+            metrics_url=None,
+            status_url=None,
+        )
+
+    status = JobStatus(
+        state="stopped",
+        model="m",
+        agents=[
+            agent("prefill-0", "stopped", "stopped on request"),
+            agent("decode-0", "healthy", "serving"),
+            agent("decode-1", "failed", "engine exited with code 1"),
+        ],
+        router=agent("router-0", "healthy", "serving"),
+    )
+    last = with_last_states(status, "stopped with the job (stopped)")
+    assert [(a.state, a.reason) for a in last.agents] == [
+        ("stopped", "stopped on request"),
+        ("stopped", "stopped with the job (stopped) (it last said healthy: serving)"),
+        ("failed", "engine exited with code 1"),
+    ]
+    assert last.router is not None
+    assert last.router.state == "stopped"

@@ -45,7 +45,13 @@ from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
-from agent.job.records import EngineStatus, Gate, JobState, JobStatus
+from agent.job.records import (
+    EngineStatus,
+    Gate,
+    JobState,
+    JobStatus,
+    with_last_states,
+)
 from agent.node.jobend import end_job
 from agent.node.supervisor import EngineSupervisor
 
@@ -93,6 +99,8 @@ class Head:
             else BenchmarkStage(ctx, bench, on_done=self._benchmark_done)
         )
         self.ended_by: BenchmarkSummary | None = None
+        # Set once this node has stopped: status.json then shows every agent's last state.
+        self.ended = False
         self._poke = trio.Event()
         self._stop = trio.Event()
         # The restart marks (decisions.restart_marks) when a canary last passed: any restart
@@ -148,7 +156,7 @@ class Head:
 
     def _job_status(self) -> JobStatus:
         view = self._view()
-        return JobStatus(
+        status = JobStatus(
             state=self.state,
             model=self.plan.model,
             router_url=self.router_url,
@@ -162,6 +170,11 @@ class Head:
             benchmark=self.bench.status() if self.bench is not None else msgspec.UNSET,
             gate=self.gate if self.gate is not None else msgspec.UNSET,
         )
+        if self.ended:
+            # The job has ended: no agent is shown serving for good (their last words may come
+            # after the head's; under Slurm no one writes after it).
+            return with_last_states(status, f"stopped with the job ({self.state})")
+        return status
 
     def _on_records(self) -> None:
         self.status_file.write_targets(self.peers.records())
@@ -357,6 +370,7 @@ class Head:
             # Failed is said at once (users read it while we drain); stopping only on request.
             self._set_state("failed" if self.error else "stopping", self.error or why)
             await self.ctx.stop_node()
+            self.ended = True
             self._set_state("failed" if self.error else "stopped", self.error or why)
             nursery.cancel_scope.cancel()
         return code

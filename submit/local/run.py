@@ -32,7 +32,7 @@ import trio
 from agent.job.names import HEAD_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
-from agent.job.records import JobAgent, JobStatus
+from agent.job.records import FINAL_STATES, JobStatus, with_last_states
 from agent.launch import LaunchSpec, ProcessHandle, make_launcher
 from agent.launch.spec import exit_description
 from agent.node.logpump import LogSink
@@ -45,7 +45,6 @@ POLL_S = 0.25
 SAME_REQUEST_S = 1.0
 # Before the head's own clock runs: the agents' Python start and imports on a loaded machine.
 AGENT_START_S = 20.0
-FINAL_STATES = ("stopped", "failed")
 
 
 def agent_argv(job: JobDir, role: str, index: int) -> list[str]:
@@ -84,11 +83,6 @@ def _summary(status: JobStatus) -> str:
 
 def _say(message: str) -> None:
     print(message, flush=True)
-
-
-def _ended(entry: JobAgent, reason: str) -> None:
-    if entry.state not in FINAL_STATES:
-        entry.state, entry.reason = "stopped", reason
 
 
 class LocalRun:
@@ -209,16 +203,13 @@ class LocalRun:
             status.state, status.error = "failed", self.failure
             reason = "stopped: the job failed"
         elif status.state in FINAL_STATES:
-            return
+            reason = f"stopped with the job ({status.state})"
         else:
             # Stopped (or killed) before the head wrote its last state, or before it started:
             # without this, status.json would read `pending` or `ready` for good.
             status.state = "stopped"
             reason = "stopped by tilert-submit" + (" (killed)" if self.forced else "")
-        for entry in status.agents:
-            _ended(entry, reason)
-        if status.router is not None:
-            _ended(status.router, reason)
+        status = with_last_states(status, reason)
         status.router_url = None
         status.updated_at = time.time()
         self._write(status)
