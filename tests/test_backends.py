@@ -7,6 +7,7 @@ Local: a real child process stands for the ``--local`` supervisor. Slurm: stand-
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -117,21 +118,38 @@ def test_drain_s_is_router_then_the_slower_worker() -> None:
 Child = Callable[..., subprocess.Popen[str]]
 
 
+# A supervisor stand-in with the supervisor's whole command line (``python -m submit.local.run
+# J``): a package of that name, first on the path, that sleeps; SIGTERM ends it unless told not to.
+_STANDIN_RUN = """\
+import os, signal, time
+if os.environ.get("IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
 @pytest.fixture
-def child() -> Iterator[Child]:
-    """Starts supervisor stand-ins: children that sleep; SIGTERM ends them unless ignore_term.
-    ``args`` end their command line (a supervisor's names its job directory)."""
+def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
+    """Starts supervisor stand-ins: ``python -m submit.local.run ARGS`` that sleep (``args``: the
+    job directory, as a supervisor's command line names it)."""
+    root = tmp_path_factory.mktemp("standin")
+    (root / "submit" / "local").mkdir(parents=True)
+    (root / "submit" / "__init__.py").write_text("")
+    (root / "submit" / "local" / "__init__.py").write_text("")
+    (root / "submit" / "local" / "run.py").write_text(_STANDIN_RUN)
     procs: list[subprocess.Popen[str]] = []
 
     def start(*args: str, ignore_term: bool = False) -> subprocess.Popen[str]:
-        code = (
-            "import signal, sys, time\n"
-            f"if {ignore_term}: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "print('up', flush=True)\n"
-            "time.sleep(60)\n"
-        )
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        if ignore_term:
+            env["IGNORE_TERM"] = "1"
         proc = subprocess.Popen(
-            [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-m", "submit.local.run", *args],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=root,
+            env=env,
         )
         assert proc.stdout is not None
         assert proc.stdout.readline() == "up\n"
@@ -222,10 +240,14 @@ def stranger() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
 @pytest.mark.parametrize(
     ("case", "says"),
     [
-        ("its own start time", "does not name"),
+        ("its own start time", "is not this job's supervisor"),
         ("an older start time", "the pid now names another process"),
-        ("no start time", "does not name"),
+        ("no start time", "without the supervisor's start time"),
         ("names the job, older start time", "the pid now names another process"),
+        # A wrapper script given J, its start time copied (or forged): its command line is not
+        # the supervisor's.
+        ("names the job, its own start time", "is not this job's supervisor"),
+        ("names the job, no start time", "without the supervisor's start time"),
     ],
 )
 def test_local_stop_refuses_a_pid_that_is_not_the_supervisor(
@@ -247,6 +269,8 @@ def test_local_stop_refuses_a_pid_that_is_not_the_supervisor(
         "an older start time": started - 3600,
         "no start time": None,
         "names the job, older start time": started - 3600,
+        "names the job, its own start time": started,
+        "names the job, no start time": None,
     }[case]
     record(job, local_pid=proc.pid, local_started_at=at)
     capsys.readouterr()
