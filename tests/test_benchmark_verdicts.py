@@ -6,21 +6,28 @@ escaped. Real processes through the process launcher; the clients are small scri
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from agent.benchmark.aiperf import EXPORT_FILE, RECORDS_FILE
 from agent.benchmark.results import ResultsError, read_level, read_records
 from agent.benchmark.runner import NO_RESULTS_NOTE, judge_level
-from agent.benchmark.summary import render_summary
-from agent.job.benchmark import BenchmarkSummary, read_summary
+from agent.benchmark.summary import render_summary, write_summary
+from agent.job.benchmark import BenchmarkFiles, BenchmarkSummary, read_summary
 from agent.job.paths import JobDir
+from agent.job.plan import load_plan
 from agent.job.records import JobAgent, JobStatus, with_last_states
+from submit.bench import add_arguments as bench_add_arguments
+from submit.bench import bench_plan, new_run_folder
+from submit.cli import main as submit_main
 from submit.statusview import benchmark_line, render_table
+from tests.kit import DEMO_RECIPE
 from tests.test_benchmark import EXPORT, aiperf_plan, make_run
 
 # Every character a terminal acts on: C0, DEL, C1 (ESC, BEL, NUL, CR among them).
@@ -52,7 +59,7 @@ def client_writing(tmp_path: Path, folders: dict[str, Any], *, code: int = 0, sa
 
 def passing(concurrency: int) -> dict[str, Any]:
     """An export of a level that passes: 8 requests, none failed, 96 output tokens."""
-    export = json.loads(json.dumps(EXPORT))
+    export: dict[str, Any] = json.loads(json.dumps(EXPORT))
     del export["error_request_count"], export["error_summary"]
     export["request_count"] = {"avg": 8}
     export["input_config"]["phases"][0]["concurrency"] = concurrency
@@ -61,7 +68,7 @@ def passing(concurrency: int) -> dict[str, Any]:
 
 def zero_tokens(concurrency: int = 4) -> dict[str, Any]:
     """An export of a level whose every request failed: 0 ok, 40 failed, 0 output tokens."""
-    export = json.loads(json.dumps(EXPORT))
+    export: dict[str, Any] = json.loads(json.dumps(EXPORT))
     export.update(
         request_count={"avg": 0},
         completed_request_count={"avg": 40},
@@ -285,3 +292,89 @@ def test_the_final_status_shows_every_agent_in_its_last_state() -> None:
     ]
     assert last.router is not None
     assert last.router.state == "stopped"
+
+
+# ---- tilert-submit bench: the recipe's rules for its flags, a folder per run ------------------
+
+
+@pytest.fixture
+def serving_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """A job directory whose status.json says ready (nothing serves: bad flags never get there)."""
+    job = tmp_path / "j"
+    assert submit_main([str(DEMO_RECIPE), "--mock", "--dry-run", "--job-dir", str(job)]) == 0
+    status = JobDir(job).read_status()
+    JobDir(job).write_status(
+        msgspec.structs.replace(status, state="ready", router_url="http://127.0.0.1:9")
+    )
+    capsys.readouterr()
+    return job
+
+
+BAD_FLAGS = [
+    (["--req-rate", "nan"], "--req-rate nan: expected a finite number"),
+    (["--duration-s", "-5"], "--duration-s -5: -5 is out of range"),
+    (["--warmup-requests", "-3"], "--warmup-requests -3: -3 is out of range"),
+    (
+        ["--max-error-rate", "5"],
+        "--max-error-rate 5: 5 is out of range: it must be from 0 to 1",
+    ),
+    (["--concurrencies", "4", "4"], "--concurrencies 4 4: level 4 is listed twice"),
+    (["--concurrencies", "0"], "--concurrencies 0: 0 is out of range"),
+    (["--concurrencies", "four"], "--concurrencies four: expected"),
+    (["--num-requests", "0"], "--num-requests 0: 0 is out of range"),
+    (["--extra-args=--url=x"], "--extra-args --url=x: --url is set by the agent"),
+]
+
+
+@pytest.mark.parametrize(("flags", "says"), BAD_FLAGS, ids=[f[0][0] for f in BAD_FLAGS])
+def test_bench_flags_get_the_recipes_rules(
+    serving_job: Path, capsys: pytest.CaptureFixture[str], flags: list[str], says: str
+) -> None:
+    code = submit_main(["bench", str(serving_job), "--isl", "8", "--osl", "8", *flags])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert says in err, err
+    assert "Traceback" not in err
+    assert not (serving_job / "benchmark").exists()  # nothing ran, nothing was made
+
+
+def test_bench_req_rate_inf_is_as_fast_as_allowed(serving_job: Path) -> None:
+    plan = load_plan((serving_job / "plan.json").read_bytes())
+    parser = argparse.ArgumentParser()
+    bench_add_arguments(parser)
+    args = parser.parse_args([str(serving_job), "--isl", "8", "--osl", "8", "--req-rate", "inf"])
+    args.concurrencies = ["1,4"]
+    result = bench_plan(args, plan)
+    assert result.req_rate is None
+    assert result.concurrencies == [1, 4]
+
+
+def test_each_bench_run_gets_its_own_folder(serving_job: Path) -> None:
+    job = JobDir(serving_job)
+    folders = {new_run_folder(job) for _ in range(3)}  # within one second, most likely
+    assert len(folders) == 3
+    assert all(f.is_dir() and f.parent == serving_job / "benchmark" for f in folders)
+
+
+def test_compare_labels_a_job_whose_recipe_is_not_utf8(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = []
+    for name, isl in (("a", 64), ("b", 128)):
+        job = JobDir(tmp_path / name)
+        job.create()
+        files = BenchmarkFiles(job.root / "benchmark")
+        summary = BenchmarkSummary(
+            state="passed", type="aiperf", model="m", router_url="u", isl=isl
+        )
+        write_summary(files, summary)
+        jobs.append(job)
+    jobs[0].recipe.write_bytes(b"name: caf\xe9\n")
+    code = submit_main(
+        ["bench", "--compare", *(str(j.root) for j in jobs), "--out", str(tmp_path / "o")]
+    )
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "Traceback" not in out.err
+    assert f"{jobs[0].recipe} cannot be read" in out.err
+    assert "isl=64" in out.out

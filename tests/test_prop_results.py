@@ -56,7 +56,7 @@ EXPORT_PATHS = _paths(EXPORT)[1:]
 
 def _replaced(path: tuple[Any, ...], value: Any) -> Any:
     tree = copy.deepcopy(EXPORT)
-    node = tree
+    node: Any = tree
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
