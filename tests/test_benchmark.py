@@ -539,7 +539,7 @@ def test_bench_command_refuses_what_it_cannot_measure(
     job = tmp_path / "j"
     assert submit_main([str(DEMO_RECIPE), "--mock", "--dry-run", "--job-dir", str(job)]) == 0
     capsys.readouterr()
-    assert submit_main(["bench", str(job), "--isl", "8", "--osl", "8"]) == 1
+    assert submit_main(["bench", str(job), "--isl", "8", "--osl", "8", "--concurrencies", "1"]) == 1
     assert "the job is pending, not ready" in capsys.readouterr().err
     assert submit_main(["bench", str(job), "--show"]) == 1
     assert "no benchmark results" in capsys.readouterr().err
