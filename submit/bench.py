@@ -120,6 +120,10 @@ def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
     from agent.recipe.benchvalues import check_benchmark_values
 
     values = {k: getattr(args, k) for k in _FLAG_KEYS if getattr(args, k, None) is not None}
+    command = values.get("aiperf_command")
+    if isinstance(command, str) and "/" in command:
+        # AIPerf runs here, where tilert-submit runs: a relative path is this folder's.
+        values["aiperf_command"] = os.path.abspath(command)
     if args.concurrencies:
         values["concurrencies"] = _levels(args.concurrencies)
     if values.get("req_rate") == math.inf:

@@ -378,3 +378,41 @@ def test_compare_labels_a_job_whose_recipe_is_not_utf8(
     assert "Traceback" not in out.err
     assert f"{jobs[0].recipe} cannot be read" in out.err
     assert "isl=64" in out.out
+
+
+# ---- the smaller ones: signals, a budget of its own, the aiperf_command hint -------------------
+
+
+async def test_a_client_killed_by_a_signal_is_said_so(tmp_path: Path) -> None:
+    plan = aiperf_plan(type="custom", command="echo going; kill -KILL $$")
+    summary = await make_run(tmp_path, plan).run()
+    assert summary.error == "the custom command was killed by SIGKILL: going"
+    log = (tmp_path / "logs" / "benchmark.log").read_text()
+    assert "it was killed by SIGKILL" in log
+
+
+async def test_a_custom_client_has_a_budget_of_its_own(tmp_path: Path) -> None:
+    plan = aiperf_plan(type="custom", command="echo started; exec sleep 600", timeout_s=1.0)
+    run = make_run(tmp_path, plan)
+    summary = await run.run()  # bounded by timeout_s (and the stop grace), never by the sleep
+    assert summary.state == "failed"
+    assert summary.error == (
+        "did not end within benchmark.timeout_s (1s); raise it for longer runs"
+    )
+    assert not run.interrupted  # its own verdict: the head ends the job with it
+    assert (
+        "out of benchmark.timeout_s: it was killed by SIGTERM"
+        in (tmp_path / "logs" / "benchmark.log").read_text()
+    )
+
+
+async def test_a_missing_aiperf_names_the_key_to_set(tmp_path: Path) -> None:
+    plan = aiperf_plan(program=[str(tmp_path / "no-aiperf")])
+    run = make_run(tmp_path, plan)
+    problem = await run.preflight()
+    assert problem is not None
+    assert "set benchmark.aiperf_command" in problem
+    summary = await run.run()  # started all the same (bench skips no preflight, the head does)
+    assert summary.error is not None
+    assert "cannot start" in summary.error
+    assert "set benchmark.aiperf_command" in summary.error

@@ -16,6 +16,7 @@ import msgspec
 
 from agent.problems import Problem, error
 from agent.recipe.model import Benchmark, Recipe, find_arg
+from agent.recipe.rules.values import program_path
 
 B = "benchmark"
 TYPES = ("manual", "aiperf", "custom")
@@ -249,6 +250,8 @@ def aiperf_values(bench: Benchmark, out: list[Problem], *, partial: bool = False
         )
     if bench.aiperf_command is not None and not bench.aiperf_command.strip():
         out.append(error(f"{B}.aiperf_command", "empty command", "remove it for `aiperf` on PATH"))
+    elif bench.aiperf_command is not None:
+        program_path(f"{B}.aiperf_command", bench.aiperf_command, out)
     _extra_args(bench.extra_args, out)
 
 
