@@ -93,14 +93,30 @@ def read_sweep(raw: Mapping[str, Any], max_jobs: int = MAX_JOBS) -> list[Combina
             problems.append(error(path, "a value is listed twice", "list each value once"))
         else:
             axes[key] = values
-    unused = [k for k in axes if not _uses(_without_sweep(raw), k)]
-    problems += [
+    problems += _placeholder_problems(raw, section, axes)
+    if problems:
+        raise InputError(problems)
+    keys = list(axes)
+    _check_bound(axes, max_jobs)
+    return [
+        Combination(dict(zip(keys, values, strict=True)))
+        for values in itertools.product(*(axes[k] for k in keys))
+    ]
+
+
+def _placeholder_problems(
+    raw: Mapping[str, Any], section: Mapping[Any, Any], axes: Mapping[str, list[SweepValue]]
+) -> list[Problem]:
+    """A sweep key no placeholder uses, and a placeholder that is no sweep key."""
+    used = _placeholders(_without_sweep(raw))
+    problems = [
         error(
             f"{SWEEP_KEY}.{k}",
             f'no value in the recipe uses the placeholder "{{{k}}}"',
             f'put "{{{k}}}" where the value goes, e.g. concurrencies: ["{{{k}}}"]',
         )
-        for k in unused
+        for k in axes
+        if k not in used
     ]
     keys_said = ", ".join(str(k) for k in section) or "none"
     problems += [
@@ -109,15 +125,17 @@ def read_sweep(raw: Mapping[str, Any], max_jobs: int = MAX_JOBS) -> list[Combina
             f'"{{{name}}}" is not a sweep key (the sweep has: {keys_said})',
             f"add {name}: [...] to sweep:, or write the value itself",
         )
-        for name, path in sorted(_placeholders(_without_sweep(raw)).items())
+        for name, path in sorted(used.items())
         if name not in section
     ]
-    if problems:
-        raise InputError(problems)
-    keys = list(axes)
-    count = math.prod(len(axes[k]) for k in keys)
+    return problems
+
+
+def _check_bound(axes: Mapping[str, list[SweepValue]], max_jobs: int) -> None:
+    """InputError when the combinations (counted, not built) are more than ``max_jobs``."""
+    count = math.prod(len(values) for values in axes.values())
     if count > max_jobs:
-        sizes = " x ".join(str(len(axes[k])) for k in keys)
+        sizes = " x ".join(str(len(values)) for values in axes.values())
         raise InputError(
             [
                 error(
@@ -127,18 +145,10 @@ def read_sweep(raw: Mapping[str, Any], max_jobs: int = MAX_JOBS) -> list[Combina
                 )
             ]
         )
-    return [
-        Combination(dict(zip(keys, values, strict=True)))
-        for values in itertools.product(*(axes[k] for k in keys))
-    ]
 
 
 def _without_sweep(raw: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in raw.items() if k != SWEEP_KEY}
-
-
-def _uses(node: Any, key: str) -> bool:
-    return key in _placeholders(node)
 
 
 def _placeholders(node: Any, path: str = "") -> dict[str, str]:
