@@ -29,6 +29,7 @@ from agent.benchmark.plots import PlotsUnavailable, Series, make_plots
 from agent.benchmark.runner import BenchmarkRun
 from agent.benchmark.summary import level_rows, render_rows, render_summary
 from agent.benchmark.target import BenchTarget, job_gpus
+from agent.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, BadInput
 from agent.job.benchmark import (
     BENCHMARK_DIR,
     BenchmarkFiles,
@@ -38,15 +39,13 @@ from agent.job.benchmark import (
 )
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
+from agent.job.vocab import SERVING_STATES
 from agent.launch import LaunchSpec, make_launcher
 from agent.launch.commands import arg_value, benchmark_env
 from agent.problems import printable
 from agent.recipe.rules.benchmark import request_rate
 from submit.statusview import staleness
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-SERVING = ("ready", "degraded")
 # Where tilert-submit bench writes its own log (beside its results).
 LOG_NAME = "benchmark.log"
 STOP_GRACE_S = 5.0
@@ -92,6 +91,11 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
+class BenchFlagsError(BadInput, ValueError):
+    """A ``bench`` flag the recipe's rules refuse, or flags missing where the recipe has no aiperf
+    benchmark; the message names each flag."""
+
+
 def _levels(words: list[str]) -> list[int | str]:
     """``--concurrencies 1 4 16`` (or ``1,4,16``, ``1x4x16``): the levels, a word that is no
     whole number kept as it is for the recipe's check to name."""
@@ -115,7 +119,7 @@ _FLAG_KEYS = (
 
 
 def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The benchmark keys the flags give; ValueError naming each flag the recipe's rules refuse
+    """The benchmark keys the flags give; BenchFlagsError naming each flag the recipe's rules refuse
     (the same ranges and messages as in a recipe)."""
     from agent.recipe.benchvalues import check_benchmark_values
 
@@ -142,12 +146,12 @@ def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
                 else given
             )
             lines.append(f"--{key.replace('_', '-')} {shown}: {p.message}; {p.hint}")
-        raise ValueError("\n".join(lines))
+        raise BenchFlagsError("\n".join(lines))
     return values
 
 
 def bench_plan(args: argparse.Namespace, plan: Plan) -> BenchmarkPlan:
-    """The recipe's aiperf benchmark (or an empty one) with the flags given on top (ValueError
+    """The recipe's aiperf benchmark (or an empty one) with the flags given on top (BenchFlagsError
     naming the flag, checked by the recipe's rules)."""
     given = plan.benchmark
     base = (
@@ -188,7 +192,7 @@ def bench_plan(args: argparse.Namespace, plan: Plan) -> BenchmarkPlan:
     if not result.concurrencies:
         missing.append("--concurrencies")
     if missing:
-        raise ValueError(
+        raise BenchFlagsError(
             f"the recipe has no aiperf benchmark to take them from: give {', '.join(missing)}"
         )
     return result
@@ -202,10 +206,10 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
         return _fail(f"{job.root} is not a readable job directory: {exc}")
     try:  # bad flags are bad input whatever the job's state
         bench = bench_plan(args, plan)
-    except ValueError as exc:
-        return _fail(str(exc))
+    except BenchFlagsError as exc:
+        return _fail(str(exc), exc.exit_code)
     stale = staleness(status)
-    if status.state not in SERVING or stale or not status.router_url:
+    if status.state not in SERVING_STATES or stale or not status.router_url:
         why = f" ({stale})" if stale else ""
         return _fail(
             f"the job is {status.state}{why}, not ready: bench measures a job that serves", 1
@@ -235,7 +239,7 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
         target,
         files,
         launcher=make_launcher("process", slurm_job_id=None, node=None),
-        build_spec=build,
+        launch_spec=build,
         env=benchmark_env(plan, bench),
         log_path=files.root / LOG_NAME,
         log_max_bytes=plan.agent.log_max_bytes,
@@ -244,7 +248,7 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
     )
     problem = trio.run(run.preflight)
     if problem is not None:
-        return _fail(problem, EXIT_FAILED)
+        return _fail(problem, EXIT_RUNTIME)
     print(
         f"benchmarking {status.model} at {status.router_url}; results in {files.root}", flush=True
     )
@@ -266,7 +270,7 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
     summary = trio.run(main)
     print(render_summary(summary))
     print(f"results: {files.root}")
-    return 0 if summary.state == "passed" else EXIT_FAILED
+    return 0 if summary.state == "passed" else EXIT_RUNTIME
 
 
 def new_run_folder(job: JobDir) -> Path:
@@ -295,11 +299,11 @@ def latest(job: JobDir) -> Path | None:
 def _show(job: JobDir) -> int:
     path = latest(job)
     if path is None:
-        return _fail(f"no benchmark results in {job.root / BENCHMARK_DIR}", EXIT_FAILED)
+        return _fail(f"no benchmark results in {job.root / BENCHMARK_DIR}", EXIT_RUNTIME)
     try:
         summary = read_summary(path)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return _fail(f"cannot read {path}: {exc}", EXIT_FAILED)
+        return _fail(f"cannot read {path}: {exc}", EXIT_RUNTIME)
     print(render_summary(summary))
     print(f"results: {path.parent}")
     return 0
@@ -361,11 +365,11 @@ def _compare(args: argparse.Namespace) -> int:
     for job in jobs:
         path = latest(job)
         if path is None:
-            return _fail(f"no benchmark results in {job.root / BENCHMARK_DIR}", EXIT_FAILED)
+            return _fail(f"no benchmark results in {job.root / BENCHMARK_DIR}", EXIT_RUNTIME)
         try:
             summary = read_summary(path)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _fail(f"cannot read {path}: {exc}", EXIT_FAILED)
+            return _fail(f"cannot read {path}: {exc}", EXIT_RUNTIME)
         recipe = _recipe_facts(job)
         run = {f"run.{k}": getattr(summary, k) for k in ("isl", "osl", "num_requests", "req_rate")}
         facts.append({**_flat(recipe or {}), **_flat(run)})

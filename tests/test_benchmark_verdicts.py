@@ -23,6 +23,7 @@ from agent.job.benchmark import BenchmarkFiles, BenchmarkSummary, read_summary
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
 from agent.job.records import JobAgent, JobStatus, with_last_states
+from agent.job.vocab import AgentState, Process
 from submit.bench import add_arguments as bench_add_arguments
 from submit.bench import bench_plan, new_run_folder
 from submit.cli import main as submit_main
@@ -260,10 +261,10 @@ def test_the_final_status_shows_every_agent_in_its_last_state() -> None:
     """A job that ended (its benchmark ended it, say): agents last seen serving are stopped, with
     what they last said; a failed one keeps its reason."""
 
-    def agent(name: str, state: str, reason: str) -> JobAgent:
+    def agent(name: str, role: Process, state: AgentState, reason: str) -> JobAgent:
         return JobAgent(
             name=name,
-            role=name.split("-")[0],
+            role=role,
             index=int(name.split("-")[1]),
             node="n1",
             state=state,
@@ -278,11 +279,11 @@ def test_the_final_status_shows_every_agent_in_its_last_state() -> None:
         state="stopped",
         model="m",
         agents=[
-            agent("prefill-0", "stopped", "stopped on request"),
-            agent("decode-0", "healthy", "serving"),
-            agent("decode-1", "failed", "engine exited with code 1"),
+            agent("prefill-0", "prefill", "stopped", "stopped on request"),
+            agent("decode-0", "decode", "healthy", "serving"),
+            agent("decode-1", "decode", "failed", "engine exited with code 1"),
         ],
-        router=agent("router-0", "healthy", "serving"),
+        router=agent("router-0", "router", "healthy", "serving"),
     )
     last = with_last_states(status, "stopped with the job (stopped)")
     assert [(a.state, a.reason) for a in last.agents] == [

@@ -18,15 +18,16 @@ import yaml
 from agent.job.logfiles import log_files, log_path
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
-from agent.node.conversion import WeightsError, weights_paths
 from agent.node.folderlock import LockInfo, LockLost, StaleWatch, observe, take_over, try_acquire
 from agent.node.weightsfolder import (
     MARKER_NAME,
     ConvertedMarker,
     Siblings,
+    WeightsError,
     inspect,
     replace_folder,
     sha256_file,
+    weights_paths,
     write_marker,
 )
 from agent.problems import InputError
@@ -516,7 +517,9 @@ async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
     plan = make_plan(loaded, mock=True)
     args = [*plan.decode.args]
     args[args.index("--model") + 1] = "glm5_2"
-    plan = msgspec.structs.replace(plan, decode=msgspec.structs.replace(plan.decode, args=args))
+    # The gate reads the plan's model profile, never the argv back.
+    decode = msgspec.structs.replace(plan.decode, args=args, model_profile="glm5_2")
+    plan = msgspec.structs.replace(plan, decode=decode)
     gate = WeightsGate(
         plan=plan,
         job=Job(tmp_path),
@@ -537,12 +540,13 @@ async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
 def test_a_converting_worker_is_not_late_and_not_healthy() -> None:
     from agent.head.decisions import JobView, converting, gate, waiting_for
     from agent.job.records import JobAgent
+    from agent.job.vocab import AgentState, as_role
 
-    def row(name: str, state: str) -> JobAgent:
+    def row(name: str, state: AgentState) -> JobAgent:
         role, _, index = name.rpartition("-")
         return JobAgent(
             name=name,
-            role=role,
+            role=as_role(role),
             index=int(index),
             node="n",
             state=state,

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from agent.benchmark.aiperf import EXPORT_FILE, RECORDS_FILE
+from agent.errors import RuntimeFailure
 from agent.problems import printable
 
 # The longest request error kept (a message may hold a whole HTML page).
@@ -30,7 +31,7 @@ _ERROR_MAX = 200
 _FILE_MAX = 256 << 20
 
 
-class ResultsError(Exception):
+class ResultsError(RuntimeFailure):
     """The level's export is missing, unreadable or of another shape; the message says which
     file (and field)."""
 

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import msgspec
 
+from agent.errors import RuntimeFailure
+
 
 class LockInfo(msgspec.Struct, kw_only=True):
     """The lock file's content: who holds it, where it writes, how far it got."""
@@ -53,7 +55,7 @@ class LockInfo(msgspec.Struct, kw_only=True):
     rate_bytes_s: float = 0.0
 
 
-class LockLost(Exception):
+class LockLost(RuntimeFailure):
     """The lock file is no longer ours (it was taken over as stale, or removed)."""
 
 

@@ -1,4 +1,5 @@
-"""A TileRT weights folder: complete or not, its completion marker, and its hidden siblings.
+"""A TileRT weights folder: complete or not, its completion marker, and its hidden siblings;
+where it lies as the agent sees it and as the engine sees it (``weights_paths``, pyxis mounts).
 
 TileRT's converter writes straight into its ``--save_dir``: shards one after the other, the index
 (``model.safetensors.index.json``) last. A converter that is killed (time limit, preemption, a full
@@ -26,14 +27,16 @@ import errno
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
+from agent.errors import RuntimeFailure
 from agent.facts import WEIGHTS_INDEX_FILE
 from agent.job.atomicfile import is_temp_name, write_atomic
 
@@ -337,3 +340,46 @@ def sync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class WeightsError(RuntimeFailure):
+    """The weights folder cannot be served; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class WeightsPaths:
+    """The weights folder as the agent sees it (``host``) and as the engine sees it."""
+
+    host: Path
+    engine: str
+    # Whether the engine also sees the folder's siblings (a conversion writes into one).
+    siblings_visible: bool
+
+    def engine_path(self, sibling: Path) -> str:
+        """A sibling of the folder as the engine (and the converter) see it."""
+        return posixpath.join(posixpath.dirname(self.engine), sibling.name)
+
+
+def weights_paths(folder: str, mounts: Sequence[str], launcher: str) -> WeightsPaths:
+    """Map the engine's ``--model-weights-dir`` to this node's path (pyxis: through the mounts)."""
+    engine = posixpath.normpath(folder)
+    if launcher != "pyxis":
+        return WeightsPaths(Path(engine), engine, True)
+    best: tuple[str, str] | None = None
+    for mount in mounts:
+        host, _, rest = mount.partition(":")
+        inside = posixpath.normpath(rest.partition(":")[0] or host)
+        if (engine == inside or engine.startswith(inside.rstrip("/") + "/")) and (
+            best is None or len(inside) > len(best[1])
+        ):
+            best = (host, inside)
+    if best is None:
+        raise WeightsError(
+            f"the weights folder {folder} (roles.decode.args.model-weights-dir) is not under any "
+            "of the job's container mounts, so the agent cannot check it on the node; mount the "
+            "folder that holds it (container_mounts, or the cluster's default_mounts)"
+        )
+    host, inside = best
+    relative = posixpath.relpath(engine, inside)
+    path = Path(host) if relative == "." else Path(host) / relative
+    return WeightsPaths(path, engine, siblings_visible=engine != inside)
