@@ -152,7 +152,8 @@ def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
             env=env,
         )
         assert proc.stdout is not None
-        assert proc.stdout.readline() == "up\n"
+        with proc.stdout:  # it says nothing after "up"
+            assert proc.stdout.readline() == "up\n"
         procs.append(proc)
         return proc
 

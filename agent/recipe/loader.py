@@ -217,68 +217,112 @@ def _image(
         return value
 
 
+def _cluster_defaults(
+    recipe: Recipe, cluster: ClusterConfig | None, out: list[Problem]
+) -> tuple[Slurm, Resources, Any]:
+    """The recipe's slurm section, resources and mounts with the cluster file's defaults."""
+    slurm, resources = recipe.slurm, recipe.resources
+    mounts = recipe.container_mounts
+    if cluster is None:
+        return slurm, resources, mounts
+    slurm = Slurm(
+        account=slurm.account or cluster.default_account,
+        partition=slurm.partition or cluster.default_partition,
+        time_limit=slurm.time_limit or cluster.default_time_limit,
+    )
+    if resources.gpus_per_node is None:
+        resources = msgspec.structs.replace(resources, gpus_per_node=cluster.gpus_per_node)
+    elif cluster.gpus_per_node and cluster.gpus_per_node != resources.gpus_per_node:
+        out.append(
+            warning(
+                "resources.gpus_per_node",
+                f"the recipe says {resources.gpus_per_node} GPUs per node, the cluster file "
+                f"{cluster.gpus_per_node}; the recipe wins",
+                "remove resources.gpus_per_node to use the cluster's value",
+            )
+        )
+    return slurm, resources, merged_mounts(mounts, cluster)
+
+
+@dataclass
+class _Resolver:
+    """Resolves a recipe's aliases and local paths against a cluster file and the recipe's folder,
+    collecting the problems in ``out``."""
+
+    cluster: ClusterConfig | None
+    base_dir: Path
+    out: list[Problem]
+
+    def location(self, value: str, key: str) -> str:
+        """A model or tokenizer location (see ``_model_location``)."""
+        return _model_location(value, key, self.cluster, self.base_dir, self.out)
+
+    def image(self, value: str | None, key: str) -> str | None:
+        """A container image (see ``_image``)."""
+        return _image(value, key, self.cluster, self.out)
+
+    def mounts(self, mounts: Any) -> Any:
+        """Container mounts with their host paths made absolute."""
+        if isinstance(mounts, list):
+            return [_mount(m, self.base_dir) for m in mounts]
+        return {_local(h, self.base_dir): c for h, c in mounts.items()}
+
+    def model(self, model: Model) -> Model:
+        """``model.path`` and ``model.container``."""
+        if model.path:
+            model = msgspec.structs.replace(model, path=self.location(model.path, "model.path"))
+        return msgspec.structs.replace(
+            model, container=self.image(model.container, "model.container")
+        )
+
+    def frontend(self, frontend: Frontend) -> Frontend:
+        """The frontend's ``model-path`` argument and its image."""
+        found = find_arg(frontend.args, "model-path")
+        if found is not None:
+            key, value = found
+            if isinstance(value, str) and value:
+                resolved = self.location(value, f"frontend.args.{key}")
+                frontend = msgspec.structs.replace(frontend, args={**frontend.args, key: resolved})
+        image = self.image(frontend.container_image, "frontend.container_image")
+        return msgspec.structs.replace(frontend, container_image=image)
+
+    def benchmark(self, bench: Benchmark) -> Benchmark:
+        """The benchmark's tokenizer and image."""
+        if bench.tokenizer:
+            tokenizer = self.location(bench.tokenizer, "benchmark.tokenizer")
+            bench = msgspec.structs.replace(bench, tokenizer=tokenizer)
+        image = self.image(bench.container_image, "benchmark.container_image")
+        return msgspec.structs.replace(bench, container_image=image)
+
+    def role(self, name: str, role: Role, node_gpus: int) -> Role:
+        """A role with its layout defaults filled, its image and its conversion source."""
+        nodes, workers, gpus = role_layout(role, node_gpus)
+        role = msgspec.structs.replace(
+            role,
+            nodes=nodes,
+            workers=workers,
+            gpus=gpus,
+            container=self.image(role.container, f"roles.{name}.container"),
+        )
+        if role.convert is not None and role.convert.source:
+            source = self.location(role.convert.source, f"roles.{name}.convert.source")
+            role = msgspec.structs.replace(
+                role, convert=msgspec.structs.replace(role.convert, source=source)
+            )
+        return role
+
+
 def _resolve(
     recipe: Recipe, cluster: ClusterConfig | None, base_dir: Path, out: list[Problem]
 ) -> Recipe:
     """Merge cluster defaults and resolve aliases and local paths; fill role layout defaults."""
     replace = msgspec.structs.replace
-    slurm, resources = recipe.slurm, recipe.resources
-    mounts = recipe.container_mounts
-    if cluster is not None:
-        slurm = Slurm(
-            account=slurm.account or cluster.default_account,
-            partition=slurm.partition or cluster.default_partition,
-            time_limit=slurm.time_limit or cluster.default_time_limit,
-        )
-        if resources.gpus_per_node is None:
-            resources = replace(resources, gpus_per_node=cluster.gpus_per_node)
-        elif cluster.gpus_per_node and cluster.gpus_per_node != resources.gpus_per_node:
-            out.append(
-                warning(
-                    "resources.gpus_per_node",
-                    f"the recipe says {resources.gpus_per_node} GPUs per node, the cluster file "
-                    f"{cluster.gpus_per_node}; the recipe wins",
-                    "remove resources.gpus_per_node to use the cluster's value",
-                )
-            )
-        mounts = merged_mounts(mounts, cluster)
-    if isinstance(mounts, list):
-        mounts = [_mount(m, base_dir) for m in mounts]
-    else:
-        mounts = {_local(h, base_dir): c for h, c in mounts.items()}
-
-    model = recipe.model
-    if model.path:
-        model = replace(
-            model, path=_model_location(model.path, "model.path", cluster, base_dir, out)
-        )
-    model = replace(model, container=_image(model.container, "model.container", cluster, out))
-
-    frontend = recipe.frontend
-    found = find_arg(frontend.args, "model-path")
-    if found is not None:
-        key, value = found
-        if isinstance(value, str) and value:
-            resolved = _model_location(value, f"frontend.args.{key}", cluster, base_dir, out)
-            frontend = replace(frontend, args={**frontend.args, key: resolved})
-    frontend = replace(
-        frontend,
-        container_image=_image(frontend.container_image, "frontend.container_image", cluster, out),
-    )
-
-    bench = recipe.benchmark
-    if bench.tokenizer:
-        bench = replace(
-            bench,
-            tokenizer=_model_location(
-                bench.tokenizer, "benchmark.tokenizer", cluster, base_dir, out
-            ),
-        )
-    bench = replace(
-        bench,
-        container_image=_image(bench.container_image, "benchmark.container_image", cluster, out),
-    )
-
+    resolver = _Resolver(cluster, base_dir, out)
+    slurm, resources, mounts = _cluster_defaults(recipe, cluster, out)
+    mounts = resolver.mounts(mounts)
+    model = resolver.model(recipe.model)
+    frontend = resolver.frontend(recipe.frontend)
+    bench = resolver.benchmark(recipe.benchmark)
     recipe = replace(
         recipe, slurm=slurm, resources=resources, container_mounts=mounts, benchmark=bench
     )
@@ -286,20 +330,7 @@ def _resolve(
     roles = {}
     for name in ("prefill", "decode", "agg", "aggregated"):
         role: Role | None = getattr(recipe.roles, name)
-        if role is not None:
-            nodes, workers, gpus = role_layout(role, node_gpus)
-            role = replace(
-                role,
-                nodes=nodes,
-                workers=workers,
-                gpus=gpus,
-                container=_image(role.container, f"roles.{name}.container", cluster, out),
-            )
-            if role.convert is not None and role.convert.source:
-                key = f"roles.{name}.convert.source"
-                source = _model_location(role.convert.source, key, cluster, base_dir, out)
-                role = replace(role, convert=replace(role.convert, source=source))
-        roles[name] = role
+        roles[name] = None if role is None else resolver.role(name, role, node_gpus)
     if resources.gpus_per_node is None:
         resources = replace(resources, gpus_per_node=node_gpus)
     return replace(
@@ -330,20 +361,9 @@ def _under(path: str, prefixes: Sequence[str]) -> str | None:
     return None
 
 
-def load_recipe_text(
-    text: str,
-    *,
-    source: str,
-    base_dir: Path,
-    overrides: Sequence[str] = (),
-    unsets: Sequence[str] = (),
-    cluster: ClusterConfig | None = None,
-    combination: Combination | None = None,
-) -> LoadedRecipe:
-    """Parse, override, check, resolve and validate a recipe; InputError lists every error.
-
-    ``combination``: the values of one combination of the recipe's ``sweep:`` section.
-    """
+def _raw_recipe(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem]]:
+    """The recipe's YAML as a mapping, its lines and the problems parsing found; InputError when
+    it is no recipe."""
     try:
         raw, lines, problems = parse(text)
     except YamlSyntaxError as exc:
@@ -364,15 +384,23 @@ def load_recipe_text(
             ],
             source,
         )
-    swept = SWEEP_KEY in raw
-    try:
-        raw = apply_unsets(apply_overrides(raw, overrides), unsets)
-    except InputError as exc:
-        raise InputError([*problems, *exc.problems], source) from None
-    overridden = [".".join(parse_override(item)[0]) for item in overrides]
+    return raw, lines, problems
+
+
+def _one_combination(
+    raw: dict[str, Any],
+    combination: Combination | None,
+    *,
+    swept: bool,
+    problems: list[Problem],
+    source: str,
+) -> dict[str, Any]:
+    """The recipe after the flags, with one sweep combination's values substituted; InputError
+    for a sweep left unexpanded. ``swept``: the file had a sweep (the flags may have removed it:
+    then each placeholder left without a ``--set`` is a problem)."""
     if combination is not None:
-        raw = apply_combination(raw, combination)
-    elif SWEEP_KEY in raw:
+        return apply_combination(raw, combination)
+    if SWEEP_KEY in raw:
         raise InputError(
             [
                 *problems,
@@ -385,9 +413,14 @@ def load_recipe_text(
             ],
             source,
         )
-    elif swept:
+    if swept:
         problems += _unfilled(raw)
+    return raw
 
+
+def _typed(raw: Any, problems: list[Problem], source: str) -> tuple[Recipe, Sequence[str]]:
+    """The ``Recipe`` from its checked shape, and the paths pruned as bad (their problems are in
+    ``problems``)."""
     checker = ShapeChecker(_advice)
     _, cleaned = checker.check(raw, msgspec.inspect.type_info(Recipe))
     problems.extend(checker.problems)
@@ -395,14 +428,13 @@ def load_recipe_text(
         recipe = msgspec.convert(cleaned, Recipe)
     except msgspec.ValidationError as exc:  # the walker should have caught it; never a traceback
         raise InputError([*problems, convert_problem(exc)], source) from None
+    return recipe, checker.pruned
 
-    recipe = _resolve(recipe, cluster, base_dir, problems)
-    launcher = cluster.launcher if cluster is not None else None
-    problems.extend(
-        p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, checker.pruned)
-    )
-    recipe = _drop_unused(recipe)
 
+def _located(
+    problems: list[Problem], overridden: Sequence[str], lines: dict[str, int]
+) -> list[Problem]:
+    """Each problem with its recipe line, or marked as coming from ``--set``."""
     located = []
     for p in problems:
         if _under(p.path, overridden):
@@ -410,6 +442,37 @@ def load_recipe_text(
         elif p.line is None:
             p = msgspec.structs.replace(p, line=line_of(p.path, lines))
         located.append(p)
+    return located
+
+
+def load_recipe_text(
+    text: str,
+    *,
+    source: str,
+    base_dir: Path,
+    overrides: Sequence[str] = (),
+    unsets: Sequence[str] = (),
+    cluster: ClusterConfig | None = None,
+    combination: Combination | None = None,
+) -> LoadedRecipe:
+    """Parse, override, check, resolve and validate a recipe; InputError lists every error.
+
+    ``combination``: the values of one combination of the recipe's ``sweep:`` section.
+    """
+    raw, lines, problems = _raw_recipe(text, source)
+    swept = SWEEP_KEY in raw
+    try:  # the flags first: `--set ... --unset sweep` runs one combination
+        raw = apply_unsets(apply_overrides(raw, overrides), unsets)
+    except InputError as exc:
+        raise InputError([*problems, *exc.problems], source) from None
+    overridden = [".".join(parse_override(item)[0]) for item in overrides]
+    raw = _one_combination(raw, combination, swept=swept, problems=problems, source=source)
+    recipe, pruned = _typed(raw, problems, source)
+    recipe = _resolve(recipe, cluster, base_dir, problems)
+    launcher = cluster.launcher if cluster is not None else None
+    problems.extend(p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, pruned))
+    recipe = _drop_unused(recipe)
+    located = _located(problems, overridden, lines)
     if errors_of(located):
         raise InputError(located, source)
     return LoadedRecipe(
