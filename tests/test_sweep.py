@@ -145,30 +145,27 @@ def test_a_pipe_without_a_writer_is_waited_for_with_a_bound(
 def test_ctrl_c_while_waiting_ends_with_one_line_and_130(tmp_path: Path) -> None:
     fifo = tmp_path / "token"
     os.mkfifo(fifo)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "submit.cli",
-            str(DEMO_RECIPE),
-            "--dry-run",
-            "--set",
-            f"environment.TOKEN=@file:{fifo}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stderr is not None
-        said = proc.stderr.readline()  # the wait is said: Ctrl-C comes during it
-        assert f"waiting for {fifo} (a pipe)" in said
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130
-        rest = proc.stderr.read()
-        assert rest.strip() == "tilert-submit: interrupted", rest
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    argv = [
+        sys.executable,
+        "-m",
+        "submit.cli",
+        str(DEMO_RECIPE),
+        "--dry-run",
+        "--set",
+        f"environment.TOKEN=@file:{fifo}",
+    ]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            said = proc.stderr.readline()  # the wait is said: Ctrl-C comes during it
+            assert f"waiting for {fifo} (a pipe)" in said
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 130
+            rest = proc.stderr.read()
+            assert rest.strip() == "tilert-submit: interrupted", rest
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
