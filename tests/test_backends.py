@@ -6,6 +6,7 @@ Local: a real child process stands for the ``--local`` supervisor. Slurm: stand-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -223,19 +224,48 @@ def test_local_stop_while_stopping_sends_no_second_signal(
     assert proc.wait(timeout=5) == -signal.SIGKILL  # no SIGTERM came before the limit
 
 
-@pytest.fixture
-def stranger() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
-    """Starts unrelated processes (``sleep``), killed after the test."""
-    procs: list[subprocess.Popen[bytes]] = []
+# A process that is not the supervisor: it holds SIGTERM and SIGINT blocked, so a stop signal sent
+# to it stays pending (visible in /proc) instead of racing its exit.
+_STRANGER = """\
+import signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+print("up", flush=True)
+time.sleep(600)
+"""
 
-    def start(*argv: str) -> subprocess.Popen[bytes]:
-        procs.append(subprocess.Popen(list(argv or ("sleep", "600"))))
-        return procs[-1]
+
+def stop_signals_pending(pid: int) -> bool:
+    """Whether SIGTERM or SIGINT is pending for ``pid`` (it blocks them: nothing is lost)."""
+    fields = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return any(pending & (1 << (sig - 1)) for sig in (signal.SIGTERM, signal.SIGINT))
+
+
+@pytest.fixture
+def stranger() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """Starts unrelated processes (``python -c ... ARGS`` that sleep), killed after the test."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        with contextlib.ExitStack() as undo:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _STRANGER, *args], stdout=subprocess.PIPE, text=True
+            )
+            undo.callback(proc.kill)
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "up\n"
+            undo.pop_all()
+        procs.append(proc)
+        return proc
 
     yield start
     for proc in procs:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 @pytest.mark.parametrize(
@@ -253,17 +283,14 @@ def stranger() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
 )
 def test_local_stop_refuses_a_pid_that_is_not_the_supervisor(
     job: JobDir,
-    stranger: Callable[..., subprocess.Popen[bytes]],
+    stranger: Callable[..., subprocess.Popen[str]],
     capsys: pytest.CaptureFixture[str],
     case: str,
     says: str,
 ) -> None:
     """A stale job directory whose status.json names a live unrelated process (pid reuse): a
     refusal naming the pid and why, exit 1, and no signal: the process lives on."""
-    if case.startswith("names the job"):
-        proc = stranger("sh", "-c", "sleep 600", str(job.root))
-    else:
-        proc = stranger()
+    proc = stranger(str(job.root)) if case.startswith("names the job") else stranger()
     started = psutil.Process(proc.pid).create_time()
     at = {
         "its own start time": started,
@@ -279,8 +306,9 @@ def test_local_stop_refuses_a_pid_that_is_not_the_supervisor(
     err = capsys.readouterr().err
     assert f"not signalling pid {proc.pid}" in err, err
     assert says in err, err
-    time.sleep(0.3)
-    assert proc.poll() is None, "the stranger was signalled"
+    # A signal sent would be pending now (the stranger blocks it): none is, and it lives on.
+    assert not stop_signals_pending(proc.pid), "the stranger was signalled"
+    assert proc.poll() is None
 
 
 def test_local_stop_and_status_when_the_supervisor_is_gone(
