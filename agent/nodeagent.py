@@ -33,11 +33,20 @@ from agent.launch.enginechecks import connector_choice, engine_checks, with_stan
 from agent.launch.jobspecs import JobSpecs
 from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
+from agent.node.decodestats import (
+    DecodeStats,
+    PoolFigures,
+    decode_namer,
+    poll_decode_status,
+    poll_pool_status,
+)
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
 from agent.node.logpump import LogSink
 from agent.node.ownrecord import OwnRecord
 from agent.node.ports import choose_port, is_bindable
+from agent.node.sdnotify import Notifier
+from agent.node.servicenotes import ServiceNotes, Standing, wedge_on_sigusr2, wedge_seconds
 from agent.node.supervisor import EngineSupervisor, policy_for
 from agent.problems import printable
 from agent.web.asgi import bound_socket, serve
@@ -81,6 +90,10 @@ class NodeAgent:
         self.engine: EngineSupervisor | None = None
         self.head: Head | None = None  # prefill-0 only
         self.head_figures = HeadFigures() if identity.is_head else None
+        # The decode's figures from its REQSTAT lines and /decode_status (tilert_decode_*); the
+        # head's: the router's pool and the refusals it logs.
+        self.decode_stats = DecodeStats() if identity.role == "decode" else None
+        self.pool = PoolFigures() if identity.is_head else None
         self.metrics = AgentMetrics(
             role=identity.role,
             node=identity.node,
@@ -88,6 +101,8 @@ class NodeAgent:
             supervisors=self._supervisors,
             upstream_up=(lambda: self.upstream.up) if identity.role == "prefill" else None,
             head=self.head_figures,
+            decode=self.decode_stats,
+            pool=(self.pool, decode_namer(job, plan)) if self.pool is not None else None,
         )
         make_log_dir(job, identity.name, plan)  # node-local with agent.logs.location: node
         self.sink = LogSink(
@@ -125,6 +140,8 @@ class NodeAgent:
             else None
         )
         self.connector_standin = False
+        # systemd's readiness, status, watchdog and stop notes (no-ops without NOTIFY_SOCKET).
+        self.notes = ServiceNotes(Notifier.from_environ(log), self._standing, log)
 
     # ---- state for /status and metrics ---------------------------------------------------
 
@@ -169,10 +186,23 @@ class NodeAgent:
         )
 
     def changed(self) -> None:
-        """A supervised state changed: wake long-pollers and the head."""
+        """A supervised state changed: wake long-pollers, the head and systemd's notes."""
         self.feed.bump()
         if self.head is not None:
             self.head.poke()
+        self.notes.poke()
+
+    def _standing(self) -> Standing:
+        """Where this agent stands, for systemd: the head's is the job's, a worker's its
+        engine's (ready once healthy; loading while preflight, conversion or load go on)."""
+        if self.head is not None:
+            return self.head.standing()
+        status = self._snapshot()
+        return Standing(
+            status=f"{self.id.name} {status.state}: {status.reason}",
+            ready=status.state == "healthy",
+            loading=status.state in ("starting", "converting", "restarting"),
+        )
 
     def _head_context(self, figures: HeadFigures) -> HeadContext:
         return HeadContext(
@@ -191,6 +221,8 @@ class NodeAgent:
             writes=self.writes,
             client=self.client,
             scratch_folder=self.scratch.folder,
+            on_state=self.notes.poke,
+            pool=self.pool,
         )
 
     # ---- the engine ------------------------------------------------------------------------
@@ -263,6 +295,7 @@ class NodeAgent:
             reason = self._exit_reason(code)
         finally:
             self.scratch.remove()
+            self.notes.notifier.close()
         # The last word: one attempt (the agent is leaving).
         self.record.exited = AgentExit(
             state="failed" if code else "stopped", reason=reason, code=code
@@ -278,7 +311,7 @@ class NodeAgent:
         if self.start_failure or self.preflight_failure:
             return self.start_failure or self.preflight_failure or ""
         if self.engine is not None and self.engine.state == "failed":
-            return f"engine failed: {self.engine.reason}"
+            return f"engine failed: {self.engine.explained_reason()}"
         return "see its agent.log"
 
     async def _run(self) -> int:
@@ -301,6 +334,11 @@ class NodeAgent:
             nursery.start_soon(self.writes.retry)
             if self.head_figures is not None:  # prefill-0, the head agent
                 self.head = Head(self._head_context(self.head_figures))
+            nursery.start_soon(self.notes.run)
+            wedge_s = wedge_seconds()
+            if wedge_s is not None:  # a test switch (docs/systemd.md)
+                nursery.start_soon(wedge_on_sigusr2, wedge_s, self.log)
+            self._start_figures(nursery)
             if await self.run_preflight() and (self.weights is None or await self.weights.ready()):
                 self._start_engine(nursery)
             if self.head is not None:
@@ -383,12 +421,38 @@ class NodeAgent:
             on_address_in_use=self.record.move_engine_ports,
             observe_probe=self.metrics.observer("engine"),
             client=self.client,
+            where=self.id.role,
         )
         nursery.start_soon(self.engine.run)
         self.changed()
 
+    def _start_figures(self, nursery: trio.Nursery) -> None:
+        """The decode figures: its engine's lines as they pass, and what TileRT gives besides its
+        log: the decode's /decode_status (decode agents), the router's /pool_status (the head),
+        each polled only while its process is healthy."""
+        if self.decode_stats is not None:
+            self.sink.watchers.append(self.decode_stats.feed)  # its REQSTAT lines as they pass
+            nursery.start_soon(
+                poll_decode_status,
+                self.decode_stats,
+                self.client,
+                lambda: self.engine_url("/decode_status"),  # its port may move
+                lambda: self.engine is not None and self.engine.state == "healthy",
+            )
+        if self.pool is not None:
+            router = f"http://{self.id.address}:{self.plan.router.port}/pool_status"
+
+            def pool_url() -> str | None:
+                sup = self.head.router_supervisor if self.head is not None else None
+                return router if sup is not None and sup.state == "healthy" else None
+
+            nursery.start_soon(poll_pool_status, self.pool, self.client, pool_url)
+
     async def stop_all(self) -> None:
         """Stop the router (head) first, then the engine; each within its grace."""
+        self.notes.stopping(
+            "the router, then the engine" if self.head is not None else "the engine"
+        )
         if self.head is not None:
             await self.head.stop()
         if self.engine is not None:
@@ -412,6 +476,7 @@ class NodeAgent:
                         continue
                     self.stop_requested = True
                     self.log.info("%s: %s received; stopping", self.id.name, name)
+                    self.notes.stopping(f"{name} received; stopping the engines")
                     if self.head is not None:
                         self.head.request_stop()  # the head drains and returns from run()
                     else:

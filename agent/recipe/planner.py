@@ -328,6 +328,8 @@ def _agent_plan(agent: AgentSection) -> AgentPlan:
         canary_attempt_timeout_s=canary_attempt_s(agent.canary),
         scratch_dir=agent.scratch_dir,
         log_node_dir=agent.logs.node_dir if agent.logs.location == "node" else None,
+        startup_silence_s=agent.startup_silence_s,
+        startup_max_s=agent.startup_max_s,
     )
 
 
