@@ -57,6 +57,10 @@ JOB_COMMANDS = {
     "bench": ("submit.bench", "benchmark a ready job from here, show or compare results"),
     "diagnose": ("submit.diagnose", "name what failed in a job: log lines, cause and fix"),
 }
+# Commands about the cluster rather than a job: first word -> (module, one-line help).
+SETUP_COMMANDS = {
+    "init": ("submit.init", "ask Slurm and this node, write a commented cluster file"),
+}
 # ``tilert-submit convert RECIPE ...``: the same flags as a submission, for a convert-only job.
 CONVERT_COMMAND = "convert"
 
@@ -69,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Job commands: "
         + "; ".join(f"{PROG} {name} J ... ({text})" for name, (_, text) in JOB_COMMANDS.items())
         + f". Weights ahead of a job: {PROG} {CONVERT_COMMAND} RECIPE ... (a one-node job). "
+        + f"A new cluster: {PROG} init [-o FILE] (writes a commented cluster file). "
         "See docs/cli.md.",
     )
     # Optional for argparse only: `--mock RECIPE` (the old spelling) hands the recipe to --mock.
@@ -144,7 +149,7 @@ def _positive(text: str) -> int:
 
 
 def _job_command(name: str, argv: Sequence[str]) -> int:
-    module_name, text = JOB_COMMANDS[name]
+    module_name, text = {**JOB_COMMANDS, **SETUP_COMMANDS}[name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=text)
     add_arguments = getattr(module, "add_arguments", None)
@@ -477,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     """A job command, ``convert RECIPE``, or ``RECIPE``."""
-    if argv and argv[0] in JOB_COMMANDS:
+    if argv and (argv[0] in JOB_COMMANDS or argv[0] in SETUP_COMMANDS):
         return _job_command(argv[0], argv[1:])
     parser = _parser()
     convert = bool(argv) and argv[0] == CONVERT_COMMAND

@@ -75,6 +75,9 @@ class LoadedRecipe:
     source: str
     # Recipe paths changed by --set, in the order given (for messages and the dry-run printout).
     overridden: list[str] = field(default_factory=list)
+    # Roles whose GPU count the recipe left to gpus_per_node (the planner asks a real engine on a
+    # CPU-only cluster to say gpus: 0 itself).
+    gpus_unset: list[str] = field(default_factory=list)
 
 
 # srtctl keys tilert-agent refuses with a reason: (struct, key) -> (message, hint).
@@ -468,6 +471,11 @@ def load_recipe_text(
     overridden = [".".join(parse_override(item)[0]) for item in overrides]
     raw = _one_combination(raw, combination, swept=swept, problems=problems, source=source)
     recipe, pruned = _typed(raw, problems, source)
+    gpus_unset = [
+        name
+        for name in ("prefill", "decode")
+        if (role := getattr(recipe.roles, name)) is not None and role.gpus is None
+    ]
     recipe = _resolve(recipe, cluster, base_dir, problems)
     launcher = cluster.launcher if cluster is not None else None
     problems.extend(p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, pruned))
@@ -481,6 +489,7 @@ def load_recipe_text(
         cluster=cluster,
         source=source,
         overridden=overridden,
+        gpus_unset=gpus_unset,
     )
 
 
