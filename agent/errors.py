@@ -11,6 +11,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── YamlSyntaxError       agent.recipe.typedyaml: a file that is not YAML
     │   ├── IdentityError         agent.node.identity: the environment does not say who we are
     │   ├── SelectionError        submit.logview.catalogue: ``logs J NAME`` names no log
+    │   ├── BenchFlagsError       submit.bench: a ``bench`` flag out of the recipe's rules
     │   └── FaultConfigError      agent.standins.faults: a stand-in's fault switch is malformed
     ├── RuntimeFailure            exit 1: what failed, where, and what to do next
     │   ├── JobFailed             agent.head.decisions: the job can no longer serve

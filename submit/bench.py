@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -28,7 +29,7 @@ from agent.benchmark.plots import PlotsUnavailable, Series, make_plots
 from agent.benchmark.runner import BenchmarkRun
 from agent.benchmark.summary import level_rows, render_rows, render_summary
 from agent.benchmark.target import BenchTarget, job_gpus
-from agent.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
+from agent.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, BadInput
 from agent.job.benchmark import (
     BENCHMARK_DIR,
     BenchmarkFiles,
@@ -41,6 +42,8 @@ from agent.job.plan import Plan, load_plan
 from agent.job.vocab import SERVING_STATES
 from agent.launch import LaunchSpec, make_launcher
 from agent.launch.commands import arg_value, benchmark_env
+from agent.problems import printable
+from agent.recipe.rules.benchmark import request_rate
 from submit.statusview import staleness
 
 # Where tilert-submit bench writes its own log (beside its results).
@@ -88,15 +91,68 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
-def _levels(words: list[str]) -> list[int]:
-    levels = [int(w) for word in words for w in word.replace("x", ",").split(",") if w.strip()]
-    if not levels or any(level < 1 for level in levels):
-        raise ValueError("levels must be 1 or more")
-    return levels
+class BenchFlagsError(BadInput, ValueError):
+    """A ``bench`` flag the recipe's rules refuse, or flags missing where the recipe has no aiperf
+    benchmark; the message names each flag."""
+
+
+def _levels(words: list[str]) -> list[int | str]:
+    """``--concurrencies 1 4 16`` (or ``1,4,16``, ``1x4x16``): the levels, a word that is no
+    whole number kept as it is for the recipe's check to name."""
+    pieces = [w.strip() for word in words for w in word.replace("x", ",").split(",") if w.strip()]
+    return [int(p) if p.lstrip("-").isdigit() else p for p in pieces]
+
+
+# The flags that set a benchmark key, with the key's recipe name.
+_FLAG_KEYS = (
+    "isl",
+    "osl",
+    "num_requests",
+    "duration_s",
+    "warmup_requests",
+    "req_rate",
+    "max_error_rate",
+    "tokenizer",
+    "aiperf_command",
+    "extra_args",
+)
+
+
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark keys the flags give; BenchFlagsError naming each flag the recipe's rules refuse
+    (the same ranges and messages as in a recipe)."""
+    from agent.recipe.benchvalues import check_benchmark_values
+
+    values = {k: getattr(args, k) for k in _FLAG_KEYS if getattr(args, k, None) is not None}
+    command = values.get("aiperf_command")
+    if isinstance(command, str) and "/" in command:
+        # AIPerf runs here, where tilert-submit runs: a relative path is this folder's.
+        values["aiperf_command"] = os.path.abspath(command)
+    if args.concurrencies:
+        values["concurrencies"] = _levels(args.concurrencies)
+    if values.get("req_rate") == math.inf:
+        values["req_rate"] = "inf"  # --req-rate inf: as fast as the levels allow, as in a recipe
+    problems = check_benchmark_values(values)
+    if problems:
+        lines = []
+        for p in problems:
+            key = p.path.removeprefix("benchmark.").split(".")[0].split("[")[0]
+            given = values.get(key)
+            shown = (
+                " ".join(map(str, given))
+                if isinstance(given, list)
+                else f"{given:g}"
+                if isinstance(given, float)
+                else given
+            )
+            lines.append(f"--{key.replace('_', '-')} {shown}: {p.message}; {p.hint}")
+        raise BenchFlagsError("\n".join(lines))
+    return values
 
 
 def bench_plan(args: argparse.Namespace, plan: Plan) -> BenchmarkPlan:
-    """The recipe's aiperf benchmark (or an empty one) with the flags given on top (ValueError)."""
+    """The recipe's aiperf benchmark (or an empty one) with the flags given on top (BenchFlagsError
+    naming the flag, checked by the recipe's rules)."""
     given = plan.benchmark
     base = (
         given
@@ -112,21 +168,21 @@ def bench_plan(args: argparse.Namespace, plan: Plan) -> BenchmarkPlan:
             program=["aiperf"],
         )
     )
+    values = _flag_values(args)
     changes: dict[str, Any] = {"keep_serving": True, "image": None, "placement": "head"}
-    if args.concurrencies:
-        changes["concurrencies"] = _levels(args.concurrencies)
-    for flag in ("isl", "osl", "warmup_requests", "req_rate", "max_error_rate", "tokenizer"):
-        value = getattr(args, flag)
-        if value is not None:
-            changes[flag] = value
-    if args.num_requests is not None:
-        changes.update(num_requests=args.num_requests, duration_s=None)
-    if args.duration_s is not None:
-        changes.update(duration_s=args.duration_s, num_requests=None)
-    if args.aiperf_command:
-        changes["program"] = [args.aiperf_command]
-    if args.extra_args is not None:
-        changes["extra_args"] = list(args.extra_args)
+    for key in ("concurrencies", "isl", "osl", "warmup_requests", "max_error_rate", "tokenizer"):
+        if key in values:
+            changes[key] = values[key]
+    if "req_rate" in values:
+        changes["req_rate"] = request_rate(values["req_rate"])
+    if "num_requests" in values:
+        changes.update(num_requests=values["num_requests"], duration_s=None)
+    if "duration_s" in values:
+        changes.update(duration_s=values["duration_s"], num_requests=None)
+    if "aiperf_command" in values:
+        changes["program"] = [values["aiperf_command"]]
+    if "extra_args" in values:
+        changes["extra_args"] = list(values["extra_args"])
     result = msgspec.structs.replace(base, **changes)
     missing = [
         f"--{name}"
@@ -136,11 +192,9 @@ def bench_plan(args: argparse.Namespace, plan: Plan) -> BenchmarkPlan:
     if not result.concurrencies:
         missing.append("--concurrencies")
     if missing:
-        raise ValueError(
+        raise BenchFlagsError(
             f"the recipe has no aiperf benchmark to take them from: give {', '.join(missing)}"
         )
-    if result.num_requests is not None and result.num_requests < 1:
-        raise ValueError("--num-requests must be 1 or more")
     return result
 
 
@@ -150,16 +204,16 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
         plan = load_plan(job.plan.read_bytes())
     except (OSError, ValueError, msgspec.DecodeError) as exc:
         return _fail(f"{job.root} is not a readable job directory: {exc}")
+    try:  # bad flags are bad input whatever the job's state
+        bench = bench_plan(args, plan)
+    except BenchFlagsError as exc:
+        return _fail(str(exc), exc.exit_code)
     stale = staleness(status)
     if status.state not in SERVING_STATES or stale or not status.router_url:
         why = f" ({stale})" if stale else ""
         return _fail(
             f"the job is {status.state}{why}, not ready: bench measures a job that serves", 1
         )
-    try:
-        bench = bench_plan(args, plan)
-    except ValueError as exc:
-        return _fail(str(exc))
     tokenizer = bench.tokenizer or arg_value(plan.router.args, "--model-path")
     target = BenchTarget(
         router_url=status.router_url,
@@ -169,7 +223,10 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
         gpus=job_gpus(plan),
         job_dir=job.root,
     )
-    files = BenchmarkFiles(job.root / BENCHMARK_DIR / time.strftime("%Y%m%d-%H%M%S"))
+    try:
+        files = BenchmarkFiles(new_run_folder(job))
+    except OSError as exc:
+        return _fail(f"cannot make a results folder in {job.root / BENCHMARK_DIR}: {exc}", 1)
     log = logging.getLogger("tilert-submit.bench")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 
@@ -214,6 +271,22 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
     print(render_summary(summary))
     print(f"results: {files.root}")
     return 0 if summary.state == "passed" else EXIT_RUNTIME
+
+
+def new_run_folder(job: JobDir) -> Path:
+    """``J/benchmark/<time>``, made here and now: a second run in the same second gets
+    ``<time>-1`` (each run its own folder, never another's)."""
+    parent = job.root / BENCHMARK_DIR
+    parent.mkdir(parents=True, exist_ok=True)
+    base = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        folder = parent / (base if n == 0 else f"{base}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"{parent / base}-* all exist")
 
 
 def latest(job: JobDir) -> Path | None:
@@ -269,6 +342,22 @@ def differences(facts: list[dict[str, str]]) -> list[str]:
     return labels
 
 
+def _recipe_facts(job: JobDir) -> Any:
+    """The job's recipe.yaml as data, for its label; {} (said on stderr) when it cannot be read:
+    the job is then labelled by its run's settings only."""
+    if not job.recipe.is_file():
+        return {}
+    try:
+        return yaml.safe_load(job.recipe.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # UnicodeDecodeError is a ValueError
+        print(
+            f"tilert-submit bench: {job.recipe} cannot be read ({printable(str(exc))[:200]}): "
+            "this job is labelled by its run's settings only",
+            file=sys.stderr,
+        )
+        return {}
+
+
 def _compare(args: argparse.Namespace) -> int:
     jobs = [JobDir(Path(j)) for j in args.compare]
     summaries: list[BenchmarkSummary] = []
@@ -279,9 +368,9 @@ def _compare(args: argparse.Namespace) -> int:
             return _fail(f"no benchmark results in {job.root / BENCHMARK_DIR}", EXIT_RUNTIME)
         try:
             summary = read_summary(path)
-            recipe = yaml.safe_load(job.recipe.read_text()) if job.recipe.is_file() else {}
-        except (OSError, yaml.YAMLError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _fail(f"cannot read {job.root}: {exc}", EXIT_RUNTIME)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return _fail(f"cannot read {path}: {exc}", EXIT_RUNTIME)
+        recipe = _recipe_facts(job)
         run = {f"run.{k}": getattr(summary, k) for k in ("isl", "osl", "num_requests", "req_rate")}
         facts.append({**_flat(recipe or {}), **_flat(run)})
         summaries.append(summary)

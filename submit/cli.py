@@ -35,12 +35,13 @@ from agent.job.plan import Plan, parse_standins
 from agent.job.records import JobAgent, JobStatus
 from agent.job.vocab import Process
 from agent.problems import InputError, Problem, error, printable, render_problems
+from agent.recipe.sweep import MAX_JOBS
 from submit import PROG
 from submit.backend import Backend, BackendError, Submitted
 from submit.choice import backend_for
 
 # The recipe layer (YAML, rules, planner) is imported where a recipe is read: the job commands
-# and --help do not pay for it.
+# and --help do not pay for it (agent.recipe.sweep, for --max-jobs' default, is light).
 if TYPE_CHECKING:
     from agent.recipe.cluster import ClusterConfig
     from agent.recipe.loader import LoadedRecipe
@@ -126,7 +127,26 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"job directory; must not exist or be empty (default: ./{JOBS_DIR}/<name>-<time>)",
     )
+    parser.add_argument(
+        "--max-jobs",
+        metavar="N",
+        type=_positive,
+        default=MAX_JOBS,
+        help=f"a sweep may submit at most N jobs (default {MAX_JOBS}); counted before anything "
+        "is expanded or written",
+    )
     return parser
+
+
+def _positive(text: str) -> int:
+    """``--max-jobs``: a whole number of 1 or more (argparse says which flag otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
 
 
 def _job_command(name: str, argv: Sequence[str]) -> int:
@@ -314,6 +334,7 @@ def _prepare_sweep(
         except InputError as exc:
             failed += 1
             print(f"sweep combination {combination.label()}:\n{exc}", file=sys.stderr)
+    failed += _collisions(prepared)
     if failed:
         print(
             f"{PROG}: {failed} of {len(combinations)} sweep combinations do not validate; "
@@ -322,6 +343,30 @@ def _prepare_sweep(
         )
         return None
     return prepared
+
+
+def _collisions(prepared: list[_Prepared]) -> int:
+    """Print each sweep job whose name (or directory) another one has already; how many."""
+    names: dict[str, _Prepared] = {}
+    roots: dict[Path, _Prepared] = {}
+    count = 0
+    for one in prepared:
+        label = one.combination.label() if one.combination else ""
+        first = names.get(one.plan.name) or roots.get(one.job.root)
+        if first is not None:
+            count += 1
+            other = first.combination.label() if first.combination else ""
+            problem = error(
+                "sweep",
+                f"combinations {other} and {label} are both named {one.plan.name!r} (job names "
+                "keep letters, digits, '.', '_' and '-' only)",
+                "make the values differ in those characters, or put placeholders in name: that "
+                "tell them apart",
+            )
+            print(render_problems([problem], "sweep"), file=sys.stderr)
+        names.setdefault(one.plan.name, one)
+        roots.setdefault(one.job.root, one)
+    return count
 
 
 def _prepare_all(
@@ -333,7 +378,12 @@ def _prepare_all(
 
     try:
         cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
-        combinations = recipe_sweep(Path(args.recipe))
+        combinations = recipe_sweep(
+            Path(args.recipe),
+            overrides=args.overrides,
+            unsets=args.unsets,
+            max_jobs=getattr(args, "max_jobs", MAX_JOBS),
+        )
         if combinations is not None and args.local:
             return _fail(
                 f"--local runs one job in the foreground and this recipe is a sweep of "
@@ -418,6 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _dispatch(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C anywhere (a long validation, a FIFO read, a submission): one line, the shell's
+        # code. Nothing half-written is left: jobs are written only after every check.
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader went away (`status J | head -1`): it has what it wanted. Quiet, also for
         # Python's last flush of stdout at exit.

@@ -166,7 +166,9 @@ def render_table(status: JobStatus, stale: str | None) -> str:
     if rejoined:
         lines.append("")
         lines += [f"{a.name}: taken back {a.rejoins} time(s); {a.rejoin_reason}" for a in rejoined]
-    return "\n".join(lines)
+    # What engines, clients and peers said is escaped where it is written; once more here, for
+    # a status.json written by another version (every line is ours: no newline inside one).
+    return "\n".join(printable(line) for line in lines)
 
 
 def trouble_lines(agents: list[JobAgent]) -> list[str]:

@@ -61,6 +61,7 @@ UNIT_MODULES = frozenset(
         "test_prop_head",
         "test_prop_input",
         "test_prop_reexport",
+        "test_prop_results",
         "test_reexport",
         "test_rendezvous",
         "test_rules",
@@ -70,6 +71,7 @@ UNIT_MODULES = frozenset(
         "test_signature_catalogue",
         "test_submit_cli",
         "test_supervisor_policy",
+        "test_sweep",
         "test_systemd",
         "test_upstream",
     }

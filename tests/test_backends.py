@@ -6,7 +6,9 @@ Local: a real child process stands for the ``--local`` supervisor. Slurm: stand-
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -117,21 +119,38 @@ def test_drain_s_is_router_then_the_slower_worker() -> None:
 Child = Callable[..., subprocess.Popen[str]]
 
 
+# A supervisor stand-in with the supervisor's whole command line (``python -m submit.local.run
+# J``): a package of that name, first on the path, that sleeps; SIGTERM ends it unless told not to.
+_STANDIN_RUN = """\
+import os, signal, time
+if os.environ.get("IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
 @pytest.fixture
-def child() -> Iterator[Child]:
-    """Starts supervisor stand-ins: children that sleep; SIGTERM ends them unless ignore_term.
-    ``args`` end their command line (a supervisor's names its job directory)."""
+def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
+    """Starts supervisor stand-ins: ``python -m submit.local.run ARGS`` that sleep (``args``: the
+    job directory, as a supervisor's command line names it)."""
+    root = tmp_path_factory.mktemp("standin")
+    (root / "submit" / "local").mkdir(parents=True)
+    (root / "submit" / "__init__.py").write_text("")
+    (root / "submit" / "local" / "__init__.py").write_text("")
+    (root / "submit" / "local" / "run.py").write_text(_STANDIN_RUN)
     procs: list[subprocess.Popen[str]] = []
 
     def start(*args: str, ignore_term: bool = False) -> subprocess.Popen[str]:
-        code = (
-            "import signal, sys, time\n"
-            f"if {ignore_term}: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "print('up', flush=True)\n"
-            "time.sleep(60)\n"
-        )
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        if ignore_term:
+            env["IGNORE_TERM"] = "1"
         proc = subprocess.Popen(
-            [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-m", "submit.local.run", *args],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=root,
+            env=env,
         )
         assert proc.stdout is not None
         with proc.stdout:  # it says nothing after "up"
@@ -205,49 +224,81 @@ def test_local_stop_while_stopping_sends_no_second_signal(
     assert proc.wait(timeout=5) == -signal.SIGKILL  # no SIGTERM came before the limit
 
 
-@pytest.fixture
-def stranger() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
-    """Starts unrelated processes (``sleep``), killed after the test."""
-    procs: list[subprocess.Popen[bytes]] = []
+# A process that is not the supervisor: it holds SIGTERM and SIGINT blocked, so a stop signal sent
+# to it stays pending (visible in /proc) instead of racing its exit.
+_STRANGER = """\
+import signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+print("up", flush=True)
+time.sleep(600)
+"""
 
-    def start(*argv: str) -> subprocess.Popen[bytes]:
-        procs.append(subprocess.Popen(list(argv or ("sleep", "600"))))
-        return procs[-1]
+
+def stop_signals_pending(pid: int) -> bool:
+    """Whether SIGTERM or SIGINT is pending for ``pid`` (it blocks them: nothing is lost)."""
+    fields = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return any(pending & (1 << (sig - 1)) for sig in (signal.SIGTERM, signal.SIGINT))
+
+
+@pytest.fixture
+def stranger() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """Starts unrelated processes (``python -c ... ARGS`` that sleep), killed after the test."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        with contextlib.ExitStack() as undo:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _STRANGER, *args], stdout=subprocess.PIPE, text=True
+            )
+            undo.callback(proc.kill)
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "up\n"
+            undo.pop_all()
+        procs.append(proc)
+        return proc
 
     yield start
     for proc in procs:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 @pytest.mark.parametrize(
     ("case", "says"),
     [
-        ("its own start time", "does not name"),
+        ("its own start time", "is not this job's supervisor"),
         ("an older start time", "the pid now names another process"),
-        ("no start time", "does not name"),
+        ("no start time", "without the supervisor's start time"),
         ("names the job, older start time", "the pid now names another process"),
+        # A wrapper script given J, its start time copied (or forged): its command line is not
+        # the supervisor's.
+        ("names the job, its own start time", "is not this job's supervisor"),
+        ("names the job, no start time", "without the supervisor's start time"),
     ],
 )
 def test_local_stop_refuses_a_pid_that_is_not_the_supervisor(
     job: JobDir,
-    stranger: Callable[..., subprocess.Popen[bytes]],
+    stranger: Callable[..., subprocess.Popen[str]],
     capsys: pytest.CaptureFixture[str],
     case: str,
     says: str,
 ) -> None:
     """A stale job directory whose status.json names a live unrelated process (pid reuse): a
     refusal naming the pid and why, exit 1, and no signal: the process lives on."""
-    if case.startswith("names the job"):
-        proc = stranger("sh", "-c", "sleep 600", str(job.root))
-    else:
-        proc = stranger()
+    proc = stranger(str(job.root)) if case.startswith("names the job") else stranger()
     started = psutil.Process(proc.pid).create_time()
     at = {
         "its own start time": started,
         "an older start time": started - 3600,
         "no start time": None,
         "names the job, older start time": started - 3600,
+        "names the job, its own start time": started,
+        "names the job, no start time": None,
     }[case]
     record(job, local_pid=proc.pid, local_started_at=at)
     capsys.readouterr()
@@ -255,8 +306,9 @@ def test_local_stop_refuses_a_pid_that_is_not_the_supervisor(
     err = capsys.readouterr().err
     assert f"not signalling pid {proc.pid}" in err, err
     assert says in err, err
-    time.sleep(0.3)
-    assert proc.poll() is None, "the stranger was signalled"
+    # A signal sent would be pending now (the stranger blocks it): none is, and it lives on.
+    assert not stop_signals_pending(proc.pid), "the stranger was signalled"
+    assert proc.poll() is None
 
 
 def test_local_stop_and_status_when_the_supervisor_is_gone(

@@ -542,3 +542,46 @@ def test_status_json_written_by_us_still_reads(job: JobDir) -> None:
         type=JobStatus,
     )
     assert again.local_pid == os.getpid()
+
+
+SMALLER_ONES = [
+    (
+        ["agent.canary.timeout_s=30", "agent.canary.attempt_timeout_s=45"],
+        "agent.canary.attempt_timeout_s",
+        "longer than the whole proof's budget",
+    ),
+    (["agent.decode_python=.venv/bin/python"], "agent.decode_python", "is a relative path"),
+    (["agent.router_python=venv/bin/python"], "agent.router_python", "is a relative path"),
+    (
+        ["benchmark={type: aiperf, isl: 8, osl: 8, concurrencies: [1], aiperf_command: ./aiperf}"],
+        "benchmark.aiperf_command",
+        "is a relative path",
+    ),
+    (
+        ["roles.decode.convert={source: /m, python: ../venv/bin/python}"],
+        "roles.decode.convert.python",
+        "is a relative path",
+    ),
+]
+
+
+@pytest.mark.parametrize(("sets", "key", "words"), SMALLER_ONES, ids=[s[1] for s in SMALLER_ONES])
+def test_canary_bounds_and_relative_programs_are_refused(
+    sets: list[str], key: str, words: str
+) -> None:
+    with pytest.raises(InputError) as caught:
+        load_demo(*sets)
+    said = [p for p in caught.value.problems if p.path == key]
+    assert said, caught.value
+    assert words in said[0].message
+    assert "absolute path" in said[0].hint or "at most" in said[0].hint
+
+
+def test_a_short_canary_budget_bounds_the_default_attempt() -> None:
+    """Only an attempt bound the recipe sets is checked; the default fits in any budget."""
+    plan = make_plan(load_demo("agent.canary.timeout_s=20"))
+    assert plan.agent.canary_attempt_timeout_s == 20
+    plan = make_plan(load_demo("agent.canary.timeout_s=600"))
+    assert plan.agent.canary_attempt_timeout_s == 60
+    for fine in ("python3.12", "/opt/venv/bin/python"):
+        assert load_demo(f"agent.decode_python={fine}").recipe.agent.decode_python == fine

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,9 @@ def test_custom_command_sees_its_environment_and_the_job_ends_stopped(
         assert status["state"] == "stopped", status
         assert status["error"] is None, status
         assert status["benchmark"]["state"] == "passed", status["benchmark"]
+        # Ended by its benchmark: the final status shows no agent serving for good.
+        for entry in [*status["agents"], status["router"]]:
+            assert entry["state"] == "stopped", entry
         seen = dict(
             line.split("=", 1)
             for line in (tmp_path / "job" / "benchmark" / "env.txt").read_text().splitlines()
@@ -256,3 +260,56 @@ def test_a_stop_during_the_benchmark_ends_it_cleanly(router_python: Path, tmp_pa
         bench = status["benchmark"]
         assert bench["state"] == "failed", bench
         assert bench["error"] == "stopped on request", bench
+
+
+# A custom client that leaves a malformed AIPerf export (error_details a string, a count a
+# string) and a level with 0 output tokens, says something full of control characters, and exits 1.
+BAD_CLIENT = """\
+import json, os
+root = os.environ["TILERT_BENCH_RESULTS_DIR"]
+for name, export in {
+    "bad": {"error_summary": [{"error_details": "boom", "count": "2"}]},
+    "zero": {"request_count": {"avg": 0}, "error_request_count": {"avg": 40},
+             "total_osl": {"avg": 0},
+             "input_config": {"phases": [{"kind": "profiling", "concurrency": 4}]}},
+}.items():
+    os.makedirs(os.path.join(root, name))
+    with open(os.path.join(root, name, "profile_export_aiperf.json"), "w") as f:
+        json.dump(export, f)
+print("ERROR \\x1b]0;pwned\\x07 \\x00\\r done", flush=True)
+raise SystemExit(1)
+"""
+
+
+def test_a_custom_client_with_malformed_and_empty_results_fails_the_job_not_the_head(
+    router_python: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "client.py"
+    script.write_text(BAD_CLIENT)
+    bench = f"benchmark={{type: custom, command: '{sys.executable} {script}'}}"
+    sets, _ = kit.isolated_sets(router_python, bench)
+    with kit.LocalJob(tmp_path / "job", sets) as job:
+        assert job.wait_exit(READY_S + 30) == 1, job.output()
+        status = job.status()
+        assert status["state"] == "failed", status  # the head said why: it did not crash
+        bench_block = status["benchmark"]
+        assert bench_block["state"] == "failed", bench_block
+        # What it said, escaped (its terminal title escape shown, not acted on).
+        assert "ERROR \\x1b]0;pwned\\x07 \\x00" in bench_block["error"], bench_block
+        results = tmp_path / "job" / "benchmark"
+        result = summary(results)  # the summary is written
+        assert result["state"] == "failed"
+        reasons = " | ".join(lv["error"] for lv in result["levels"])
+        assert str(results / "bad" / "profile_export_aiperf.json") in reasons, reasons
+        assert "0 output tokens in 40 request(s)" in reasons, reasons
+        for entry in [*status["agents"], status["router"]]:
+            assert entry["state"] == "stopped", entry
+        shown = kit.submit_cmd("status", str(tmp_path / "job"))
+        for text in (shown.stdout, job.output()):
+            assert "\x1b" not in text
+            assert "\x07" not in text
+        # In status.json what the client said is escaped by us (\x1b), not by JSON (\u001b).
+        raw = (tmp_path / "job" / "status.json").read_text()
+        assert "\\u001b" not in raw
+        assert "\\u0007" not in raw
+        kit.assert_nothing_left(job.job, 10)

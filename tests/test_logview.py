@@ -10,19 +10,24 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import trio
 
 from agent.job.logtail import LogLine
 from agent.job.paths import JobDir
 from agent.job.records import JobAgent, JobStatus
 from agent.job.vocab import AgentState, JobState, as_role
 from submit import logview
+from submit.logview.catalogue import Catalogue, Selection, Source
 from submit.logview.command import parse_since
+from submit.logview.follow import Session
+from submit.logview.options import Options
 from submit.logview.printer import Printer, wants_colour
 
 PY = sys.executable
@@ -336,7 +341,9 @@ def test_follow_ends_0_once_stopped_and_the_supervisor_is_gone(
     out = LineReader(proc)
     out.until("router    | r1")
     write_status(job, "stopped", sup.pid)
-    time.sleep(1.5)  # it has seen "stopped" by now and waits for the supervisor to be gone
+    assert proc.stderr is not None
+    said = proc.stderr.readline().decode()  # it has seen "stopped": it waits for the supervisor
+    assert said.startswith("tilert-submit logs: the job stopped; printing its last lines")
     assert proc.poll() is None
     with (job.logs / "prefill-0" / "engine.log").open("a") as f:
         f.write("last words\n")  # written while the job drains: printed before the end
@@ -345,7 +352,7 @@ def test_follow_ends_0_once_stopped_and_the_supervisor_is_gone(
     assert proc.stdout is not None
     assert proc.stderr is not None
     assert b"prefill-0 | last words\n" in proc.stdout.read()
-    assert proc.stderr.read() == b""
+    assert proc.stderr.read() == b""  # nothing more
 
 
 def test_follow_ends_1_when_the_job_fails_or_its_supervisor_dies(
@@ -353,8 +360,8 @@ def test_follow_ends_1_when_the_job_fails_or_its_supervisor_dies(
 ) -> None:
     sup = supervisor(procs)
     write_status(job, "ready", sup.pid)
-    proc = viewer(job, procs, "--tail", "0")
-    time.sleep(1)
+    proc = viewer(job, procs)
+    LineReader(proc).until("router    | r1")  # following now
     assert proc.poll() is None
     sup.kill()  # gone without status.json saying so: the job has failed
     assert proc.wait(10) == 1
@@ -380,6 +387,38 @@ def test_follow_of_names_ends_when_they_end(
     assert both.wait(10) == 1
     write_status(job, "stopping", sup.pid, prefill_0="stopped", decode_0="stopped")
     assert viewer(job, procs, "prefill-0", "decode-0").wait(10) == 0
+
+
+def test_history_comes_before_an_end_decided_first(job: JobDir) -> None:
+    """The end watcher decides before any reader starts (forced: the first scan for sources waits
+    for its decision): the failed agent's history is printed all the same, then -f ends with 1."""
+    write_status(job, "degraded", None, prefill_0="healthy", decode_0="failed")
+    decided = threading.Event()
+    selection = Selection(["decode-0"], Catalogue(job, None, agent=False))
+    scan = selection.sources
+
+    def sources_after_the_end() -> list[Source]:
+        assert decided.wait(30), "the end watcher never decided"
+        return scan()
+
+    class EndFirst(Session):
+        async def _watch_end(self) -> None:
+            await super()._watch_end()
+            assert self.stop.is_set()
+            decided.set()
+
+    selection.sources = sources_after_the_end  # type: ignore[method-assign]
+    out = Captured()
+    printer = Printer(out, ["decode-0"], colour=False)  # type: ignore[arg-type]
+    session = EndFirst(job, selection, Options(follow=True), printer, token="")
+    assert trio.run(session.run) == 1
+    assert decided.is_set()
+    assert out.text.splitlines() == [
+        "decode-0 | d1",
+        "decode-0 | d2 \ufffd",
+        "decode-0 | d3",
+        "decode-0 | d4-partial",
+    ]
 
 
 def test_follow_into_a_closed_pipe_ends_quietly(
@@ -419,3 +458,22 @@ def test_follow_waits_for_a_named_log_and_says_so(
     proc.send_signal(signal.SIGINT)
     assert proc.wait(10) == 0
     assert proc.stderr.read() == b""
+
+
+def test_follow_of_a_job_never_submitted_says_so_and_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --dry-run job (pending, no backend, no agent started): nothing will ever write to it."""
+    job = JobDir(tmp_path / "J")
+    job.create()
+    write_status(job, "pending", None, prefill_0="pending")
+    assert run(job.root, "-f") == 2
+    err = capsys.readouterr().err
+    assert "was never submitted" in err
+    assert "Traceback" not in err
+    # Once an agent has started (a systemd unit, say), -f follows it.
+    job.log_dir("prefill-0").mkdir()
+    (job.logs / "prefill-0" / "engine.log").write_text("started by hand\n")
+    write_status(job, "stopped", None, prefill_0="stopped")
+    assert run(job.root, "-f") == 0
+    assert capsys.readouterr().out == "prefill-0 | started by hand\n"

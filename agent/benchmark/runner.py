@@ -21,12 +21,12 @@ from pathlib import Path
 import msgspec
 import trio
 
-from agent.benchmark.aiperf import EXPORT_FILE, aiperf_argv, level_requests
+from agent.benchmark.aiperf import EXPORT_FILE, RECORDS_FILE, aiperf_argv, level_requests
 from agent.benchmark.plots import PlotsUnavailable, Series, make_plots
 from agent.benchmark.results import ResultsError, read_level, read_records
 from agent.benchmark.summary import write_summary
 from agent.benchmark.target import BenchTarget, client_env
-from agent.benchmark.verdict import level_failure
+from agent.benchmark.verdict import exit_words, level_failure
 from agent.job.benchmark import (
     BenchmarkFiles,
     BenchmarkPlan,
@@ -38,20 +38,28 @@ from agent.job.benchmark import (
 from agent.launch import Launcher, RunTimeout
 from agent.launch.jobspecs import SpecBuilder
 from agent.node.logpump import LogSink
+from agent.problems import printable
 
 CLIENT_NAME = "benchmark"
+# What to do when AIPerf cannot run where the client runs.
+AIPERF_HINT = (
+    "set benchmark.aiperf_command (and benchmark.container_image under pyxis) to where AIPerf "
+    "is installed"
+)
 PREFLIGHT_TIMEOUT_S = 120.0
-# How long the log pump may take to reach EOF after the client exited.
 _SAID_MAX = 300
+# What the summary says of a custom command that exited 0 and left no AIPerf folder.
+NO_RESULTS_NOTE = "no results to judge"
 
 
 def _said(sink: LogSink) -> str | None:
-    """What the client said last about an error (its last ERROR line, else its last line)."""
+    """What the client said last about an error (its last ERROR line, else its last line),
+    escaped: it goes into status.json and onto terminals."""
     lines = [ln.strip(" │|\t") for ln in sink.recent(40) if ln.strip() and not ln.startswith("===")]
     for line in reversed(lines):
         if "ERROR" in line or "Error:" in line or "Reason:" in line:
-            return line[:_SAID_MAX]
-    return lines[-1][:_SAID_MAX] if lines else None
+            return printable(line[:_SAID_MAX])
+    return printable(lines[-1][:_SAID_MAX]) if lines else None
 
 
 class BenchmarkRun:
@@ -88,6 +96,8 @@ class BenchmarkRun:
         self.done = trio.Event()
         self._scope = trio.CancelScope()
         self._interrupted: str | None = None
+        # Why the last client could not even start (names the key to fix).
+        self._cannot_start: str | None = None
 
     # ---- what others read --------------------------------------------------------------------
 
@@ -119,13 +129,15 @@ class BenchmarkRun:
         except RunTimeout:
             return f"`{program} --version`{where} did not answer within {PREFLIGHT_TIMEOUT_S:g}s"
         except OSError as exc:
-            return f"cannot run the benchmark client {program!r}{where}: {exc.strerror or exc}"
-        if code != 0:
-            tail = out.decode(errors="replace").strip().splitlines()[-3:]
             return (
-                f"the benchmark client `{program} --version`{where} exited with status {code}: "
-                f"{' | '.join(tail) or 'no output'}; set benchmark.aiperf_command (and "
-                "benchmark.container_image under pyxis) to where AIPerf is installed"
+                f"cannot run the benchmark client {program!r}{where}: {exc.strerror or exc}; "
+                f"{AIPERF_HINT}"
+            )
+        if code != 0:
+            tail = printable(" | ".join(out.decode(errors="replace").strip().splitlines()[-3:]))
+            return (
+                f"the benchmark client `{program} --version`{where} {exit_words(code)}: "
+                f"{tail or 'no output'}; {AIPERF_HINT}"
             )
         return None
 
@@ -148,16 +160,25 @@ class BenchmarkRun:
         except OSError as exc:  # a full or read-only job directory: a failed run, not a crash
             error = f"cannot make {self.files.root}: {exc.strerror or exc}"
         sink = LogSink(self.log_path, max_bytes=self.log_max_bytes, backups=self.log_backups)
+        note: str | None = None
+        self._scope.deadline = trio.current_time() + self.plan.timeout_s
         try:
             with self._scope:
-                if error is None and self.plan.type == "aiperf":
-                    error = await self._levels(sink, levels)
-                elif error is None:
-                    error, exit_code = await self._custom(sink, levels)
+                try:
+                    if error is None and self.plan.type == "aiperf":
+                        error = await self._levels(sink, levels)
+                    elif error is None:
+                        error, exit_code, note = await self._custom(sink, levels)
+                except Exception as exc:  # a defect here fails the benchmark, never the job
+                    self.log.exception("benchmark: unexpected error")
+                    error = printable(f"the benchmark stopped on an unexpected error: {exc!r}")
             if self._scope.cancelled_caught:
                 at = f" during concurrency {self.block.level}" if self.block.level else ""
                 done = f" ({self.block.levels_done} of {self.block.levels_total} levels done)"
-                reason = self._interrupted or "stopped"
+                reason = self._interrupted or (
+                    f"did not end within benchmark.timeout_s ({self.plan.timeout_s:g}s); "
+                    "raise it for longer runs"
+                )
                 error = f"{reason}{at}" + (done if self.block.levels_total else "")
         finally:
             sink.close()
@@ -178,6 +199,7 @@ class BenchmarkRun:
             started_at=started,
             ended_at=time.time(),
             levels=levels,
+            note=note,
         )
         with trio.CancelScope(shield=True):
             summary, written = await trio.to_thread.run_sync(self._finish, summary)
@@ -231,68 +253,79 @@ class BenchmarkRun:
                 folder,
             )
             code = await self._client(sink, f"concurrency {concurrency}", argv, dict(self.env))
-            level = self._judge(sink, folder, concurrency, code)
+            level = judge_level(
+                folder,
+                gpus=self.target.gpus,
+                concurrency=concurrency,
+                exit_code=code,
+                requested=level_requests(self.plan, concurrency),
+                max_error_rate=self.plan.max_error_rate,
+                client_said=self._cannot_start or _said(sink),
+            )
             levels.append(level)
             if not level.passed:
                 return level.error
             self._update(levels_done=index + 1)
         return None
 
-    def _judge(self, sink: LogSink, folder: Path, concurrency: int, code: int) -> LevelResult:
-        fields: dict[str, object] = {"concurrency": concurrency, "results": str(folder)}
-        results_error = request_error = None
-        try:
-            measured, request_error = read_level(folder, self.target.gpus, concurrency)
-            fields.update(measured)
-        except ResultsError as exc:
-            results_error = str(exc)
-            try:  # no summary (every request failed): the per-request records say why
-                ok, failed, tokens, request_error = read_records(folder)
-                fields.update(requests_ok=ok, requests_failed=failed, output_tokens=tokens)
-            except ResultsError:
-                pass
-        level = msgspec.convert({**fields, "passed": True, "client_exit_code": code}, LevelResult)
-        why = level_failure(
-            concurrency=concurrency,
-            exit_code=code,
-            requests_ok=level.requests_ok,
-            requests_failed=level.requests_failed,
-            output_tokens=level.output_tokens,
-            requested=level_requests(self.plan, concurrency),
-            max_error_rate=self.plan.max_error_rate,
-            results_error=results_error,
-            request_error=request_error,
-            client_said=_said(sink),
-        )
-        return msgspec.structs.replace(level, passed=why is None, error=why)
-
     async def _custom(
         self, sink: LogSink, levels: list[LevelResult]
-    ) -> tuple[str | None, int | None]:
+    ) -> tuple[str | None, int | None, str | None]:
+        """Run the custom command, then judge every AIPerf folder it left like a level of ours;
+        (why it failed, its exit status, the summary's note)."""
         env = client_env(self.target, self.files.root, self.env)
         code = await self._client(sink, "custom", ["bash", "-c", self.plan.command or ""], env)
-        # A custom command that runs AIPerf leaves its folders: their levels are shown too.
-        for export in sorted(self.files.root.glob(f"*/{EXPORT_FILE}")):
-            try:
-                measured, _ = read_level(export.parent, self.target.gpus)
-            except ResultsError:
-                continue
-            levels.append(msgspec.convert({**measured, "passed": True}, LevelResult))
-        levels.sort(key=lambda lv: lv.concurrency)
+        folders = sorted(
+            {
+                p.parent
+                for name in (EXPORT_FILE, RECORDS_FILE)
+                for p in self.files.root.glob(f"*/{name}")
+            }
+        )
+        judged = [
+            judge_level(
+                folder,
+                gpus=self.target.gpus,
+                concurrency=None,
+                exit_code=None,
+                requested=None,
+                max_error_rate=self.plan.max_error_rate,
+                client_said=None,
+            )
+            for folder in folders
+        ]
+        levels.extend(sorted(judged, key=lambda lv: lv.concurrency))
         if code:
-            said = _said(sink)
-            return f"the custom command exited with status {code}" + (
-                f": {said}" if said else ""
-            ), code
-        return None, code
+            said = self._cannot_start or _said(sink)
+            return (
+                f"the custom command {exit_words(code)}" + (f": {said}" if said else ""),
+                code,
+                None,
+            )
+        failed = next((lv.error for lv in levels if not lv.passed), None)
+        if failed is not None:
+            return failed, code, None
+        if not levels and self.plan.require_results:
+            return (
+                f"the custom command exited 0 and left no AIPerf results in {self.files.root} "
+                "(benchmark.require_results is set): write them under $TILERT_BENCH_RESULTS_DIR/"
+                "<name>/, or unset require_results",
+                code,
+                None,
+            )
+        return None, code, None if levels else NO_RESULTS_NOTE
 
     async def _client(self, sink: LogSink, what: str, argv: list[str], env: dict[str, str]) -> int:
         """Run the client once to its end; its exit status (cancellation stops it first)."""
         spec = self.launch_spec(CLIENT_NAME, argv, env, self.plan.image)
+        self._cannot_start = None
         try:
             process = await self.launcher.start(spec)
         except OSError as exc:
-            sink.note(f"=== {what}: cannot start {argv[0]}: {exc} ===")
+            self._cannot_start = f"cannot start {argv[0]}: {exc.strerror or exc}" + (
+                f"; {AIPERF_HINT}" if self.plan.type == "aiperf" else ""
+            )
+            sink.note(f"=== {what}: {self._cannot_start} ===")
             return 127
         sink.note(f"=== {what}: pid {process.pid}: {' '.join(argv)} ===")
         code: int | None = None
@@ -302,8 +335,58 @@ class BenchmarkRun:
             with trio.CancelScope(shield=True):
                 stopped = await process.stop(self.plan.stop_grace_s)
             if code is None:  # cancelled: stop() ended it
-                sink.note(
-                    f"=== {what}: {self._interrupted or 'stopped'}: exit status {stopped} ==="
-                )
-        sink.note(f"=== {what}: exited with status {code} ===")
+                why = self._interrupted or "out of benchmark.timeout_s"
+                sink.note(f"=== {what}: {why}: it {exit_words(stopped)} ===")
+        sink.note(f"=== {what}: it {exit_words(code)} ===")
         return code
+
+
+def judge_level(
+    folder: Path,
+    *,
+    gpus: int,
+    concurrency: int | None,
+    exit_code: int | None,
+    requested: int | None,
+    max_error_rate: float,
+    client_said: str | None,
+) -> LevelResult:
+    """One level judged by what its AIPerf folder measured, whoever ran the client (ours: its
+    ``concurrency`` and ``exit_code``; a custom command's: both from the folder). Never raises:
+    a folder that cannot be read fails its level, naming the file."""
+    fields: dict[str, object] = {"concurrency": concurrency or 0, "results": str(folder)}
+    results_error = request_error = None
+    try:
+        read = read_level(folder, gpus, concurrency)
+        fields.update(read.fields)
+        request_error = read.request_error
+        requested = requested if requested is not None else read.requested
+    except ResultsError as exc:
+        results_error = str(exc)
+        try:  # no summary (every request failed): the per-request records say why
+            ok, failed, tokens, request_error = read_records(folder)
+            fields.update(requests_ok=ok, requests_failed=failed, output_tokens=tokens)
+        except ResultsError:
+            pass
+    level = msgspec.convert({**fields, "passed": True, "client_exit_code": exit_code}, LevelResult)
+    ours = concurrency is not None
+    why = level_failure(
+        concurrency=level.concurrency,
+        exit_code=exit_code,
+        requests_ok=level.requests_ok,
+        requests_failed=level.requests_failed,
+        output_tokens=level.output_tokens,
+        requested=requested,
+        max_error_rate=max_error_rate,
+        results_error=results_error,
+        request_error=request_error,
+        client_said=client_said,
+        where=None if ours else _custom_where(level.concurrency, folder),
+    )
+    return msgspec.structs.replace(level, passed=why is None, error=why)
+
+
+def _custom_where(concurrency: int, folder: Path) -> str:
+    """How a reason names a custom command's level: its concurrency (when its export says) and
+    its folder."""
+    return f"concurrency {concurrency} in {folder}" if concurrency else f"the results in {folder}"

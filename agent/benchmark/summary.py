@@ -12,6 +12,7 @@ import msgspec
 
 from agent.job.atomicfile import write_atomic
 from agent.job.benchmark import BenchmarkFiles, BenchmarkSummary, LevelResult
+from agent.problems import printable
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("CONC", "concurrency"),
@@ -68,8 +69,11 @@ def render_rows(rows: list[list[str]], *, labelled: bool = False) -> str:
 
 def render_summary(summary: BenchmarkSummary) -> str:
     """The verdict, what was measured, and one row per level."""
-    lines = [f"benchmark: {summary.state}" + (f": {summary.error}" if summary.error else "")]
-    lines.append(f"model: {summary.model} at {summary.router_url} ({summary.type})")
+    # What clients said is escaped where it is read; once more here, for a summary.json written
+    # by another version.
+    error = f": {printable(summary.error)}" if summary.error else ""
+    lines = [f"benchmark: {summary.state}{error}"]
+    lines.append(printable(f"model: {summary.model} at {summary.router_url} ({summary.type})"))
     if summary.type == "aiperf":
         per_level = (
             f"{summary.num_requests} requests"
@@ -89,6 +93,8 @@ def render_summary(summary: BenchmarkSummary) -> str:
         lines += ["", "plots: " + ", ".join(summary.plots)]
     elif summary.plots_note:
         lines += ["", f"plots: {summary.plots_note}"]
+    if summary.note:
+        lines += ["", f"note: {printable(summary.note)}"]
     return "\n".join(lines)
 
 

@@ -8,6 +8,13 @@ The first failed level fails the run; its reason names the level.
 
 from __future__ import annotations
 
+from agent.launch.spec import exit_description
+
+
+def exit_words(code: int) -> str:
+    """How a client ended, in words: ``exited with status 3``, or ``was killed by SIGKILL``."""
+    return exit_description(code, noun="status")
+
 
 def level_failure(
     *,
@@ -21,17 +28,19 @@ def level_failure(
     results_error: str | None,
     request_error: str | None,
     client_said: str | None,
+    where: str | None = None,
 ) -> str | None:
-    """Why the level at ``concurrency`` failed, or None when it passed."""
-    where = f"concurrency {concurrency}"
+    """Why the level at ``concurrency`` failed, or None when it passed. ``where``: how the
+    reason names the level (default ``concurrency N``)."""
+    where = where or f"concurrency {concurrency}"
     total = requests_ok + requests_failed
-    exited = f"; the client exited with status {exit_code}" if exit_code else ""
+    exited = f"; the client {exit_words(exit_code)}" if exit_code else ""
     if output_tokens == 0 and total:
         cause = f": {requests_failed} failed ({request_error})" if request_error else ""
         return f"{where}: 0 output tokens in {total} request(s){cause}{exited}"
     if exit_code:
         detail = f": {client_said}" if client_said else ""
-        return f"{where}: the client exited with status {exit_code}{detail}"
+        return f"{where}: the client {exit_words(exit_code)}{detail}"
     if results_error is not None:
         return f"{where}: {results_error}"
     if output_tokens == 0:

@@ -22,6 +22,7 @@ import trio
 from agent.errors import RuntimeFailure
 from agent.head.decisions import JobFailed
 from agent.job.plan import Plan
+from agent.problems import printable
 
 CANARY_RETRY_S = 0.5
 CONNECT_TIMEOUT_S = 5.0
@@ -118,7 +119,7 @@ async def _attempt(
     headers = {"Connection": "close"}
     async with client.stream("POST", url, json=body, timeout=bounds, headers=headers) as response:
         if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace").strip()[:300]
+            detail = printable((await response.aread()).decode(errors="replace").strip()[:300])
             raise CanaryFailed(
                 f"router answered HTTP {response.status_code}: {detail or '(no body)'}"
             )

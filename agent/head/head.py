@@ -52,7 +52,7 @@ from agent.head.trial import prove_joining
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names, agent_sort_key
-from agent.job.records import EngineStatus, Gate, JobAgent, JobStatus
+from agent.job.records import EngineStatus, Gate, JobAgent, JobStatus, with_last_states
 from agent.job.vocab import SERVING_STATES, JobState
 from agent.node.jobend import end_job
 from agent.node.servicenotes import Standing
@@ -112,6 +112,8 @@ class Head:
             else BenchmarkStage(ctx, bench, on_done=self._benchmark_done)
         )
         self.ended_by: BenchmarkSummary | None = None
+        # Set once this node has stopped: status.json then shows every agent's last state.
+        self.ended = False
         self._poke = trio.Event()
         self._stop = trio.Event()
         # Changes seen (pokes, and the head's own decisions), and the view built at that count.
@@ -203,7 +205,7 @@ class Head:
 
     def _job_status(self) -> JobStatus:
         view = self._view()
-        return JobStatus(
+        status = JobStatus(
             state=self.state,
             model=self.plan.model,
             router_url=self.router_url,
@@ -218,6 +220,11 @@ class Head:
             benchmark=self.bench.status() if self.bench is not None else msgspec.UNSET,
             gate=self.gate if self.gate is not None else msgspec.UNSET,
         )
+        if self.ended:
+            # The job has ended: no agent is shown serving for good (their last words may come
+            # after the head's; under Slurm no one writes after it).
+            return with_last_states(status, f"stopped with the job ({self.state})")
+        return status
 
     def _on_records(self) -> None:
         self.status_file.write_targets(self.peers.records())
@@ -569,6 +576,7 @@ class Head:
             # Failed is said at once (users read it while we drain); stopping only on request.
             self._set_state("failed" if self.error else "stopping", self.error or why)
             await self.ctx.stop_node()
+            self.ended = True
             self._set_state("failed" if self.error else "stopped", self.error or why)
             nursery.cancel_scope.cancel()
         return code

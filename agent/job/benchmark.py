@@ -30,6 +30,8 @@ Placement = Literal["head", "last_decode"]
 CHAT_ENDPOINT = "/v1/chat/completions"
 # The folder of the head's run under J/, and of its log under J/logs/.
 BENCHMARK_DIR = "benchmark"
+# The whole benchmark's budget unless benchmark.timeout_s says otherwise: a day.
+BENCHMARK_TIMEOUT_S = 86400.0
 
 
 class BenchmarkPlan(msgspec.Struct, kw_only=True):
@@ -45,6 +47,8 @@ class BenchmarkPlan(msgspec.Struct, kw_only=True):
     env: dict[str, str]
     secret_env: list[str]
     stop_grace_s: float
+    # The whole run's budget: the client is stopped and the verdict failed when it runs out.
+    timeout_s: float = BENCHMARK_TIMEOUT_S
     # aiperf: the executable (``aiperf_command``) and the measurement.
     program: list[str] = []
     isl: int | None = None
@@ -59,8 +63,9 @@ class BenchmarkPlan(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None
     extra_args: list[str] = []
     max_error_rate: float = 0.0
-    # custom: the command, run with ``bash -c``.
+    # custom: the command, run with ``bash -c``; whether it must leave AIPerf folders to judge.
     command: str | None = None
+    require_results: bool = False
 
 
 class BenchmarkStatus(msgspec.Struct, kw_only=True):
@@ -140,6 +145,8 @@ class BenchmarkSummary(msgspec.Struct, kw_only=True):
     # PNG files next to summary.json; a note when none could be made.
     plots: list[str] = []
     plots_note: str | None = None
+    # What the verdict rests on when it is not the levels ("no results to judge").
+    note: str | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,16 @@ from typing import Annotated, Literal
 import msgspec
 
 from agent.job.benchmark import BenchmarkStatus
-from agent.job.vocab import AgentState, EngineState, ExitState, JobState, PoolState, Process, Role
+from agent.job.vocab import (
+    FINAL_STATES,
+    AgentState,
+    EngineState,
+    ExitState,
+    JobState,
+    PoolState,
+    Process,
+    Role,
+)
 
 RECORD_SCHEMA = 1
 # Linux's largest pid_max.
@@ -177,3 +186,21 @@ class JobStatus(msgspec.Struct, kw_only=True):
     benchmark: BenchmarkStatus | msgspec.UnsetType = msgspec.UNSET
     # Once the router has started (bring-up only; a restart without a dropped decode is no gate).
     gate: Gate | msgspec.UnsetType = msgspec.UNSET
+
+
+def with_last_states(status: JobStatus, why: str) -> JobStatus:
+    """``status`` of a job that has ended, every agent and the router in its last state: one
+    still shown running (its last word missed) is ``stopped`` with ``why`` and what it last said.
+    A ``failed`` one keeps its reason."""
+
+    def last(entry: JobAgent) -> JobAgent:
+        if entry.state in FINAL_STATES:
+            return entry
+        said = f" (it last said {entry.state}: {entry.reason})" if entry.reason else ""
+        return msgspec.structs.replace(entry, state="stopped", reason=f"{why}{said}")
+
+    return msgspec.structs.replace(
+        status,
+        agents=[last(a) for a in status.agents],
+        router=last(status.router) if status.router is not None else None,
+    )

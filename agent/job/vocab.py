@@ -25,8 +25,10 @@ PROCESSES: tuple[Process, ...] = get_args(Process)
 EngineState = Literal[
     "converting", "starting", "healthy", "unhealthy", "restarting", "failed", "stopping", "stopped"
 ]
-# An agent's last word in its rendezvous record.
+# An agent's last word in its rendezvous record; also the states an agent, the router or the job
+# ends in.
 ExitState = Literal["failed", "stopped"]
+FINAL_STATES: tuple[ExitState, ...] = get_args(ExitState)
 # An agent as the head sees it (a row of status.json): its engine's state, or ``missing`` (no
 # record yet), ``unreachable`` (not answering its ``/status``); ``pending`` until the job starts.
 AgentState = Literal[EngineState, "missing", "unreachable", "pending"]

@@ -21,6 +21,7 @@ from dataclasses import replace
 import msgspec
 
 from agent.launch.spec import Launcher, LaunchSpec, RunTimeout
+from agent.problems import printable
 
 RESULT_PREFIX = "TILERT_PREFLIGHT "
 SETUP_FAILED_PREFIX = "TILERT_PREFLIGHT_SETUP_FAILED "
@@ -147,7 +148,7 @@ def preflight_argv(checks: PreflightChecks) -> list[str]:
 def _tail(output: bytes) -> str:
     lines = [ln for ln in output.decode(errors="replace").splitlines() if ln.strip()]
     lines = [ln for ln in lines if not ln.startswith(RESULT_PREFIX)][-OUTPUT_TAIL_LINES:]
-    return " | ".join(lines) if lines else "(no output)"
+    return printable(" | ".join(lines)) if lines else "(no output)"
 
 
 def _where(spec: LaunchSpec, checks: PreflightChecks) -> str:

@@ -7,6 +7,7 @@ backend guarantees behind this contract.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +27,18 @@ _SETUP_WRAPPER = (
     '__tilert_setup=$1; shift; __tilert_argv=("$@"); set --; '
     '. "$__tilert_setup" && exec "${__tilert_argv[@]}"'
 )
+
+
+def exit_description(code: int, noun: str = "code") -> str:
+    """How a process ended, from its return code: ``exited with code 1`` (or ``status``, the
+    ``noun``), ``was killed by SIGKILL`` (a negative code is a signal, as Python reports it)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with {noun} {code}"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from agent.launch.jobspecs import SpecBuilder
 from agent.node.identity import Identity
 from agent.node.logpump import LogSink
 from agent.node.weightsfolder import ConvertedMarker, Inspection, WeightsError
+from agent.problems import printable
 
 # The last lines of convert.log a failure quotes.
 CONVERT_LOG_TAIL = 5
@@ -172,4 +173,4 @@ class Converter:
         except OSError:
             return "(none)"
         lines = [ln for ln in lines if ln.strip() and not ln.startswith("===")]
-        return " | ".join(lines[-CONVERT_LOG_TAIL:]) or "(none)"
+        return printable(" | ".join(lines[-CONVERT_LOG_TAIL:])) or "(none)"  # its words, escaped

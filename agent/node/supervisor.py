@@ -42,6 +42,7 @@ from agent.launch import Launcher, LaunchSpec, ProcessHandle
 from agent.node.enginewatch import EngineWatch
 from agent.node.logpump import LogSink
 from agent.node.ports import is_bindable
+from agent.problems import printable
 from agent.signatures import Where
 
 ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
@@ -385,7 +386,7 @@ class EngineSupervisor:
             reason,
             len(lines),
             self.sink.path,
-            "\n".join(lines),
+            "\n".join(printable(line) for line in lines),  # the engine's words, escaped
         )
 
     async def _one_generation(self, client: httpx.AsyncClient) -> str | None:

@@ -1,16 +1,16 @@
 """The benchmark's part of the plan: ``benchmark:`` resolved for the head (docs/benchmark.md).
 
 ``manual`` has none (the field stays absent from plan.json). Defaults are applied here, once:
-``keep_serving`` false, ``client_placement`` head, ``max_error_rate`` 0, ``aiperf`` on PATH,
-``num_requests`` ten times the level when neither it nor ``duration_s`` is set (at runtime),
-the tokenizer from ``frontend.args.model-path``.
+``keep_serving`` false, ``client_placement`` head, ``timeout_s`` a day, ``require_results``
+false, ``max_error_rate`` 0, ``aiperf`` on PATH, ``num_requests`` ten times the level when neither
+it nor ``duration_s`` is set (at runtime), the tokenizer from ``frontend.args.model-path``.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from agent.job.benchmark import BenchmarkPlan
+from agent.job.benchmark import BENCHMARK_TIMEOUT_S, BenchmarkPlan
 from agent.recipe.model import Recipe
 from agent.recipe.rules.benchmark import (
     DEFAULT_AIPERF_COMMAND,
@@ -42,9 +42,15 @@ def benchmark_plan(
         "env": env,
         "secret_env": secret_env,
         "stop_grace_s": stop_grace_s,
+        "timeout_s": bench.timeout_s or BENCHMARK_TIMEOUT_S,
     }
     if kind == "custom":
-        return BenchmarkPlan(type="custom", command=bench.command, **common)  # type: ignore[arg-type]
+        return BenchmarkPlan(
+            type="custom",
+            command=bench.command,
+            require_results=bool(bench.require_results),
+            **common,  # type: ignore[arg-type]
+        )
     return BenchmarkPlan(
         type="aiperf",
         program=[bench.aiperf_command or DEFAULT_AIPERF_COMMAND],

@@ -1,11 +1,11 @@
 """Recipe YAML -> a resolved, validated ``Recipe``, with every problem reported at once.
 
-Order: YAML syntax (line and column) -> one ``sweep:`` combination (``agent.recipe.sweep``) ->
-``--set`` overrides and ``--unset`` -> shape (unknown keys with "did you
-mean", wrong types; bad entries pruned) -> ``msgspec.convert`` -> resolution (cluster defaults,
-image and model aliases, ``hf:`` ids, ``./`` paths, role layout defaults) -> the load-time rules
-(``agent.recipe.rules``). Errors from every stage are raised together in one ``InputError``;
-warnings ride along in ``LoadedRecipe.warnings``.
+Order: YAML syntax (line and column) -> ``--set`` overrides and ``--unset`` -> one ``sweep:``
+combination (``agent.recipe.sweep``; the flags come first, so ``--unset sweep`` runs one) ->
+shape (unknown keys with "did you mean", wrong types; bad entries pruned) -> ``msgspec.convert``
+-> resolution (cluster defaults, image and model aliases, ``hf:`` ids, ``./`` paths, role
+layout defaults) -> the load-time rules (``agent.recipe.rules``). Errors from every stage are
+raised together in one ``InputError``; warnings ride along in ``LoadedRecipe.warnings``.
 
 ``resolved_yaml`` writes what was loaded (aliases resolved, defaults merged, secrets masked) for
 ``J/recipe.yaml``; agents load it again with ``cluster=None`` and get the same recipe.
@@ -41,7 +41,14 @@ from agent.recipe.model import (
     role_layout,
 )
 from agent.recipe.overrides import FLAG, apply_overrides, apply_unsets, parse_override
-from agent.recipe.sweep import SWEEP_KEY, Combination, apply_combination, read_sweep
+from agent.recipe.sweep import (
+    MAX_JOBS,
+    SWEEP_KEY,
+    Combination,
+    apply_combination,
+    read_sweep,
+    unfilled,
+)
 from agent.recipe.textfile import read_text
 from agent.recipe.typedyaml import (
     KeyPath,
@@ -357,11 +364,9 @@ def _under(path: str, prefixes: Sequence[str]) -> str | None:
     return None
 
 
-def _raw_recipe(
-    text: str, source: str, combination: Combination | None
-) -> tuple[Any, dict[str, int], list[Problem]]:
-    """The recipe's YAML as a mapping (one sweep combination applied), its lines and the
-    problems parsing found; InputError when it is no recipe or an unexpanded sweep."""
+def _raw_recipe(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem]]:
+    """The recipe's YAML as a mapping, its lines and the problems parsing found; InputError when
+    it is no recipe."""
     try:
         raw, lines, problems = parse(text)
     except YamlSyntaxError as exc:
@@ -382,9 +387,23 @@ def _raw_recipe(
             ],
             source,
         )
+    return raw, lines, problems
+
+
+def _one_combination(
+    raw: dict[str, Any],
+    combination: Combination | None,
+    *,
+    swept: bool,
+    problems: list[Problem],
+    source: str,
+) -> dict[str, Any]:
+    """The recipe after the flags, with one sweep combination's values substituted; InputError
+    for a sweep left unexpanded. ``swept``: the file had a sweep (the flags may have removed it:
+    then each placeholder left without a ``--set`` is a problem)."""
     if combination is not None:
-        raw = apply_combination(raw, combination)
-    elif SWEEP_KEY in raw:
+        return apply_combination(raw, combination)
+    if SWEEP_KEY in raw:
         raise InputError(
             [
                 *problems,
@@ -397,7 +416,9 @@ def _raw_recipe(
             ],
             source,
         )
-    return raw, lines, problems
+    if swept:
+        problems += _unfilled(raw)
+    return raw
 
 
 def _typed(raw: Any, problems: list[Problem], source: str) -> tuple[Recipe, Sequence[str]]:
@@ -441,12 +462,14 @@ def load_recipe_text(
 
     ``combination``: the values of one combination of the recipe's ``sweep:`` section.
     """
-    raw, lines, problems = _raw_recipe(text, source, combination)
-    try:
+    raw, lines, problems = _raw_recipe(text, source)
+    swept = SWEEP_KEY in raw
+    try:  # the flags first: `--set ... --unset sweep` runs one combination
         raw = apply_unsets(apply_overrides(raw, overrides), unsets)
     except InputError as exc:
         raise InputError([*problems, *exc.problems], source) from None
     overridden = [".".join(parse_override(item)[0]) for item in overrides]
+    raw = _one_combination(raw, combination, swept=swept, problems=problems, source=source)
     recipe, pruned = _typed(raw, problems, source)
     gpus_unset = [
         name
@@ -470,8 +493,28 @@ def load_recipe_text(
     )
 
 
-def recipe_sweep(path: Path) -> list[Combination] | None:
-    """The combinations of a recipe file's ``sweep:`` section; None when it has none."""
+def _unfilled(raw: dict[str, Any]) -> list[Problem]:
+    """A sweep removed by ``--unset sweep``: each placeholder left without a ``--set`` value."""
+    return [
+        error(
+            path,
+            f'"{{{name}}}" has no value: the sweep that gave it one was removed (--unset sweep)',
+            f"give it with --set {path}=VALUE",
+        )
+        for name, path in sorted(unfilled(raw).items())
+    ]
+
+
+def recipe_sweep(
+    path: Path,
+    *,
+    overrides: Sequence[str] = (),
+    unsets: Sequence[str] = (),
+    max_jobs: int = MAX_JOBS,
+) -> list[Combination] | None:
+    """The combinations of a recipe file's ``sweep:`` section after the ``--set``/``--unset``
+    flags (which come first); None when it has none. InputError for a bad sweep or more than
+    ``max_jobs`` combinations (counted, not expanded)."""
     text = read_text(path, "recipe")
     try:
         raw, lines, _ = parse(text)
@@ -480,7 +523,13 @@ def recipe_sweep(path: Path) -> list[Combination] | None:
     if not isinstance(raw, dict) or SWEEP_KEY not in raw:
         return None
     try:
-        return read_sweep(raw)
+        raw = apply_unsets(apply_overrides(raw, overrides), unsets)
+    except InputError as exc:
+        raise InputError(exc.problems, str(path)) from None
+    if SWEEP_KEY not in raw:
+        return None
+    try:
+        return read_sweep(raw, max_jobs)
     except InputError as exc:
         located = [msgspec.structs.replace(p, line=line_of(p.path, lines)) for p in exc.problems]
         raise InputError(located, str(path)) from None

@@ -151,6 +151,11 @@ class Benchmark(_Strict):
     command: str | None = None
     # Default false for aiperf and custom: the job ends after the benchmark.
     keep_serving: bool | None = None
+    # custom: fail when the command leaves no AIPerf folder to judge (default false: passed,
+    # with the note "no results to judge").
+    require_results: bool | None = None
+    # The whole benchmark's budget (both types); default BENCHMARK_TIMEOUT_S.
+    timeout_s: Budget | None = None
 
 
 # ---- our own section -------------------------------------------------------------------------
@@ -218,7 +223,19 @@ class Canary(_Strict):
     # The whole proof's budget; each attempt (one chat) is cut at ``attempt_timeout_s`` and
     # retried while the budget lasts.
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] = 180.0
-    attempt_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] = 60.0
+    # Default: CANARY_ATTEMPT_S, or timeout_s when that is shorter (canary_attempt_s).
+    attempt_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] | None = None
+
+
+# An attempt's bound unless agent.canary.attempt_timeout_s says otherwise.
+CANARY_ATTEMPT_S = 60.0
+
+
+def canary_attempt_s(canary: Canary) -> float:
+    """Each canary attempt's bound: the key's, else CANARY_ATTEMPT_S within the budget."""
+    if canary.attempt_timeout_s is not None:
+        return canary.attempt_timeout_s
+    return min(CANARY_ATTEMPT_S, canary.timeout_s)
 
 
 class LogSettings(_Strict):

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import copy
 import os
+import select
+import stat
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,13 +33,17 @@ FROM_ENV = "@env:"
 FROM_FILE = "@file:"
 # A secret is a token or a password, not a document: a bigger file is a mistake.
 FROM_FILE_LIMIT = 64 * 1024
+# A pipe's writer (``<(pass show token)``, which may ask for a passphrase) gets this long; after
+# FROM_FILE_SAY_AFTER_S the wait is said.
+FROM_FILE_WAIT_S = 60.0
+FROM_FILE_SAY_AFTER_S = 1.0
+PROG_NAME = "tilert-submit"
 
 
 def _read_secret_file(where: str, name: str) -> str:
     path = Path(name).expanduser()
     try:
-        with path.open("rb") as file:
-            data = file.read(FROM_FILE_LIMIT + 1)
+        data = _read_bounded(path, where)
     except OSError as exc:
         raise InputError(
             [error(where, f"cannot read {path}: {exc.strerror or exc}", "name a readable file")]
@@ -57,6 +65,55 @@ def _read_secret_file(where: str, name: str) -> str:
             [error(where, f"{path} is not UTF-8 text", "store the value as text")]
         ) from None
     return text.removesuffix("\n").removesuffix("\r")
+
+
+def _read_bounded(path: Path, where: str) -> bytes:
+    """At most FROM_FILE_LIMIT + 1 bytes of ``path``; a pipe (``<(pass show x)``, a FIFO) is
+    read until its writer closes it, within FROM_FILE_WAIT_S (InputError after it), saying so
+    when its writer is slow."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO with no writer opens at once
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+            return os.read(fd, FROM_FILE_LIMIT + 1)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + FROM_FILE_WAIT_S
+        said = False
+        data = b""
+        while len(data) <= FROM_FILE_LIMIT:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise InputError(
+                    [
+                        error(
+                            where,
+                            f"{path} gave no end of its value within {FROM_FILE_WAIT_S:g}s (a "
+                            "pipe whose writer never wrote, or never closed it)",
+                            "start the writer first, or put the value in a regular file",
+                        )
+                    ]
+                )
+            if not poller.poll(min(left, FROM_FILE_SAY_AFTER_S) * 1000):
+                if not said:
+                    said = True
+                    print(
+                        f"{PROG_NAME}: waiting for {path} (a pipe) to be written, up to "
+                        f"{FROM_FILE_WAIT_S:g}s; Ctrl-C to stop",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break  # the writer closed it
+            data += chunk
+        return data
+    finally:
+        os.close(fd)
 
 
 def read_indirect(where: str, text: str) -> str | None:

@@ -27,6 +27,7 @@ import psutil
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobStatus
+from agent.problems import printable
 from submit.backend import Backend, BackendError
 
 # The signals that stop a job. From the moment status.json names the submitter until the
@@ -55,9 +56,12 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+SUPERVISOR_MODULE = "submit.local.run"
+
+
 def supervisor_argv(job: JobDir) -> list[str]:
     """The supervisor's command line: this interpreter, the module, the absolute job directory."""
-    return [sys.executable, "-m", "submit.local.run", str(job.root.absolute())]
+    return [sys.executable, "-m", SUPERVISOR_MODULE, str(job.root.absolute())]
 
 
 def _pid(status: JobStatus) -> int:
@@ -70,19 +74,29 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def _names_job(cmdline: list[str], job: JobDir) -> bool:
-    """Whether an absolute argument of ``cmdline`` is the job directory itself."""
-    for arg in cmdline[1:]:
-        if os.path.isabs(arg):
-            with contextlib.suppress(OSError):
-                if os.path.samefile(arg, job.root):
-                    return True
-    return False
+def _is_supervisor_of(cmdline: list[str], job: JobDir) -> bool:
+    """Whether ``cmdline`` is, whole, the supervisor's of ``job``: a Python interpreter, ``-m
+    submit.local.run`` and the job directory itself (``supervisor_argv``), nothing else."""
+    if len(cmdline) != 4 or cmdline[1:3] != ["-m", SUPERVISOR_MODULE]:
+        return False
+    if not os.path.basename(cmdline[0]).startswith("python") or not os.path.isabs(cmdline[3]):
+        return False
+    try:
+        return os.path.samefile(cmdline[3], job.root)
+    except OSError:
+        return False
 
 
 def not_the_supervisor(job: JobDir, status: JobStatus) -> str | None:
-    """Why the live pid status.json names is not this job's supervisor, or None when it is."""
+    """Why the live pid status.json names is not this job's supervisor, or None when it is:
+    its start time must be the one status.json recorded and its whole command line the
+    supervisor's (a forged start time on another process is refused by its command line)."""
     pid = _pid(status)
+    if status.local_started_at is None:
+        return (
+            f"status.json names pid {pid} without the supervisor's start time "
+            "(local_started_at), so it cannot be told from another process that reuses the pid"
+        )
     try:
         proc = psutil.Process(pid)
         started = proc.create_time()
@@ -91,17 +105,18 @@ def not_the_supervisor(job: JobDir, status: JobStatus) -> str | None:
         return f"pid {pid} is gone"
     except psutil.Error as exc:
         return f"pid {pid} cannot be inspected ({type(exc).__name__})"
-    if status.local_started_at is not None and (
-        abs(started - status.local_started_at) > START_TIME_SLACK_S
-    ):
+    if abs(started - status.local_started_at) > START_TIME_SLACK_S:
         return (
             f"pid {pid} started at {_when(started)}, but this job's supervisor started at "
             f"{_when(status.local_started_at)}: the pid now names another process"
         )
-    if not _names_job(cmdline, job):
-        shown = shlex.join(cmdline)
+    if not _is_supervisor_of(cmdline, job):
+        shown = printable(shlex.join(cmdline))
         shown = shown if len(shown) <= 120 else shown[:117] + "..."
-        return f"pid {pid} ({shown or 'no command line'}) does not name {job.root}"
+        return (
+            f"pid {pid} ({shown or 'no command line'}) is not this job's supervisor "
+            f"(python -m {SUPERVISOR_MODULE} {job.root})"
+        )
     return None
 
 
@@ -165,8 +180,9 @@ class LocalBackend(Backend):
             why = not_the_supervisor(job, status)
             if why is not None:
                 raise BackendError(
-                    f"not signalling pid {pid}: {why}. The job's supervisor is gone "
-                    "(status.json is stale); if you know better, stop that process yourself"
+                    f"not signalling pid {pid}: {why}. The job's supervisor is gone or "
+                    "status.json does not prove which process it is; if you know better, stop "
+                    "that process yourself"
                 )
             if status.state == "stopping":
                 # A stop is under way (another `stop`, a Ctrl-C): a second signal would force it.

@@ -34,9 +34,10 @@ from agent.job.names import HEAD_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
 from agent.job.pool import PoolFileError, read_pool
-from agent.job.records import JobAgent, JobStatus
-from agent.job.vocab import Role
+from agent.job.records import JobStatus, with_last_states
+from agent.job.vocab import FINAL_STATES, Role
 from agent.launch import LaunchSpec, ProcessHandle, make_launcher
+from agent.launch.spec import exit_description
 from agent.node.logpump import LogSink
 from agent.problems import printable
 from submit.local.backend import STOP_SIGNALS
@@ -47,7 +48,6 @@ POLL_S = 0.25
 SAME_REQUEST_S = 1.0
 # Before the head's own clock runs: the agents' Python start and imports on a loaded machine.
 AGENT_START_S = 20.0
-FINAL_STATES = ("stopped", "failed")
 
 
 def agent_argv(job: JobDir, role: Role, index: int) -> list[str]:
@@ -84,25 +84,8 @@ def _summary(status: JobStatus) -> str:
     return ", ".join(f"{a.name} {a.state}" for a in status.agents) or "no agent yet"
 
 
-def exit_description(code: int) -> str:
-    """How a process ended, from its return code: ``exited with code 1``, ``was killed by
-    SIGKILL``."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
-
-
 def _say(message: str) -> None:
     print(message, flush=True)
-
-
-def _ended(entry: JobAgent, reason: str) -> None:
-    if entry.state not in FINAL_STATES:
-        entry.state, entry.reason = "stopped", reason
 
 
 class LocalRun:
@@ -229,16 +212,13 @@ class LocalRun:
             status.state, status.error = "failed", self.failure
             reason = "stopped: the job failed"
         elif status.state in FINAL_STATES:
-            return
+            reason = f"stopped with the job ({status.state})"
         else:
             # Stopped (or killed) before the head wrote its last state, or before it started:
             # without this, status.json would read `pending` or `ready` for good.
             status.state = "stopped"
             reason = "stopped by tilert-submit" + (" (killed)" if self.forced else "")
-        for entry in status.agents:
-            _ended(entry, reason)
-        if status.router is not None:
-            _ended(status.router, reason)
+        status = with_last_states(status, reason)
         status.router_url = None
         status.updated_at = time.time()
         self._write(status)
@@ -265,7 +245,7 @@ class LocalRun:
                     ready_said = True
                     self._say_ready(status, elapsed)
                 elif status.state == "failed":
-                    _say(f"job failed: {status.error}")
+                    _say(f"job failed: {printable(status.error or 'no reason given')}")
                     return 1
                 line = f"{status.state}: {_summary(status)}"
                 now = time.monotonic()
@@ -334,7 +314,7 @@ class LocalRun:
         who = f"the head agent {HEAD_NAME}" if self.lead == HEAD_NAME else self.lead
         agent_log = self.job.log_dir(self.lead) / "agent.log"
         error = status.error if status and status.error else f"see {agent_log}"
-        _say(f"{who} {how}: {error}")
+        _say(f"{who} {how}: {printable(error)}")
         tail = self.sinks[self.lead].recent(20)
         if tail:
             _say("last lines of its stderr:\n  " + "\n  ".join(printable(line) for line in tail))

@@ -142,6 +142,26 @@ def _options(args: argparse.Namespace) -> Options:
     )
 
 
+def _access(job: JobDir, options: Options, catalogue: Catalogue) -> str:
+    """The job's bearer token when its logs are read through the agents (else ""); ValueError
+    saying why the logs cannot be read as asked (``-f`` of a job never submitted, no token)."""
+    if options.follow:
+        from submit.logview.jobend import never_submitted
+
+        unsubmitted = never_submitted(job)
+        if unsubmitted is not None:
+            raise ValueError(unsubmitted)
+    if not catalogue.node_local:
+        return ""
+    try:
+        return job.read_token()
+    except OSError as exc:
+        raise ValueError(
+            f"engine logs are on the nodes (agent.logs.location: node) and are read through "
+            f"the agents, which needs {job.token}: {exc.strerror or exc}"
+        ) from None
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``tilert-submit logs``: 0 when read (or the followed job stopped), 1 when the followed
     job failed or an agent could not be reached, 2 for a bad J, NAME or option, 130 on Ctrl-C
@@ -166,15 +186,10 @@ def main(args: argparse.Namespace) -> int:
         selection = Selection(list(words), catalogue)
     except SelectionError as exc:
         return _fail(str(exc))
-    token = ""
-    if catalogue.node_local:
-        try:
-            token = job.read_token()
-        except OSError as exc:
-            return _fail(
-                f"engine logs are on the nodes (agent.logs.location: node) and are read through "
-                f"the agents, which needs {job.token}: {exc.strerror or exc}"
-            )
+    try:
+        token = _access(job, options, catalogue)
+    except ValueError as exc:
+        return _fail(str(exc))
     out = sys.stdout
     if hasattr(out, "reconfigure"):
         out.reconfigure(errors="replace")

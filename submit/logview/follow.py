@@ -2,7 +2,9 @@
 
 Each source's history is printed in turn, in name order; then every source is followed at once,
 and sources that appear later (an agent that starts late, a pattern's new match) join at the next
-rescan. It ends:
+rescan. The history of every source found at the start is printed whatever the end watcher has
+decided meanwhile (an agent that failed before ``logs -f`` started is the one whose lines matter
+most); only Ctrl-C cuts it short. It ends:
 
 - when the job ends (``jobend``): the followers read what is left and the exit code is the job's
   (0 stopped, 1 failed), as ``kubectl logs -f`` ends with its container;
@@ -68,7 +70,10 @@ class Session:
         self.selection = selection
         self.options = options
         self.printer = printer
+        # Set at the end (or on a signal): followers read what is left and return.
         self.stop = trio.Event()
+        # Set on a signal only: a history being printed is cut short too.
+        self.cut = trio.Event()
         self.ended: Ended | None = None
         self.unreachable: list[str] = []
         self.client: httpx.AsyncClient | None = None
@@ -108,12 +113,14 @@ class Session:
         """Start a reader per source in turn (each after the previous one's history)."""
         started: set[str] = set()
         first = True
-        while not self.stop.is_set():
+        # The first pass runs even when the end was decided already: its histories come first.
+        while first or not self.stop.is_set():
             sources = await trio.to_thread.run_sync(self.selection.sources)
             if first and not sources:
                 say(f"no logs yet in {self.job.logs} (no agent has started)")
             for source in sources:
-                if source.name in started or self.stop.is_set():
+                ended = self.cut.is_set() or (not first and self.stop.is_set())
+                if source.name in started or ended:
                     continue
                 started.add(source.name)
                 reader = self._read_remote if source.remote else self._read_local
@@ -141,7 +148,7 @@ class Session:
             past = history(follower, rotated=o.rotated)
             while (batch := await trio.to_thread.run_sync(next, past, None)) is not None:
                 self._emit(source.name, batch)
-                if self.stop.is_set():
+                if self.cut.is_set():
                     break
             task_status.started()
             async for batch in follower.batches(poll_s=POLL_S, stop=self.stop):
@@ -163,12 +170,11 @@ class Session:
         o = self.options
         tail = o.tail
         said: str | None = None
-        live = False
+        live = trio.Event()
 
         def on_live() -> None:
-            nonlocal live
-            if not live:
-                live = True
+            if not live.is_set():
+                live.set()
                 task_status.started()
 
         while True:
@@ -176,7 +182,7 @@ class Session:
             async with trio.open_nursery() as guard:
                 # At the end its agent sends the last lines and ends the stream; one whose agent
                 # goes on (a NAME that failed) gets a moment for them, then it is cut.
-                guard.start_soon(self._cut_after_stop, guard.cancel_scope)
+                guard.start_soon(self._cut_after_stop, guard.cancel_scope, live)
                 await self._ask(source, tail, answer, on_live)
                 guard.cancel_scope.cancel()
             on_live()  # the next source's history need not wait for this agent
@@ -237,8 +243,12 @@ class Session:
             answer.wrong = str(exc)
             answer.streamed = answer.streamed or exc.streamed
 
-    async def _cut_after_stop(self, scope: trio.CancelScope) -> None:
+    async def _cut_after_stop(self, scope: trio.CancelScope, live: trio.Event) -> None:
+        """After the end: the history first (within LAST_READ_S), then a moment for the rest."""
         await self.stop.wait()
+        if not self.cut.is_set():
+            with trio.move_on_after(LAST_READ_S):
+                await live.wait()
         await trio.sleep(REMOTE_LAST_S)
         scope.cancel()
 
@@ -249,23 +259,30 @@ class Session:
             ended = await trio.to_thread.run_sync(end.check)
             if ended is not None:
                 if ended.job:
-                    await self._wait_gone(end)
+                    await self._wait_gone(end, ended)
                 self.ended = ended
                 self.stop.set()
                 return
             with trio.move_on_after(END_POLL_S):
                 await self.stop.wait()
 
-    async def _wait_gone(self, end: JobEnd) -> None:
+    async def _wait_gone(self, end: JobEnd, ended: Ended) -> None:
         """Wait for the job's processes to end (their last lines), within the drain grace."""
         try:
             limit = load_plan(self.job.plan.read_bytes()).drain_s()
         except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError):
             limit = DEFAULT_DRAIN_S
+        said = False
         with trio.move_on_after(limit):
             while not self.stop.is_set():
                 if await trio.to_thread.run_sync(end.gone_now):
                     return
+                if not said:  # a wait of up to the drain grace: say what it waits for
+                    said = True
+                    say(
+                        f"{ended.why.split(':')[0]}; printing its last lines until its "
+                        f"processes end (at most {limit:g}s)"
+                    )
                 with trio.move_on_after(POLL_S):
                     await self.stop.wait()
 
@@ -293,6 +310,7 @@ class Session:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
             async for _ in signals:
+                self.cut.set()
                 self.stop.set()
                 if not self.options.follow:
                     self.interrupted = True

@@ -101,6 +101,23 @@ class JobEnd:
         return status.state in ENDING or (entry is not None and entry.state in ENDING)
 
 
+def never_submitted(job: JobDir) -> str | None:
+    """Why ``logs -f`` of ``job`` would wait for nothing: a ``--dry-run`` job that no backend
+    claimed and no agent has started (no rendezvous record, no log folder); else None."""
+    try:
+        status = job.read_status()
+        started = any(job.rendezvous.glob("*.json")) or any(job.logs.iterdir())
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if status.state != "pending" or status.slurm_job_id or status.local_pid or started:
+        return None
+    return (
+        f"{job.root} was never submitted (status.json is pending, names no Slurm job and no local "
+        "supervisor, and no agent has started): nothing will write its logs; submit the recipe "
+        "without --dry-run, or start its agents (docs/systemd.md), then follow it"
+    )
+
+
 def _entry(status: JobStatus, name: str) -> JobAgent | None:
     if name == ROUTER_NAME:
         return status.router

@@ -16,13 +16,14 @@ import msgspec
 
 from agent.problems import Problem, error
 from agent.recipe.model import Benchmark, Recipe, find_arg
+from agent.recipe.rules.values import program_path
 
 B = "benchmark"
 TYPES = ("manual", "aiperf", "custom")
 PLACEMENTS = ("head", "last_decode")
 DEFAULT_AIPERF_COMMAND = "aiperf"
 # Keys each type reads (``type`` aside); any other key set is refused.
-_SHARED = ("container_image", "client_placement", "env", "keep_serving")
+_SHARED = ("container_image", "client_placement", "env", "keep_serving", "timeout_s")
 TYPE_KEYS: dict[str, tuple[str, ...]] = {
     "manual": (),
     "aiperf": (
@@ -39,7 +40,7 @@ TYPE_KEYS: dict[str, tuple[str, ...]] = {
         "aiperf_command",
         *_SHARED,
     ),
-    "custom": ("command", *_SHARED),
+    "custom": ("command", "require_results", *_SHARED),
 }
 # srtctl's benchmark types and why each cannot run against TileRT 0.1.6.
 _OTHER_TYPES = {
@@ -186,7 +187,26 @@ def _aiperf(recipe: Recipe, bench: Benchmark, out: list[Problem]) -> None:
     # Numbers are in range already (their types in the model); the string forms are read here.
     _required(f"{B}.isl", bench.isl, out)
     _required(f"{B}.osl", bench.osl, out)
-    levels = concurrency_levels(bench.concurrencies)
+    aiperf_values(bench, out)
+    if tokenizer_of(recipe) is None:
+        out.append(
+            error(
+                f"{B}.tokenizer",
+                "AIPerf needs a tokenizer to make prompts of isl tokens, and neither "
+                "benchmark.tokenizer nor frontend.args.model-path names one",
+                "set benchmark.tokenizer to the model's tokenizer (a path or a hub id)",
+            )
+        )
+
+
+def aiperf_values(bench: Benchmark, out: list[Problem], *, partial: bool = False) -> None:
+    """The problems of an aiperf benchmark's own values (its levels, its bounds, its rate, its
+    flags); ``partial``: only the keys set are checked (``tilert-submit bench``'s flags, on top
+    of a recipe's)."""
+    if partial and bench.concurrencies is None:
+        levels: list[int] | None = [1]
+    else:
+        levels = concurrency_levels(bench.concurrencies)
     if levels is None:
         out.append(
             error(
@@ -230,15 +250,8 @@ def _aiperf(recipe: Recipe, bench: Benchmark, out: list[Problem]) -> None:
         )
     if bench.aiperf_command is not None and not bench.aiperf_command.strip():
         out.append(error(f"{B}.aiperf_command", "empty command", "remove it for `aiperf` on PATH"))
-    if tokenizer_of(recipe) is None:
-        out.append(
-            error(
-                f"{B}.tokenizer",
-                "AIPerf needs a tokenizer to make prompts of isl tokens, and neither "
-                "benchmark.tokenizer nor frontend.args.model-path names one",
-                "set benchmark.tokenizer to the model's tokenizer (a path or a hub id)",
-            )
-        )
+    elif bench.aiperf_command is not None:
+        program_path(f"{B}.aiperf_command", bench.aiperf_command, out)
     _extra_args(bench.extra_args, out)
 
 

@@ -29,7 +29,7 @@ from agent.recipe.model import (
     norm_arg,
     role_layout,
 )
-from agent.recipe.rules.values import is_hub_id
+from agent.recipe.rules.values import is_hub_id, program_path
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # The job directory is <name>-<yyyymmdd-hhmmss>: one path component of at most 255 bytes.
@@ -410,6 +410,8 @@ def _programs(recipe: Recipe, out: list[Problem]) -> None:
                     "name a python executable (on the engine's PATH, or an absolute path)",
                 )
             )
+        else:
+            program_path(path, python, out)
     scratch = agent.scratch_dir
     if scratch is not None and scratch != "job" and not scratch.startswith("/"):
         out.append(
@@ -435,6 +437,16 @@ def settings(recipe: Recipe, out: list[Problem]) -> None:
             )
         )
     _programs(recipe, out)
+    canary = agent.canary
+    if canary.attempt_timeout_s is not None and canary.attempt_timeout_s > canary.timeout_s:
+        out.append(
+            error(
+                "agent.canary.attempt_timeout_s",
+                f"{canary.attempt_timeout_s:g}s is longer than the whole proof's budget, "
+                f"agent.canary.timeout_s ({canary.timeout_s:g}s)",
+                f"make it at most {canary.timeout_s:g}, or raise agent.canary.timeout_s",
+            )
+        )
     prefill = recipe.roles.prefill
     if prefill is not None:
         _, _, gpus = role_layout(prefill, gpus_per_node(recipe))

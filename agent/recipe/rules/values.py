@@ -86,3 +86,19 @@ def is_bare_ipv4(value: Any) -> bool:
     except ValueError:
         return False
     return True
+
+
+def program_path(path: str, value: str, out: list[Problem]) -> None:
+    """A program the agent starts on the node (an interpreter, ``aiperf``): a bare name (looked up
+    on the engine's PATH) or an absolute path. A relative path would be resolved against the
+    node's working directory (in a container, the container's), which the recipe cannot know."""
+    if "/" in value and not value.startswith("/"):
+        out.append(
+            error(
+                path,
+                f"{value!r} is a relative path: it would be resolved against the node's working "
+                "directory (in a container, the container's)",
+                f"write an absolute path (e.g. $PWD/{value.removeprefix('./')} on the command "
+                "line), or a bare name found on the engine's PATH",
+            )
+        )

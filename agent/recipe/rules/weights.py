@@ -14,6 +14,7 @@ import posixpath
 from agent.facts import CONVERTER_MODEL_TYPES, DEFAULT_TILERT_MODEL, TILERT_MODELS
 from agent.problems import Problem, error
 from agent.recipe.model import Convert, Recipe, Role, find_arg
+from agent.recipe.rules.values import program_path
 
 CONVERT = "roles.decode.convert"
 
@@ -113,6 +114,8 @@ def _decode_convert(decode: Role, convert: Convert, out: list[Problem]) -> None:
                 "name the python that can import the converter, or remove it for `python`",
             )
         )
+    else:
+        program_path(f"{CONVERT}.python", convert.python, out)
 
 
 def _model_type(decode: Role, convert: Convert, out: list[Problem]) -> None:
