@@ -1,4 +1,4 @@
-"""The project's errors, in one tree, and the exit codes of both command lines.
+r"""The project's errors, in one tree, and the exit codes of both command lines.
 
 Every error of ``agent`` and ``submit`` is a ``TilertError``, on one of two branches: bad input
 (the user can fix it: a recipe key, a flag, a file; exit 2) or a runtime failure (something went
@@ -12,6 +12,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── IdentityError         agent.node.identity: the environment does not say who we are
     │   ├── SelectionError        submit.logview.catalogue: ``logs J NAME`` names no log
     │   ├── BenchFlagsError       submit.bench: a ``bench`` flag out of the recipe's rules
+    │   ├── PoolFileError         agent.job.pool: ``J/pool.json`` cannot be used
     │   └── FaultConfigError      agent.standins.faults: a stand-in's fault switch is malformed
     ├── RuntimeFailure            exit 1: what failed, where, and what to do next
     │   ├── JobFailed             agent.head.decisions: the job can no longer serve
@@ -20,6 +21,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── LockLost              agent.node.folderlock: the weights folder's lock was taken
     │   ├── RecordProblem         agent.node.rendezvous: a rendezvous file that is no record
     │   ├── UpstreamError         agent.http.upstream: vLLM's /metrics answer is unusable
+    │   ├── PollFailed            agent.http.longpoll: a peer's long poll got no usable answer
     │   ├── PageError             agent.http.reexport: vLLM's /metrics page does not parse
     │   ├── RunTimeout            agent.launch.spec: a one-shot process ran past its bound
     │   ├── ResultsError          agent.benchmark.results: a level's export is unreadable
@@ -34,7 +36,8 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
 Most of them never reach a command line: the agent turns a failure into a state (``failed``,
 ``unreachable``, a dropped decode) and the job degrades instead of dying; the tree says what
 each would mean if it did. Subclasses keep a standard base where callers rely on it
-(``PageError`` is a ``ValueError``, ``RunTimeout`` a ``TimeoutError``).
+(``PageError`` and ``PoolFileError`` are each a ``ValueError``, ``RunTimeout`` a
+``TimeoutError``).
 """
 
 from __future__ import annotations

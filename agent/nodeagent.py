@@ -53,10 +53,11 @@ from agent.node.jobwrites import JobWrites
 from agent.node.leave import LEAVE_IDLE_S, wait_idle
 from agent.node.logpump import LogSink
 from agent.node.ownrecord import OwnRecord
+from agent.node.policy import policy_for
 from agent.node.ports import choose_port, is_bindable
 from agent.node.sdnotify import Notifier
 from agent.node.servicenotes import ServiceNotes, Standing, wedge_on_sigusr2, wedge_seconds
-from agent.node.supervisor import EngineSupervisor, policy_for
+from agent.node.supervisor import EngineSupervisor
 from agent.problems import printable
 from agent.web.asgi import bound_socket, serve
 
@@ -68,6 +69,16 @@ def _first_error(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return printable(f"{type(exc).__name__}: {exc}")
+
+
+def _engine_sink(job: JobDir, identity: Identity, plan: Plan) -> LogSink:
+    """The engine's log file (node-local with agent.logs.location: node), rotated by the plan."""
+    make_log_dir(job, identity.name, plan)
+    return LogSink(
+        log_path(job, identity.name, plan=plan),
+        max_bytes=plan.agent.log_max_bytes,
+        backups=plan.agent.log_backups,
+    )
 
 
 class NodeAgent:
@@ -113,12 +124,7 @@ class NodeAgent:
             decode=self.decode_stats,
             pool=(self.pool, decode_namer(job, plan)) if self.pool is not None else None,
         )
-        make_log_dir(job, identity.name, plan)  # node-local with agent.logs.location: node
-        self.sink = LogSink(
-            log_path(job, identity.name, plan=plan),
-            max_bytes=plan.agent.log_max_bytes,
-            backups=plan.agent.log_backups,
-        )
+        self.sink = _engine_sink(job, identity, plan)
         self.preflight_failure: str | None = None
         self.start_failure: str | None = None  # why the agent could not start at all
         self.upstream = UpstreamMetrics(

@@ -18,7 +18,8 @@ import trio
 
 from agent.launch import LaunchSpec, ProcessLauncher
 from agent.node.logpump import LogSink
-from agent.node.supervisor import EngineSupervisor, Policy
+from agent.node.policy import Policy
+from agent.node.supervisor import EngineSupervisor
 from tests import kit
 from tests.infra.ports import free_port
 from tests.test_supervisor import policy

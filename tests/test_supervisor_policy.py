@@ -19,7 +19,8 @@ import trio
 
 from agent.launch import LaunchSpec
 from agent.node.logpump import LogSink
-from agent.node.supervisor import EngineSupervisor, Policy
+from agent.node.policy import Policy
+from agent.node.supervisor import EngineSupervisor
 from tests import kit
 from tests.kit.fakelauncher import Engine, FakeLauncher
 

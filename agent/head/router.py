@@ -27,7 +27,8 @@ from agent.launch.enginechecks import flag_question
 from agent.launch.engineflags import flag_refusals
 from agent.node.leave import HANDOVER_DRAIN_S
 from agent.node.logpump import LogSink
-from agent.node.supervisor import EngineSupervisor, policy_for
+from agent.node.policy import policy_for
+from agent.node.supervisor import EngineSupervisor
 
 
 def decode_endpoints(

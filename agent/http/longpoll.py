@@ -20,13 +20,15 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
+from agent.errors import RuntimeFailure
+
 # An answer's head (status line and headers) is a few hundred bytes; a /status body a few KiB.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 1024 * 1024
 READ_BYTES = 64 * 1024
 
 
-class PollFailed(Exception):
+class PollFailed(RuntimeFailure):
     """A long poll got no usable answer; the message says why."""
 
 

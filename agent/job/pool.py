@@ -13,6 +13,7 @@ import time
 
 import msgspec
 
+from agent.errors import BadInput
 from agent.job.atomicfile import write_atomic
 from agent.job.names import agent_name, agent_names
 from agent.job.paths import JobDir
@@ -42,7 +43,7 @@ class DecodePool(msgspec.Struct, kw_only=True):
         return [agent_name("decode", i) for i in sorted(self.decode)]
 
 
-class PoolFileError(ValueError):
+class PoolFileError(BadInput, ValueError):
     """``J/pool.json`` cannot be used; the message says why."""
 
 
