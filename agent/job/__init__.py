@@ -10,5 +10,6 @@ receive-time index beside each engine log, and ``logtail`` reads logs (history, 
 wire form); ``atomicfile`` writes files that others read; ``secrets`` decides what is masked.
 
 May import: the standard library, msgspec, trio (``logtail`` only, and only once it follows),
-``agent.facts``, ``agent.problems`` and ``agent.errors``. Nothing here starts a process or opens a socket.
+``agent.facts``, ``agent.problems`` and ``agent.errors``. Nothing here starts a process or opens
+a socket.
 """
