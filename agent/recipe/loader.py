@@ -24,7 +24,7 @@ import yaml
 
 from agent.job.secrets import masked
 from agent.problems import InputError, Problem, error, errors_of, warning, warnings_of
-from agent.recipe import rules
+from agent.recipe import rules, schema1
 from agent.recipe.cluster import ClusterConfig, merged_mounts, relative_to_file, resolve_image
 from agent.recipe.model import (
     AgentSection,
@@ -323,6 +323,29 @@ def _under(path: str, prefixes: Sequence[str]) -> str | None:
     return None
 
 
+def _check(
+    raw: Any,
+    cluster: ClusterConfig | None,
+    base_dir: Path,
+    source: str,
+    before: list[Problem],
+) -> tuple[list[Problem], Recipe]:
+    """Shape, conversion, resolution and the rules: (problems, recipe)."""
+    checker = ShapeChecker(_advice)
+    _, cleaned = checker.check(raw, msgspec.inspect.type_info(Recipe))
+    found = list(checker.problems)
+    try:
+        recipe = msgspec.convert(cleaned, Recipe)
+    except msgspec.ValidationError as exc:  # the walker should have caught it; never a traceback
+        raise InputError([*before, *found, convert_problem(exc)], source) from None
+    recipe = _resolve(recipe, cluster, base_dir, found)
+    launcher = cluster.launcher if cluster is not None else None
+    found += [
+        p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, checker.pruned)
+    ]
+    return found, recipe
+
+
 def load_recipe_text(
     text: str,
     *,
@@ -377,20 +400,14 @@ def load_recipe_text(
     except InputError as exc:
         raise InputError([*problems, *exc.problems], source) from None
     overridden = [".".join(parse_override(item)[0]) for item in overrides]
-
-    checker = ShapeChecker(_advice)
-    _, cleaned = checker.check(raw, msgspec.inspect.type_info(Recipe))
-    problems.extend(checker.problems)
-    try:
-        recipe = msgspec.convert(cleaned, Recipe)
-    except msgspec.ValidationError as exc:  # the walker should have caught it; never a traceback
-        raise InputError([*problems, convert_problem(exc)], source) from None
-
-    recipe = _resolve(recipe, cluster, base_dir, problems)
-    launcher = cluster.launcher if cluster is not None else None
-    problems.extend(
-        p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, checker.pruned)
-    )
+    origins = None
+    if schema1.is_schema1(raw):
+        # Read as schema 2; every later problem is told back in the file's own keys and lines.
+        raw, origins = schema1.translate(raw)
+    found, recipe = _check(raw, cluster, base_dir, source, problems)
+    if origins is not None:
+        found = [*origins.problems, *(origins.relocate(p) for p in found)]
+    problems.extend(found)
     recipe = _drop_unused(recipe)
 
     located = []
