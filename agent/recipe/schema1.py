@@ -250,7 +250,9 @@ def _roles(raw: dict[str, Any], backend: dict[str, Any], origins: Origins) -> di
     where = {key: f"backend.{key}" if key in backend else "backend" for key in DEFAULTS}
     config = backend.get("tilert_config") or {}
     if not isinstance(config, dict):
-        _refuse(origins, "backend.tilert_config", "expected a mapping", "write prefill: and decode:")
+        _refuse(
+            origins, "backend.tilert_config", "expected a mapping", "write prefill: and decode:"
+        )
         config = {}
     for key in config:
         if key not in ("prefill", "decode"):
@@ -359,9 +361,7 @@ def _decode(value: dict[str, Any], where: dict[str, str], origins: Origins) -> d
     return {"engine": "tilert", "args": args}
 
 
-def _role_config(
-    config: dict[str, Any], role: str, args: dict[str, Any], origins: Origins
-) -> None:
+def _role_config(config: dict[str, Any], role: str, args: dict[str, Any], origins: Origins) -> None:
     extra = config.get(role)
     if extra is None:
         return

@@ -1,0 +1,63 @@
+"""``tilert-submit migrate RECIPE [-o FILE]``: a schema-1 TileRT recipe written as schema 2.
+
+The recipe is loaded first (with the cluster file found as for a submission), so only a recipe
+that loads is migrated; the schema-2 text (agent.recipe.migrate, comments kept) goes to stdout or,
+with ``-o``, atomically to FILE. Warnings go to stderr. Bad input exits 2 (docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from agent.job.atomicfile import write_atomic
+from agent.problems import InputError, render_problems
+from agent.recipe.cluster import find_cluster_file, read_cluster
+from agent.recipe.loader import load_recipe
+from agent.recipe.migrate import migrate_text
+from agent.recipe.textfile import read_text
+from submit import PROG
+
+EXIT_BAD_INPUT = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """migrate's arguments."""
+    parser.add_argument(
+        "recipe", metavar="RECIPE", help="a srtctl schema-1 recipe (backend.type: tilert)"
+    )
+    parser.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    parser.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="cluster file (default: $TILERT_CLUSTER_FILE, else ./srtslurm.yaml, else none)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Load, translate and write; 2 with every problem when the recipe does not load."""
+    path = Path(args.recipe)
+    try:
+        cluster_file = find_cluster_file(args.cluster, os.environ, Path.cwd())
+        cluster = read_cluster(cluster_file)[0] if cluster_file is not None else None
+        text = read_text(path, "recipe")
+        migrated = migrate_text(text, str(path))
+        loaded = load_recipe(path, cluster=cluster)
+    except InputError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if loaded.warnings:
+        print(render_problems(loaded.warnings, loaded.source), file=sys.stderr)
+    if args.output is None:
+        sys.stdout.write(migrated)
+        return 0
+    out = Path(args.output)
+    try:
+        write_atomic(out, migrated.encode(), mode=0o644)
+    except OSError as exc:
+        print(f"{PROG} migrate: -o {out}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"{out}: schema 2, from {path}", file=sys.stderr)
+    return 0
