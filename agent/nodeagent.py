@@ -29,7 +29,13 @@ from agent.job.plan import Plan
 from agent.job.records import AgentExit, AgentStatus, EngineStatus, RendezvousRecord
 from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
 from agent.launch.commands import MANAGED_ENV, Command, decode_command, prefill_command
-from agent.launch.enginechecks import connector_choice, engine_checks, with_standin_connector
+from agent.launch.enginechecks import (
+    connector_choice,
+    engine_checks,
+    pin_problems,
+    pinned,
+    with_standin_connector,
+)
 from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
@@ -323,6 +329,10 @@ class NodeAgent:
         problems = [*result.problems, *([connector.problem] if connector.problem else [])]
         if self.id.role == "prefill" and not self.plan.standin("prefill"):
             problems += [p for p in [socket_path_problem(env)] if p]
+        if not self.plan.standin(self.id.role):  # type: ignore[arg-type]
+            problems += pin_problems(
+                pinned(self.plan), result.versions, image=self.role.image, engine=self.id.role
+            )
         if problems:
             self.preflight_failure = "preflight failed: " + "; ".join(problems)
             self.log.error("%s: %s", self.id.name, self.preflight_failure)

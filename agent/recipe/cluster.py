@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from agent.facts import NVIDIA_DEVICES_ENV, ROCM_DEVICES_ENVS, is_amd_gpu
 from agent.problems import InputError, Problem, error, warning
 from agent.recipe.textfile import read_text
 from agent.recipe.typedyaml import (
@@ -33,7 +34,6 @@ CLUSTER_FILE_NAME = "srtslurm.yaml"
 SRTCTL_IGNORED_KEYS = frozenset(
     {
         "cluster",
-        "default_gpu_type",
         "default_gpu_exporter",
         "use_gpus_per_node_directive",
         "use_segment_sbatch_directive",
@@ -64,6 +64,8 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # sbatch --time format ("04:00:00", "1-00:00:00").
     default_time_limit: str | None = None
     gpus_per_node: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
+    # resources.gpu_type when the recipe leaves it out (b200, mi355x, ...).
+    default_gpu_type: str | None = None
     # Interface whose address agents advertise; "lo" means 127.0.0.1 (local runs and tests).
     network_interface: str | None = None
     # Image aliases: recipe value -> image (.sqsh path or registry reference).
@@ -72,7 +74,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     model_paths: dict[str, str] = {}
     # Mounts for every job: host path -> container path.
     default_mounts: dict[str, str] = {}
-    visible_devices_env: str = "CUDA_VISIBLE_DEVICES"
+    visible_devices_env: str = NVIDIA_DEVICES_ENV
     # ---- ours ----
     # pyxis: each engine in a nested `srun --container-image` step; process: plain child processes.
     launcher: Literal["pyxis", "process"] = "pyxis"
@@ -146,11 +148,36 @@ def _semantic_problems(cluster: ClusterConfig) -> list[Problem]:
                 "use CUDA_VISIBLE_DEVICES (NVIDIA) or ROCR_VISIBLE_DEVICES (AMD)",
             )
         )
+    elif cluster.default_gpu_type and is_amd_gpu(cluster.default_gpu_type):
+        problems += devices_problems(cluster.default_gpu_type, cluster, "default_gpu_type")
     if isinstance(cluster.agent_command, list) and not cluster.agent_command:
         problems.append(
             error("agent_command", "the command is empty", "remove it to use the default")
         )
     return problems
+
+
+def devices_problems(gpu_type: str, cluster: ClusterConfig | None, path: str) -> list[Problem]:
+    """An AMD ``gpu_type`` on a cluster whose GPUs are selected with NVIDIA's variable."""
+    if not is_amd_gpu(gpu_type):
+        return []
+    current = cluster.visible_devices_env if cluster is not None else NVIDIA_DEVICES_ENV
+    if current in ROCM_DEVICES_ENVS:
+        return []
+    where = "the cluster file" if cluster is not None else f"the cluster file ({CLUSTER_FILE_NAME})"
+    said = (
+        f"visible_devices_env is {current}"
+        if cluster is not None
+        else f"there is no cluster file, so GPUs are selected with {current}"
+    )
+    return [
+        error(
+            path,
+            f"{gpu_type} is an AMD GPU, but {said}: ROCm engines are pinned to their GPUs with "
+            f"{ROCM_DEVICES_ENVS[0]} (tilert-agent does not guess it from gpu_type)",
+            f"set visible_devices_env: {ROCM_DEVICES_ENVS[0]} in {where}",
+        )
+    ]
 
 
 def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:

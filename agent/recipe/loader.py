@@ -25,7 +25,13 @@ import yaml
 from agent.job.secrets import masked
 from agent.problems import InputError, Problem, error, errors_of, warning, warnings_of
 from agent.recipe import rules, schema1
-from agent.recipe.cluster import ClusterConfig, merged_mounts, relative_to_file, resolve_image
+from agent.recipe.cluster import (
+    ClusterConfig,
+    devices_problems,
+    merged_mounts,
+    relative_to_file,
+    resolve_image,
+)
 from agent.recipe.model import (
     AgentSection,
     Benchmark,
@@ -211,7 +217,11 @@ def _image(
 
 
 def _resolve(
-    recipe: Recipe, cluster: ClusterConfig | None, base_dir: Path, out: list[Problem]
+    recipe: Recipe,
+    cluster: ClusterConfig | None,
+    base_dir: Path,
+    out: list[Problem],
+    on_submit_host: bool,
 ) -> Recipe:
     """Merge cluster defaults and resolve aliases and local paths; fill role layout defaults."""
     replace = msgspec.structs.replace
@@ -223,6 +233,8 @@ def _resolve(
             partition=slurm.partition or cluster.default_partition,
             time_limit=slurm.time_limit or cluster.default_time_limit,
         )
+        if resources.gpu_type is None and cluster.default_gpu_type:
+            resources = replace(resources, gpu_type=cluster.default_gpu_type)
         if resources.gpus_per_node is None:
             resources = replace(resources, gpus_per_node=cluster.gpus_per_node)
         elif cluster.gpus_per_node and cluster.gpus_per_node != resources.gpus_per_node:
@@ -235,6 +247,9 @@ def _resolve(
                 )
             )
         mounts = merged_mounts(mounts, cluster)
+    if recipe.resources.gpu_type and on_submit_host:
+        # The cluster's own default_gpu_type is checked with the cluster file.
+        out += devices_problems(recipe.resources.gpu_type, cluster, "resources.gpu_type")
     if isinstance(mounts, list):
         mounts = [_mount(m, base_dir) for m in mounts]
     else:
@@ -329,6 +344,7 @@ def _check(
     base_dir: Path,
     source: str,
     before: list[Problem],
+    on_submit_host: bool,
 ) -> tuple[list[Problem], Recipe]:
     """Shape, conversion, resolution and the rules: (problems, recipe)."""
     checker = ShapeChecker(_advice)
@@ -338,7 +354,7 @@ def _check(
         recipe = msgspec.convert(cleaned, Recipe)
     except msgspec.ValidationError as exc:  # the walker should have caught it; never a traceback
         raise InputError([*before, *found, convert_problem(exc)], source) from None
-    recipe = _resolve(recipe, cluster, base_dir, found)
+    recipe = _resolve(recipe, cluster, base_dir, found, on_submit_host)
     launcher = cluster.launcher if cluster is not None else None
     found += [
         p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, checker.pruned)
@@ -355,10 +371,14 @@ def load_recipe_text(
     unsets: Sequence[str] = (),
     cluster: ClusterConfig | None = None,
     combination: Combination | None = None,
+    on_submit_host: bool = True,
 ) -> LoadedRecipe:
     """Parse, override, check, resolve and validate a recipe; InputError lists every error.
 
     ``combination``: the values of one combination of the recipe's ``sweep:`` section.
+    ``on_submit_host``: False for an agent re-checking ``J/recipe.yaml`` on its node (without
+    the cluster file): what only the submit host can check (the cluster's GPU variable, folders
+    it sees) was checked there.
     """
     try:
         raw, lines, problems = parse(text)
@@ -404,7 +424,7 @@ def load_recipe_text(
     if schema1.is_schema1(raw):
         # Read as schema 2; every later problem is told back in the file's own keys and lines.
         raw, origins = schema1.translate(raw)
-    found, recipe = _check(raw, cluster, base_dir, source, problems)
+    found, recipe = _check(raw, cluster, base_dir, source, problems, on_submit_host)
     if origins is not None:
         found = [*origins.problems, *(origins.relocate(p) for p in found)]
     problems.extend(found)
@@ -451,6 +471,7 @@ def load_recipe(
     unsets: Sequence[str] = (),
     cluster: ClusterConfig | None = None,
     combination: Combination | None = None,
+    on_submit_host: bool = True,
 ) -> LoadedRecipe:
     """Load a recipe file (relative paths inside it are relative to its folder)."""
     return load_recipe_text(
@@ -461,6 +482,7 @@ def load_recipe(
         unsets=unsets,
         cluster=cluster,
         combination=combination,
+        on_submit_host=on_submit_host,
     )
 
 

@@ -11,6 +11,7 @@ and aliases are written out in full.
 from __future__ import annotations
 
 import re
+
 import msgspec
 import yaml
 

@@ -305,6 +305,8 @@ def make_plan(
         ),
         convert=convert_plan(recipe),
         benchmark=_benchmark(recipe, stop_grace_s=router.stop_grace_s),
+        frameworks=dict(agent.frameworks) if agent.frameworks else msgspec.UNSET,
+        pyxis_flags=list(agent.pyxis_flags) if agent.pyxis_flags else msgspec.UNSET,
     )
 
 

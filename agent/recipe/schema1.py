@@ -168,10 +168,8 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], Origins]:
     """The schema-2 tree a schema-1 tree means, with where each key came from."""
     origins = Origins()
     out: dict[str, Any] = {"schema": 2}
-    for key in ("name", "model"):
-        if key in raw:
-            out[key] = raw[key]
-            origins.note(key, key)
+    _same(out, raw, "name", origins)
+    _same(out, raw, "model", origins)
     backend = dict(raw.get("backend") or {})
     resources = raw.get("resources")
     roles = _roles(raw, backend, origins)
@@ -179,25 +177,27 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], Origins]:
         out["resources"] = _resources(resources, roles, origins)
     else:
         _same(out, raw, "resources", origins)
-    for key in ("environment",):
-        _same(out, raw, key, origins)
+    _same(out, raw, "environment", origins)
     out["roles"] = roles
     origins.derive("roles", "backend")
     origins.derive("roles.prefill", "backend")
     origins.derive("roles.decode", "backend")
     out["frontend"] = _frontend(raw, origins)
-    for key in _SAME[4:]:
-        _same(out, raw, key, origins)
+    for key in _SAME:
+        if key not in out:
+            _same(out, raw, key, origins)
+    if isinstance(out.get("agent"), dict):
+        out["agent"] = dict(out["agent"])  # ours to add to, never the caller's tree
     _identity(raw, out, origins)
     _dynamo(raw, origins)
     _srun_options(raw, out, origins)
+    handled = (*_SAME, "schema", "backend", "resources", "frontend", "identity", "dynamo")
     for key in raw:
-        if key not in (*_SAME, "schema", "backend", "resources", "frontend", "identity"):
-            if key not in ("dynamo", "srun_options"):
-                # Unknown to both schemas, or a schema-2 key in a schema-1 file: the schema-2
-                # shape check names it (with its advice) at its own line.
-                out[key] = raw[key]
-                origins.note(key, key)
+        if key not in (*handled, "srun_options"):
+            # Unknown to both schemas, or a schema-2 key in a schema-1 file: the schema-2 shape
+            # check names it (with its advice) at its own line.
+            out[key] = raw[key]
+            origins.note(key, key)
     return out, origins
 
 
