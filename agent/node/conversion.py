@@ -85,6 +85,8 @@ RATE_WINDOW_S = 30.0
 # Heartbeats and polls: often enough for the staleness rule, rarely enough for a shared FS.
 MAX_HEARTBEAT_S = 10.0
 MAX_POLL_S = 1.0
+# A failed holder keeps its verdict in the lock this many of its waiters' polls (docs/weights.md).
+VERDICT_POLLS = 3
 # How long the log pump may take to reach EOF after the converter exited.
 CONVERT_LOG_TAIL = 5
 HOW_TO_CONVERT = (
@@ -92,6 +94,20 @@ HOW_TO_CONVERT = (
     "converts it before the engine starts, or run `tilert-submit convert RECIPE` ahead of the job "
     "(docs/weights.md)"
 )
+
+
+def _verdict(seen: Observed | None, waited_on: Observed | None, job: str) -> str | None:
+    """The failure left in the lock by the holder this agent waited for, or by one of its own
+    job; None while it works. Another job's agent that only arrives waits for the lock to go,
+    then converts from scratch."""
+    info = seen.info if seen is not None else None
+    if info is None or info.failed is None:
+        return None
+    if info.job == job:
+        return info.failed
+    if waited_on is None or waited_on.info is None or waited_on.info.token != info.token:
+        return None
+    return info.failed
 
 
 class WeightsError(Exception):
@@ -316,6 +332,9 @@ class WeightsGate:
                 self._accept(found)
                 return
             seen = await trio.to_thread.run_sync(observe, siblings.lock)
+            verdict = _verdict(seen, waited_on, str(self.job.root))
+            if seen is not None and verdict is not None:
+                raise WeightsError(self._holder_failed(paths, seen, found, verdict))
             if seen is None and waited_on is not None:
                 # The holder let go and the folder is still incomplete: its conversion failed or
                 # was stopped. Unless someone is just taking a stale lock over: a moment for them.
@@ -378,11 +397,14 @@ class WeightsGate:
             return "the converting agent's convert.log"
         return str(convert_log_path(JobDir(Path(info.job)), info.agent))
 
-    def _holder_failed(self, paths: WeightsPaths, seen: Observed, found: Inspection) -> str:
+    def _holder_failed(
+        self, paths: WeightsPaths, seen: Observed, found: Inspection, why: str = ""
+    ) -> str:
+        said = f": {why}" if why else f" ({found.summary()})"
         return (
-            f"the conversion of {paths.host} by {self._holder(seen)} ended without completing it "
-            f"({found.summary()}); see {self._holder_log(seen)}. Nothing was put in place: the "
-            "next job converts it from scratch"
+            f"the conversion of {paths.host} by {self._holder(seen)} ended without completing "
+            f"it{said}; see {self._holder_log(seen)}. Nothing was put in place: the next job "
+            "converts it from scratch"
         )
 
     @staticmethod
@@ -494,6 +516,8 @@ class WeightsGate:
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(remove_tree, temp)
+                if failed is not None:
+                    await self._leave_verdict(held, str(failed))
                 await trio.to_thread.run_sync(held.release)
         if lost:
             raise WeightsError(
@@ -502,6 +526,15 @@ class WeightsGate:
             )
         if failed is not None:
             raise failed
+
+    async def _leave_verdict(self, held: HeldLock, reason: str) -> None:
+        """Tell the waiters why, in the lock, for ``VERDICT_POLLS`` of their polls (seconds)."""
+        try:
+            await trio.to_thread.run_sync(held.fail, reason)
+        except OSError as exc:  # they fall back to the vanished lock (docs/weights.md)
+            self.log.warning("%s: cannot leave the verdict in the lock: %s", self.id.name, exc)
+            return
+        await trio.sleep(VERDICT_POLLS * self.poll_s)
 
     async def _heartbeat(
         self,
