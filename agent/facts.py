@@ -30,6 +30,8 @@ ENGINE_MODULES = {
 # loads (``--model-weights-dir``), listed in ``WEIGHTS_INDEX_FILE``, the index written last.
 CONVERTER_MODULE = "tilert.models.preprocess.weight_converter"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+# What the converter reads from a checkpoint folder before its shards.
+CONVERTER_INPUTS = ("config.json", WEIGHTS_INDEX_FILE)
 # The converter's --model_type for each decode model profile (its ``__main__`` accepts these two).
 # glm5_2 (GLM-5.2/5.3, ROCm) has a converter of its own with other flags
 # (tilert.models.glm_5_2_rocm.weight_converter), which the agent does not drive.

@@ -5,8 +5,9 @@ record, read and watch the others', trusting no file), ``jobwrites`` (writes int
 directory that may fail: retried, shown, never fatal), ``supervisor`` (one engine's state
 machine: probe, restart, give up), ``logpump`` (engine output to rotated files, never blocking
 the engine), ``agentlog`` (the agent's own log), the decode's weights: ``weightsfolder``
-(complete or not, the marker), ``folderlock`` (a lock on a shared file system) and
-``conversion`` (the gate before the engine: check, wait, or convert once), and ``jobend`` (the
+(complete or not, the marker), ``folderlock`` (a lock on a shared file system), ``mounts``
+(engine paths through the container mounts), ``hubcache`` (a hub id's snapshot in the Hugging
+Face cache) and ``conversion`` (the gate before the engine: check, wait, or convert once), and ``jobend`` (the
 head ends the whole job). ``agent.nodeagent``
 puts them together; ``agent.head`` uses them too.
 

@@ -62,8 +62,10 @@ from agent.node.folderlock import (
     take_over,
     try_acquire,
 )
+from agent.node.hubcache import HubCacheError, snapshot
 from agent.node.identity import Identity
 from agent.node.logpump import LogSink
+from agent.node.mounts import host_path, mounted
 from agent.node.weightsfolder import (
     MARKER_NAME,
     ConvertedMarker,
@@ -131,26 +133,15 @@ class WeightsPaths:
 def weights_paths(folder: str, mounts: Sequence[str], launcher: str) -> WeightsPaths:
     """Map the engine's ``--model-weights-dir`` to this node's path (pyxis: through the mounts)."""
     engine = posixpath.normpath(folder)
-    if launcher != "pyxis":
-        return WeightsPaths(Path(engine), engine, True)
-    best: tuple[str, str] | None = None
-    for mount in mounts:
-        host, _, rest = mount.partition(":")
-        inside = posixpath.normpath(rest.partition(":")[0] or host)
-        if (engine == inside or engine.startswith(inside.rstrip("/") + "/")) and (
-            best is None or len(inside) > len(best[1])
-        ):
-            best = (host, inside)
-    if best is None:
+    path = host_path(engine, mounts, launcher)
+    if path is None:
         raise WeightsError(
             f"the weights folder {folder} (roles.decode.args.model-weights-dir) is not under any "
             "of the job's container mounts, so the agent cannot check it on the node; mount the "
             "folder that holds it (container_mounts, or the cluster's default_mounts)"
         )
-    host, inside = best
-    relative = posixpath.relpath(engine, inside)
-    path = Path(host) if relative == "." else Path(host) / relative
-    return WeightsPaths(path, engine, siblings_visible=engine != inside)
+    found = mounted(engine, mounts) if launcher == "pyxis" else None
+    return WeightsPaths(path, engine, siblings_visible=found is None or engine != found[1])
 
 
 class _Rate:
@@ -264,6 +255,8 @@ class WeightsGate:
             return True
         try:
             paths = weights_paths(self.folder, self.plan.mounts, self.plan.launcher)
+            if self.convert is not None and not self.convert.source.startswith("/"):
+                self.convert = await self._from_hub_cache(self.convert)
             await self._until_complete(paths)
         except WeightsError as exc:
             self._fail(str(exc))
@@ -274,6 +267,27 @@ class WeightsGate:
         self.pid = None
         self._show(None, "")
         return True
+
+    async def _from_hub_cache(self, convert: ConvertPlan) -> ConvertPlan:
+        """A hub-id source: its snapshot in the decode's Hugging Face cache (docs/weights.md)."""
+
+        def to_host(path: str) -> Path:
+            found = host_path(path, self.plan.mounts, self.plan.launcher)
+            if found is None:
+                raise HubCacheError(
+                    f"the Hugging Face cache folder {path} is not under any of the job's "
+                    "container mounts: mount it, or set roles.decode.convert.source to the "
+                    "checkpoint folder"
+                )
+            return found
+
+        env = {**os.environ, **self.plan.decode.env}
+        try:
+            folder = await trio.to_thread.run_sync(snapshot, convert.source, env, to_host)
+        except HubCacheError as exc:
+            raise WeightsError(str(exc)) from None
+        self.log.info("%s: converting %s from %s", self.id.name, convert.source, folder)
+        return msgspec.structs.replace(convert, source=folder)
 
     def _expected_model_type(self) -> str | None:
         if self.convert is not None:

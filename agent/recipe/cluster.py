@@ -150,11 +150,59 @@ def _semantic_problems(cluster: ClusterConfig) -> list[Problem]:
         )
     elif cluster.default_gpu_type and is_amd_gpu(cluster.default_gpu_type):
         problems += devices_problems(cluster.default_gpu_type, cluster, "default_gpu_type")
+    for host, inside in cluster.default_mounts.items():
+        wrong = mount_problem(f"{host}:{inside}")
+        if wrong is not None:
+            problems.append(error(f"default_mounts.{host}", wrong, MOUNT_HINT))
     if isinstance(cluster.agent_command, list) and not cluster.agent_command:
         problems.append(
             error("agent_command", "the command is empty", "remove it to use the default")
         )
     return problems
+
+
+# Mount flags pyxis passes on to enroot ("+"-separated: ro+rprivate).
+MOUNT_FLAGS = frozenset(
+    {
+        "ro",
+        "rw",
+        "bind",
+        "rbind",
+        "private",
+        "rprivate",
+        "slave",
+        "rslave",
+        "shared",
+        "rshared",
+        "nosuid",
+        "nodev",
+        "noexec",
+        "x-create=dir",
+        "x-create=file",
+        "x-create=auto",
+    }
+)
+
+
+def mount_problem(spec: str) -> str | None:
+    """What is wrong with a container mount for pyxis (``SRC:DST[:FLAGS]``); None when fine."""
+    if "," in spec:
+        return "a mount cannot hold ',' (pyxis separates mounts with it)"
+    parts = spec.split(":")
+    if len(parts) > 3:
+        return "has more than SRC:DST:FLAGS (':' separates them)"
+    src, dst = parts[0], parts[1] if len(parts) > 1 else parts[0]
+    for what, path in (("SRC", src), ("DST", dst)):
+        if not path.startswith("/"):
+            return f"{what} {path!r} is not an absolute path"
+    flags = parts[2].split("+") if len(parts) == 3 else []
+    unknown = [f for f in flags if f not in MOUNT_FLAGS]
+    if unknown:
+        return f"unknown mount flag {unknown[0]!r} (pyxis takes {', '.join(sorted(MOUNT_FLAGS))})"
+    return None
+
+
+MOUNT_HINT = "write host:container[:flags] with absolute paths, flags joined by '+' (ro+rprivate)"
 
 
 def devices_problems(gpu_type: str, cluster: ClusterConfig | None, path: str) -> list[Problem]:

@@ -22,13 +22,16 @@ from typing import Any
 import msgspec
 import yaml
 
+from agent.facts import CONVERTER_INPUTS
 from agent.job.secrets import masked
 from agent.problems import InputError, Problem, error, errors_of, warning, warnings_of
 from agent.recipe import rules, schema1
 from agent.recipe.cluster import (
+    MOUNT_HINT,
     ClusterConfig,
     devices_problems,
     merged_mounts,
+    mount_problem,
     relative_to_file,
     resolve_image,
 )
@@ -47,6 +50,7 @@ from agent.recipe.model import (
     role_layout,
 )
 from agent.recipe.overrides import FLAG, apply_overrides, apply_unsets, parse_override
+from agent.recipe.rules.weights import CONVERT
 from agent.recipe.sweep import SWEEP_KEY, Combination, apply_combination, read_sweep
 from agent.recipe.textfile import read_text
 from agent.recipe.typedyaml import (
@@ -254,6 +258,7 @@ def _resolve(
         mounts = [_mount(m, base_dir) for m in mounts]
     else:
         mounts = {_local(h, base_dir): c for h, c in mounts.items()}
+    out += _mount_problems(recipe.container_mounts, base_dir)
 
     model = recipe.model
     if model.path:
@@ -315,6 +320,51 @@ def _resolve(
     )
 
 
+def _mount_problems(mounts: list[str] | dict[str, str], base_dir: Path) -> list[Problem]:
+    """The recipe's own mounts in pyxis's form (the cluster's are checked with its file)."""
+    if isinstance(mounts, list):
+        pairs = [(f"container_mounts[{i}]", _mount(m, base_dir)) for i, m in enumerate(mounts)]
+    else:
+        pairs = [(f"container_mounts.{h}", f"{_local(h, base_dir)}:{c}") for h, c in mounts.items()]
+    return [
+        error(path, f"{spec!r}: {wrong}", MOUNT_HINT)
+        for path, spec in pairs
+        if (wrong := mount_problem(spec)) is not None
+    ]
+
+
+def _source_problems(recipe: Recipe) -> list[Problem]:
+    """A conversion source the submit host can read holds what the converter requires."""
+    decode = recipe.roles.decode
+    source = decode.convert.source if decode is not None and decode.convert else None
+    if not source or not source.startswith("/"):
+        return []
+    path = f"{CONVERT}.source"
+    try:
+        names = set(os.listdir(source))
+    except OSError as exc:
+        return [
+            warning(
+                path,
+                f"{source} cannot be read from this host ({exc.strerror or exc}); it is checked "
+                "on the decode node before the conversion",
+                "nothing to do if the compute nodes see it; else fix the path",
+            )
+        ]
+    missing = [name for name in CONVERTER_INPUTS if name not in names]
+    if not missing:
+        return []
+    return [
+        error(
+            path,
+            f"{source} is not a Hugging Face checkpoint: it has no {' and no '.join(missing)}, "
+            "which TileRT's converter reads",
+            "point it at the checkpoint folder (config.json, model.safetensors.index.json and "
+            "the shards)",
+        )
+    ]
+
+
 def _mount(spec: str, base_dir: Path) -> str:
     host, sep, rest = spec.partition(":")
     return _local(host, base_dir) + sep + rest
@@ -355,6 +405,8 @@ def _check(
     except msgspec.ValidationError as exc:  # the walker should have caught it; never a traceback
         raise InputError([*before, *found, convert_problem(exc)], source) from None
     recipe = _resolve(recipe, cluster, base_dir, found, on_submit_host)
+    if on_submit_host:
+        found += _source_problems(recipe)
     launcher = cluster.launcher if cluster is not None else None
     found += [
         p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, checker.pruned)
