@@ -36,6 +36,7 @@ from agent.launch.enginechecks import (
     pinned,
     with_standin_connector,
 )
+from agent.launch.pyxis import pyxis_flags
 from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
@@ -315,6 +316,7 @@ class NodeAgent:
             mounts=mounts,
             setup_script=self.setup_script,
             container_env=tuple(sorted(k for k in ours if k in env)),
+            container_flags=tuple(pyxis_flags(self.plan)),
         )
 
     async def run_preflight(self) -> bool:

@@ -7,9 +7,9 @@ machine: probe, restart, give up), ``logpump`` (engine output to rotated files, 
 the engine), ``agentlog`` (the agent's own log), the decode's weights: ``weightsfolder``
 (complete or not, the marker), ``folderlock`` (a lock on a shared file system), ``mounts``
 (engine paths through the container mounts), ``hubcache`` (a hub id's snapshot in the Hugging
-Face cache) and ``conversion`` (the gate before the engine: check, wait, or convert once), and ``jobend`` (the
-head ends the whole job). ``agent.nodeagent``
-puts them together; ``agent.head`` uses them too.
+Face cache) and ``conversion`` (the gate before the engine: check, wait, or convert once), and
+``jobend`` (the head ends the whole job). ``agent.nodeagent`` puts them together; ``agent.head``
+uses them too.
 
 May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``,
 ``agent.problems``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
