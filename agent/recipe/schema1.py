@@ -23,7 +23,13 @@ from typing import Any
 
 import msgspec
 
-from agent.facts import CONNECTOR, CONNECTOR_MODULE, CONNECTOR_ROLE
+from agent.facts import (
+    CONNECTOR,
+    CONNECTOR_MODULE,
+    CONNECTOR_ROLE,
+    CONVERTER_MODEL_TYPES,
+    TILERT_MODELS,
+)
 from agent.problems import Problem, error, warning
 
 HF_PREFIX = "hf:"
@@ -99,6 +105,8 @@ _SAME = (
     "agent",
 )
 _EXTRA = "kv_connector_extra_config"
+# TileRT profiles whose weights TileRT's weight_converter does not make (glm5_2: its own).
+OWN_CONVERTER = tuple(m for m in TILERT_MODELS if m not in CONVERTER_MODEL_TYPES)
 _KV = "roles.prefill.args.kv-transfer-config"
 
 
@@ -280,7 +288,20 @@ def _roles(raw: dict[str, Any], backend: dict[str, Any], origins: Origins) -> di
     if "prefill_container" in backend:
         prefill["container"] = backend["prefill_container"]
         origins.derive("roles.prefill.container", "backend.prefill_container")
-    decode["convert"] = _convert(raw, value, origins)
+    if value["model_profile"] in OWN_CONVERTER and "weight_model_type" not in backend:
+        # srtctl would run TileRT's glm-5 converter (its default weight_model_type) and find the
+        # folder already converted; this profile's weights come from its own converter.
+        origins.problems.append(
+            warning(
+                "backend.model_profile",
+                f"the {value['model_profile']} profile's weights are made by its own converter, "
+                "not by srtctl's weight_model_type conversion: backend.weights_dir must hold "
+                "them already (it is not converted)",
+                "convert them by hand (docs/weights.md)",
+            )
+        )
+    else:
+        decode["convert"] = _convert(raw, value, origins)
     return {"prefill": prefill, "decode": decode}
 
 
