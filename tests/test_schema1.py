@@ -381,3 +381,24 @@ def test_each_recipe_runs_as_a_local_mock_job_to_ready(
         code, left = job.stop(timeout=60)
         assert code == 0, job.output()
         assert left == []
+
+
+def test_the_rocm_decode_flags_must_agree_with_its_prefill(tmp_path: Path) -> None:
+    """ROCm values, each broken in turn: the KV pair (bfloat16 / bf16), num-mtp without MTP,
+    and the AMD GPU on a site that pins GPUs with CUDA's variable; named in schema 1's keys."""
+    rocm = rocm_values(SCHEMA1.read_text())
+    broken = {
+        "backend.kv_cache_dtype": edited(rocm, ('kv_cache_dtype: "bf16"', 'kv_cache_dtype: "fp8"')),
+        "backend.tilert_config.decode.num-mtp": mtp_off(rocm),
+    }
+    for key, text in broken.items():
+        recipe = tmp_path / "rocm.yaml"
+        recipe.write_text(text)
+        with pytest.raises(InputError) as info:
+            load_recipe(recipe, cluster=load_cluster(AMD_SITE))
+        assert key in {p.path for p in info.value.problems if p.severity == "error"}, key
+    recipe.write_text(rocm)
+    with pytest.raises(InputError) as info:
+        load_recipe(recipe, cluster=load_cluster(NVIDIA_SITE))
+    (problem,) = [p for p in info.value.problems if p.path == "resources.gpu_type"]
+    assert problem.hint == "set visible_devices_env: ROCR_VISIBLE_DEVICES in the cluster file"

@@ -91,13 +91,19 @@ _SRTCTL_UNSUPPORTED: dict[tuple[type, str], tuple[str, str]] = {
         "tilert-agent renders its own sbatch header",
         "use slurm.account / slurm.partition / slurm.time_limit, or the cluster file",
     ),
-    (Recipe, "srun_options"): ("tilert-agent renders its own srun steps", "remove srun_options"),
+    (Recipe, "srun_options"): (
+        "tilert-agent renders its own srun steps",
+        "remove srun_options; pyxis container flags go in agent.pyxis_flags",
+    ),
     (Recipe, "observability"): (
         "every agent serves /metrics; J/prometheus/targets.json lists them",
         "remove observability",
     ),
     (Recipe, "services"): ("tilert-agent starts no extra services", "remove services"),
-    (Recipe, "identity"): ("identity checks are not supported", "remove identity"),
+    (Recipe, "identity"): (
+        "srtctl's identity is informational (never enforced)",
+        "remove identity; pin versions with agent.frameworks (checked on the nodes)",
+    ),
     (Recipe, "extra_mount"): ("use container_mounts", "move the mounts to container_mounts"),
     (Recipe, "backend"): (
         "this is srtctl's pre-2.0 layout",
