@@ -402,3 +402,22 @@ def test_the_rocm_decode_flags_must_agree_with_its_prefill(tmp_path: Path) -> No
         load_recipe(recipe, cluster=load_cluster(NVIDIA_SITE))
     (problem,) = [p for p in info.value.problems if p.path == "resources.gpu_type"]
     assert problem.hint == "set visible_devices_env: ROCR_VISIBLE_DEVICES in the cluster file"
+
+
+def test_the_later_forks_engine_section_and_served_model_name(tmp_path: Path) -> None:
+    """The fork later spells ``backend`` as ``engine`` and adds ``served_model_name``: the same
+    job, and problems named ``engine.*``."""
+    recipe = tmp_path / "engine.yaml"
+    recipe.write_text(edited(SCHEMA1.read_text(), ("\nbackend:\n", "\nengine:\n")))
+    assert plan_json(plan_of(recipe, NVIDIA_SITE)) == plan_json(plan_of(SCHEMA1, NVIDIA_SITE))
+    named = edited(
+        recipe.read_text(), ("  type: tilert\n", "  type: tilert\n  served_model_name: glm\n")
+    )
+    recipe.write_text(named)
+    plan = plan_of(recipe, NVIDIA_SITE)
+    assert plan.prefill.args[:2] == ["--served-model-name", "glm"]
+    assert plan.model == "glm"
+    recipe.write_text(edited(named, ('  kv_cache_dtype: "fp8"', '  kv_cache_dtype: "bf16"')))
+    with pytest.raises(InputError) as info:
+        load_recipe(recipe, cluster=load_cluster(NVIDIA_SITE))
+    assert "engine.kv_cache_dtype" in {p.path for p in info.value.problems}

@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
 }
 _BACKEND_KEYS = (
     "type",
+    "served_model_name",
     "prefill_container",
     "prefill_environment",
     "decode_environment",
@@ -110,12 +111,21 @@ OWN_CONVERTER = tuple(m for m in TILERT_MODELS if m not in CONVERTER_MODEL_TYPES
 _KV = "roles.prefill.args.kv-transfer-config"
 
 
+def _section(raw: Any) -> str | None:
+    """Where the fork's TileRT keys are: ``backend``, or ``engine`` (its later spelling, without
+    ``roles``); None when the tree is not the fork's."""
+    if not isinstance(raw, dict) or raw.get("schema") not in (None, 1):
+        return None
+    for key in ("backend", "engine"):
+        section = raw.get(key)
+        if isinstance(section, dict) and section.get("type") == BACKEND_TYPE:
+            return key if key == "backend" or "roles" not in raw else None
+    return None
+
+
 def is_schema1(raw: Any) -> bool:
     """Whether a raw recipe tree is the fork's schema 1 (``backend.type: tilert``)."""
-    if not isinstance(raw, dict) or raw.get("schema") not in (None, 1):
-        return False
-    backend = raw.get("backend")
-    return isinstance(backend, dict) and backend.get("type") == BACKEND_TYPE
+    return _section(raw) is not None
 
 
 @dataclass
@@ -174,6 +184,25 @@ def _refuse(origins: Origins, path: str, why: str, fix: str) -> None:
 
 def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], Origins]:
     """The schema-2 tree a schema-1 tree means, with where each key came from."""
+    if _section(raw) != "engine":
+        return _translate(raw)
+    # The later fork spells the section ``engine``: read it as ``backend``, then name it back.
+    tree, origins = _translate({("backend" if k == "engine" else k): v for k, v in raw.items()})
+    word = re.compile(r"\bbackend\b")
+    origins.paths = {new: word.sub("engine", old) for new, old in origins.paths.items()}
+    origins.problems = [
+        msgspec.structs.replace(
+            p,
+            path=word.sub("engine", p.path),
+            message=word.sub("engine", p.message),
+            hint=word.sub("engine", p.hint),
+        )
+        for p in origins.problems
+    ]
+    return tree, origins
+
+
+def _translate(raw: dict[str, Any]) -> tuple[dict[str, Any], Origins]:
     origins = Origins()
     out: dict[str, Any] = {"schema": 2}
     _same(out, raw, "name", origins)
@@ -270,7 +299,7 @@ def _roles(raw: dict[str, Any], backend: dict[str, Any], origins: Origins) -> di
                 f"unknown key '{key}'",
                 "keys allowed under backend.tilert_config: prefill, decode",
             )
-    prefill = _prefill(raw, value, where, origins)
+    prefill = _prefill(raw, backend, value, where, origins)
     decode = _decode(value, where, origins)
     for role, args, env in (
         ("prefill", prefill["args"], "prefill_environment"),
@@ -315,12 +344,19 @@ def _with_role(env: Any, role: str, top: Any) -> Any:
 
 
 def _prefill(
-    raw: dict[str, Any], value: dict[str, Any], where: dict[str, str], origins: Origins
+    raw: dict[str, Any],
+    backend: dict[str, Any],
+    value: dict[str, Any],
+    where: dict[str, str],
+    origins: Origins,
 ) -> dict[str, Any]:
     args: dict[str, Any] = {}
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
     hub = _hub_id((model or {}).get("path"))
-    if hub is not None:
+    if "served_model_name" in backend:
+        args["served-model-name"] = backend["served_model_name"]
+        origins.note("roles.prefill.args.served-model-name", "backend.served_model_name")
+    elif hub is not None:
         # The fork passes the hub id as the served name; vLLM's default for a folder is its path.
         args["served-model-name"] = hub
         origins.derive("roles.prefill.args.served-model-name", "model.path")
