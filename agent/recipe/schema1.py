@@ -267,6 +267,12 @@ def _resources(
     return kept
 
 
+def _mapping(tree: dict[str, Any], key: str) -> dict[str, Any]:
+    """``tree[key]`` when it is a mapping, else {} (the shape check names a wrong one)."""
+    value = tree.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _hub_id(path: Any) -> str | None:
     if isinstance(path, str) and path.startswith(HF_PREFIX):
         return path[len(HF_PREFIX) :].strip() or None
@@ -285,7 +291,7 @@ def _roles(raw: dict[str, Any], backend: dict[str, Any], origins: Origins) -> di
     value = {k: backend.get(k, d) for k, d in DEFAULTS.items()}
     # A derived arg whose key the recipe leaves out (its default) points at backend itself.
     where = {key: f"backend.{key}" if key in backend else "backend" for key in DEFAULTS}
-    config = backend.get("tilert_config") or {}
+    config = {} if backend.get("tilert_config") is None else backend["tilert_config"]
     if not isinstance(config, dict):
         _refuse(
             origins, "backend.tilert_config", "expected a mapping", "write prefill: and decode:"
@@ -351,8 +357,7 @@ def _prefill(
     origins: Origins,
 ) -> dict[str, Any]:
     args: dict[str, Any] = {}
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
-    hub = _hub_id((model or {}).get("path"))
+    hub = _hub_id(_mapping(raw, "model").get("path"))
     if "served_model_name" in backend:
         args["served-model-name"] = backend["served_model_name"]
         origins.note("roles.prefill.args.served-model-name", "backend.served_model_name")
@@ -360,7 +365,7 @@ def _prefill(
         # The fork passes the hub id as the served name; vLLM's default for a folder is its path.
         args["served-model-name"] = hub
         origins.derive("roles.prefill.args.served-model-name", "model.path")
-    gpus = (raw.get("resources") or {}).get("gpus_per_prefill")
+    gpus = _mapping(raw, "resources").get("gpus_per_prefill")
     if gpus is not None:
         args["tensor-parallel-size"] = gpus
         origins.derive("roles.prefill.args.tensor-parallel-size", "resources.gpus_per_prefill")
@@ -386,8 +391,17 @@ def _prefill(
     origins.derive(f"{_KV}.{_EXTRA}.tilert_model", where["model_profile"])
     origins.derive(f"{_KV}.{_EXTRA}.tilert_max_seq_len", where["max_seq_len"])
     origins.derive(f"{_KV}.{_EXTRA}.tilert_transport", where["transport"])
+    tokens = value["speculative_tokens"]
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= 64:
+        _refuse(
+            origins,
+            where["speculative_tokens"],
+            f"expected an integer from 1 to 64, got {tokens!r}",
+            "write speculative_tokens: 1 (TileRT's MTP layer; schema 2: num_speculative_tokens "
+            "in roles.prefill.args.speculative-config)",
+        )
     if value["with_mtp"] is True:
-        spec = {"method": "mtp", "num_speculative_tokens": value["speculative_tokens"]}
+        spec = {"method": "mtp", "num_speculative_tokens": tokens}
         args["speculative-config"] = _json(spec)
         origins.derive("roles.prefill.args.speculative-config", where["speculative_tokens"])
     return {"engine": "vllm", "args": args}
@@ -444,8 +458,7 @@ def _role_config(config: dict[str, Any], role: str, args: dict[str, Any], origin
 
 def _convert(raw: dict[str, Any], value: dict[str, Any], origins: Origins) -> dict[str, Any]:
     """The fork converts model.path into weights_dir (once, under a lock) before any worker."""
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else None
-    source = (model or {}).get("path")
+    source = _mapping(raw, "model").get("path")
     convert: dict[str, Any] = {}
     if source is not None:
         convert["source"] = source
@@ -477,15 +490,13 @@ def _frontend(raw: dict[str, Any], origins: Origins) -> Any:
                     "remove it (or migrate and set frontend.args.model-path)",
                 )
                 del args[key]
-        model = raw.get("model") if isinstance(raw.get("model"), dict) else None
-        path = (model or {}).get("path")
+        path = _mapping(raw, "model").get("path")
         if isinstance(path, str):
             args["model-path"] = path
             origins.derive("frontend.args.model-path", "model.path")
         frontend["args"] = args
     elif args is None:
-        model = raw.get("model") if isinstance(raw.get("model"), dict) else None
-        path = (model or {}).get("path")
+        path = _mapping(raw, "model").get("path")
         if isinstance(path, str):
             frontend["args"] = {"model-path": path}
             origins.derive("frontend.args.model-path", "model.path")
