@@ -15,14 +15,19 @@ import signal
 import msgspec
 import trio
 
-from agent.head.statuswriter import StatusWriter, read_local_supervisor
+from agent.errors import EXIT_OK, EXIT_RUNTIME
 from agent.job.logfiles import convert_log_path
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
-from agent.job.records import JobAgent, JobState, JobStatus
+from agent.job.records import JobAgent, JobStatus
+from agent.job.vocab import AgentState, JobState
+from agent.launch import make_launcher
+from agent.launch.jobspecs import JobSpecs
+from agent.launch.scratch import scratch_root
 from agent.node.conversion import WeightsGate
 from agent.node.identity import Identity
-from agent.nodeagent import NodeAgent
+from agent.node.jobwrites import JobWrites
+from agent.node.statuswriter import StatusWriter, read_local_supervisor
 
 
 class ConvertJob:
@@ -33,24 +38,28 @@ class ConvertJob:
         self.plan = plan
         self.id = identity
         self.log = log
-        # The node agent's launcher and launch specs (mounts, image settings), not its engine.
-        node = NodeAgent(job=job, plan=plan, identity=identity, log=log)
+        # The launcher and launch specs a node agent would use (mounts, image settings); no engine.
+        launcher = make_launcher(
+            plan.launcher, slurm_job_id=identity.slurm_job_id, node=identity.node
+        )
         self.gate = WeightsGate(
             plan=plan,
             job=job,
             identity=identity,
-            launcher=node.launcher,
-            launch_spec=node.launch_spec,
+            launcher=launcher,
+            launch_spec=JobSpecs(plan, scratch_root=scratch_root(job, plan.agent.scratch_dir)),
             log=log,
             on_change=self._changed,
         )
         self.state: JobState = "starting"
-        self.agent_state = "starting"
+        self.agent_state: AgentState = "starting"
         self.reason = "checking the weights folder"
         self.error: str | None = None
         # Carried into every status.json: `stop` checks the supervisor by them.
         self.local_pid, self.local_started_at = read_local_supervisor(job)
-        self.status_file = StatusWriter(job, self._job_status, node.writes)
+        # Its writes of status.json: a failed one is logged (no /status shows it: no endpoint).
+        writes = JobWrites(log, on_change=lambda: None)
+        self.status_file = StatusWriter(job, self._job_status, writes)
 
     def _changed(self) -> None:
         self.status_file.write()
@@ -87,7 +96,7 @@ class ConvertJob:
     async def run(self) -> int:
         """Convert (or find the folder complete); the exit code."""
         self.status_file.write()
-        code = 0
+        code = EXIT_OK
         ok = stopped = False
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
@@ -119,7 +128,7 @@ class ConvertJob:
             self.state, self.agent_state = "stopped", "stopped"
             self.reason = "the decode has no model-weights-dir: nothing to convert"
         else:
-            code = 1
+            code = EXIT_RUNTIME
             self.state = "failed"
             self.error = f"{self.id.name} on {self.id.node}: {self.gate.failure}"
         self.log.info("%s: convert job %s: %s", self.id.name, self.state, self.error or self.reason)

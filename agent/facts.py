@@ -8,12 +8,18 @@ builders, the preflight and the stand-ins all read them here. Imports nothing of
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 # Modules of the tilert wheel the agent starts or checks for.
 CONNECTOR_MODULE = "tilert.pd_vllm.prefill_connector"
 DECODE_MODULE = "tilert.pd_vllm.decode_server"
 ROUTER_MODULE = "tilert.pd_vllm.pd_router"
+# The TileRT connector stand-in (agent.standins.vllm_connector): the folder the agent puts on a
+# real vLLM's PYTHONPATH, and the prefill environment switch that asks for it. Named here, not
+# imported from the stand-in, so the launch layer never imports a stand-in (docs/ARCHITECTURE.md).
+STANDIN_CONNECTOR_PATH = Path(__file__).resolve().parent / "standins" / "vllm_connector"
+STANDIN_CONNECTOR_SWITCH = "TILERT_STANDIN_CONNECTOR"
 # The program that serves the prefill (``vllm serve MODEL``): ``agent.prefill_command``'s default.
 PREFILL_PROGRAM = ("vllm", "serve")
 # The interpreters of the decode server and the router (``agent.decode_python``, ``router_python``).

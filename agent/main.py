@@ -11,15 +11,15 @@ from pathlib import Path
 import msgspec
 import trio
 
+from agent.errors import EXIT_BAD_INPUT
 from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
+from agent.job.vocab import ROLES, as_role
 from agent.node.agentlog import setup_agent_logging
 from agent.node.identity import IdentityError, resolve_identity
 from agent.problems import InputError, printable
 from agent.recipe.loader import load_recipe
-
-EXIT_BAD_INPUT = 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="tilert-agent",
         description="Supervise one node's engine (vLLM prefill or TileRT decode) of a tilert job.",
     )
-    p.add_argument("--role", required=True, choices=["prefill", "decode"], help="this node's role")
+    p.add_argument("--role", required=True, choices=ROLES, help="this node's role")
     p.add_argument("--job-dir", required=True, help="the job directory tilert-submit created")
     p.add_argument(
         "--index",
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         return _fail(f"{job.recipe} does not validate:", str(exc))
     try:
-        identity = resolve_identity(args.role, args.index, plan.network_interface)
+        identity = resolve_identity(as_role(args.role), args.index, plan.network_interface)
     except IdentityError as exc:
         return _fail(str(exc))
     workers = plan.role(identity.role).workers

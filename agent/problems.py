@@ -12,6 +12,8 @@ from typing import Literal
 
 import msgspec
 
+from agent.errors import BadInput
+
 Severity = Literal["error", "warning"]
 
 
@@ -90,7 +92,7 @@ def render_problems(problems: Sequence[Problem], source: str) -> str:
     return "\n".join([title, *(_render_one(p, source) for p in [*errs, *warns])])
 
 
-class InputError(Exception):
+class InputError(BadInput):
     """Bad user input (recipe, cluster file, flags, job directory): every problem, via ``str()``."""
 
     def __init__(self, problems: Sequence[Problem], source: str = "") -> None:

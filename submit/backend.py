@@ -1,7 +1,9 @@
 """Where a job's agents run, behind one interface: Slurm (``submit.slurm``) or this machine
 (``submit.local``).
 
-A backend starts a job, tells whether it still runs and stops it so that its agents drain.
+A backend starts a job (``submit`` returns a ``Submitted`` handle or raises ``BackendError``; what a
+person reads about it is the CLI's, ``submit.cli``), tells whether it still runs and stops it so
+that its agents drain.
 ``status`` and ``stop`` ask the backend that ``status.json`` names (``backend_of``) and never
 branch on "Slurm job id or local pid" themselves. A backend is imported when it is picked, and
 the local one loads its supervisor (and trio) only to run a job: ``status``, ``stop`` and
@@ -13,7 +15,9 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
+from agent.errors import RuntimeFailure
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobStatus
@@ -21,8 +25,18 @@ from agent.job.records import JobStatus
 POLL_S = 0.2
 
 
-class BackendError(Exception):
+class BackendError(RuntimeFailure):
     """The backend could not do what was asked (Slurm unreachable, ...); ``str()`` says why."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What ``Backend.submit`` started: the job directory and the id the backend knows it by
+    (the fields of status.json that name it)."""
+
+    job: JobDir
+    slurm_job_id: str | None = None
+    local_pid: int | None = None
 
 
 class Backend(ABC):
@@ -37,8 +51,8 @@ class Backend(ABC):
         del status  # Slurm learns its job id only from sbatch: nothing to note before.
 
     @abstractmethod
-    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
-        """Start the written job; tilert-submit's exit code. BackendError when it could not."""
+    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> Submitted:
+        """Start the written job and say what was started; BackendError when it could not."""
 
     @abstractmethod
     def is_running(self, status: JobStatus) -> bool | None:
@@ -56,9 +70,9 @@ class Backend(ABC):
         """The line ``status`` shows for where the job runs."""
 
     @abstractmethod
-    def stop(self, job: JobDir, status: JobStatus, limit: float) -> int:
-        """Stop the running job ``job`` so that its agents drain within ``limit`` s; the exit
-        code."""
+    def stop(self, job: JobDir, status: JobStatus, limit: float) -> None:
+        """Stop the running job ``job`` so that its agents drain within ``limit`` s, saying each
+        step of the wait; BackendError when it could not (or must not)."""
 
     def not_running(self, status: JobStatus) -> str:
         """What ``stop`` says when the job is not running."""

@@ -28,6 +28,7 @@ from agent.benchmark.plots import PlotsUnavailable, Series, make_plots
 from agent.benchmark.runner import BenchmarkRun
 from agent.benchmark.summary import level_rows, render_rows, render_summary
 from agent.benchmark.target import BenchTarget, job_gpus
+from agent.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
 from agent.job.benchmark import (
     BENCHMARK_DIR,
     BenchmarkFiles,
@@ -37,13 +38,11 @@ from agent.job.benchmark import (
 )
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
+from agent.job.vocab import SERVING_STATES
 from agent.launch import LaunchSpec, make_launcher
 from agent.launch.commands import arg_value, benchmark_env
 from submit.statusview import staleness
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-SERVING = ("ready", "degraded")
 # Where tilert-submit bench writes its own log (beside its results).
 LOG_NAME = "benchmark.log"
 STOP_GRACE_S = 5.0
@@ -152,7 +151,7 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
     except (OSError, ValueError, msgspec.DecodeError) as exc:
         return _fail(f"{job.root} is not a readable job directory: {exc}")
     stale = staleness(status)
-    if status.state not in SERVING or stale or not status.router_url:
+    if status.state not in SERVING_STATES or stale or not status.router_url:
         why = f" ({stale})" if stale else ""
         return _fail(
             f"the job is {status.state}{why}, not ready: bench measures a job that serves", 1
@@ -183,7 +182,7 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
         target,
         files,
         launcher=make_launcher("process", slurm_job_id=None, node=None),
-        build_spec=build,
+        launch_spec=build,
         env=benchmark_env(plan, bench),
         log_path=files.root / LOG_NAME,
         log_max_bytes=plan.agent.log_max_bytes,
@@ -192,7 +191,7 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
     )
     problem = trio.run(run.preflight)
     if problem is not None:
-        return _fail(problem, EXIT_FAILED)
+        return _fail(problem, EXIT_RUNTIME)
     print(
         f"benchmarking {status.model} at {status.router_url}; results in {files.root}", flush=True
     )
@@ -214,7 +213,7 @@ def _run(args: argparse.Namespace, job: JobDir) -> int:
     summary = trio.run(main)
     print(render_summary(summary))
     print(f"results: {files.root}")
-    return 0 if summary.state == "passed" else EXIT_FAILED
+    return 0 if summary.state == "passed" else EXIT_RUNTIME
 
 
 def latest(job: JobDir) -> Path | None:
@@ -227,11 +226,11 @@ def latest(job: JobDir) -> Path | None:
 def _show(job: JobDir) -> int:
     path = latest(job)
     if path is None:
-        return _fail(f"no benchmark results in {job.root / BENCHMARK_DIR}", EXIT_FAILED)
+        return _fail(f"no benchmark results in {job.root / BENCHMARK_DIR}", EXIT_RUNTIME)
     try:
         summary = read_summary(path)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return _fail(f"cannot read {path}: {exc}", EXIT_FAILED)
+        return _fail(f"cannot read {path}: {exc}", EXIT_RUNTIME)
     print(render_summary(summary))
     print(f"results: {path.parent}")
     return 0
@@ -277,12 +276,12 @@ def _compare(args: argparse.Namespace) -> int:
     for job in jobs:
         path = latest(job)
         if path is None:
-            return _fail(f"no benchmark results in {job.root / BENCHMARK_DIR}", EXIT_FAILED)
+            return _fail(f"no benchmark results in {job.root / BENCHMARK_DIR}", EXIT_RUNTIME)
         try:
             summary = read_summary(path)
             recipe = yaml.safe_load(job.recipe.read_text()) if job.recipe.is_file() else {}
         except (OSError, yaml.YAMLError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _fail(f"cannot read {job.root}: {exc}", EXIT_FAILED)
+            return _fail(f"cannot read {job.root}: {exc}", EXIT_RUNTIME)
         run = {f"run.{k}": getattr(summary, k) for k in ("isl", "osl", "num_requests", "req_rate")}
         facts.append({**_flat(recipe or {}), **_flat(run)})
         summaries.append(summary)

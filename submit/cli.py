@@ -16,6 +16,7 @@ import argparse
 import faulthandler
 import importlib
 import os
+import shlex
 import signal
 import sys
 import time
@@ -26,15 +27,17 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from agent.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUNTIME
 from agent.job.atomicfile import write_atomic
 from agent.job.benchmark import pending_block
 from agent.job.logfiles import log_path
 from agent.job.paths import JobDir
-from agent.job.plan import Plan, StandinName, parse_standins
+from agent.job.plan import Plan, parse_standins
 from agent.job.records import JobAgent, JobStatus
+from agent.job.vocab import Process
 from agent.problems import InputError, Problem, error, printable, render_problems
 from submit import PROG
-from submit.backend import Backend, BackendError
+from submit.backend import Backend, BackendError, Submitted
 from submit.choice import backend_for
 
 # The recipe layer (YAML, rules, planner) is imported where a recipe is read: the job commands
@@ -45,8 +48,6 @@ if TYPE_CHECKING:
     from agent.recipe.sweep import Combination
 
 JOBS_DIR = "tilert-jobs"
-EXIT_BAD_INPUT = 2
-EXIT_RUNTIME = 1
 
 # Job commands: first word -> (module, one-line help). Imported only when used.
 JOB_COMMANDS = {
@@ -344,7 +345,6 @@ def run(args: argparse.Namespace) -> int:
     except InputError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
-    code = 0
     backend = None if args.dry_run else backend_for(local=args.local)
     for i, one in enumerate(jobs):
         if one.combination is not None:
@@ -366,12 +366,11 @@ def run(args: argparse.Namespace) -> int:
             print(render(one.plan, one.job, one.agent_command, local=args.local))
             continue
         try:
-            code = backend.submit(one.job, one.plan, secret_values(one.loaded.recipe))
+            handle = backend.submit(one.job, one.plan, secret_values(one.loaded.recipe))
         except BackendError as exc:
             submitted = f" ({i} of {len(jobs)} sweep jobs submitted)" if len(jobs) > 1 else ""
             return _fail(f"{exc}{submitted}", EXIT_RUNTIME)
-        if code:
-            return code
+        print(submitted_text(handle))
     if len(jobs) > 1:
         print(f"sweep: {len(jobs)} jobs")
         for one in jobs:
@@ -379,7 +378,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {one.plan.name}  ({label})  {one.job.root}")
     if args.dry_run:
         print("Dry run: nothing submitted.")
-    return code
+    return EXIT_OK
+
+
+def submitted_text(handle: Submitted) -> str:
+    """What a person reads once a job is submitted: its id and how to follow it."""
+    what = (
+        f"Slurm job {handle.slurm_job_id}"
+        if handle.slurm_job_id
+        else f"the local supervisor, pid {handle.local_pid}"
+    )
+    lines = [f"Submitted {what}", "Follow it with:"]
+    for command in ("status", "logs", "stop"):
+        extra = " -f" if command == "logs" else ""
+        lines.append(f"  {PROG} {command} {shlex.quote(str(handle.job.root))}{extra}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -438,7 +451,7 @@ def _migrate(argv: list[str]) -> int:
     return migrate.main(parser.parse_args(argv))
 
 
-def _standins(args: argparse.Namespace) -> list[StandinName]:
+def _standins(args: argparse.Namespace) -> list[Process]:
     """--mock's roles ([] without --mock); ``--mock RECIPE`` means every role and that recipe."""
     if args.mock is None:
         return []

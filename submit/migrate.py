@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from agent.errors import EXIT_BAD_INPUT
 from agent.job.atomicfile import write_atomic
 from agent.problems import InputError, render_problems
 from agent.recipe.cluster import find_cluster_file, read_cluster
@@ -19,8 +20,6 @@ from agent.recipe.loader import load_recipe
 from agent.recipe.migrate import migrate_text
 from agent.recipe.textfile import read_text
 from submit import PROG
-
-EXIT_BAD_INPUT = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,6 @@ from agent.job.plan import Plan, RolePlan
 from agent.job.secrets import MASK
 from agent.launch.commands import (
     DecodeEndpoint,
-    arg_value,
     convert_command,
     decode_command,
     prefill_command,
@@ -166,7 +165,7 @@ def _slurm_header(plan: Plan) -> list[str]:
 
 def _weights_lines(plan: Plan) -> list[str]:
     """What the decode agents check before their engines, and how they convert (if they do)."""
-    folder = arg_value(plan.decode.args, "--model-weights-dir")
+    folder = plan.decode.weights_dir
     if not folder:
         return []
     lines = [

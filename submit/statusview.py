@@ -15,17 +15,18 @@ from typing import NoReturn
 
 import msgspec
 
+from agent.errors import EXIT_BAD_INPUT
 from agent.job.benchmark import BenchmarkStatus
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
 from agent.job.records import JobAgent, JobStatus
+from agent.job.vocab import LIVE_STATES
 from agent.problems import printable
 from submit.choice import backend_of
 
 # Three missed heartbeats (the head writes every 5 s).
 STALE_AFTER_S = 15.0
 REASON_WIDTH = 70
-LIVE_STATES = ("starting", "waiting", "ready", "degraded", "stopping")
 
 
 class StatusView(msgspec.Struct):
@@ -39,7 +40,7 @@ class StatusView(msgspec.Struct):
 def _not_a_job(message: str) -> NoReturn:
     """Exit 2 (bad input: the J given) with one line; user paths escaped."""
     print(f"tilert-submit: {printable(message)}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(EXIT_BAD_INPUT)
 
 
 def open_job(path: str) -> JobDir:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from agent.errors import EXIT_OK, EXIT_RUNTIME
 from agent.job.records import JobStatus
 from submit.backend import BackendError, nothing_to_stop
 from submit.choice import backend_of
@@ -25,12 +26,13 @@ def main(args: argparse.Namespace) -> int:
     backend = backend_of(status)
     if backend is None:
         print(nothing_to_stop(status))
-        return 0
+        return EXIT_OK
     if backend.is_running(status) is False:
         print(backend.not_running(status))
-        return 0
+        return EXIT_OK
     try:
-        return backend.stop(job, status, limit)
+        backend.stop(job, status, limit)
     except BackendError as exc:
         print(f"tilert-submit: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_RUNTIME
+    return EXIT_OK

@@ -188,7 +188,7 @@ def test_local_stop_kills_after_the_limit(
     job: JobDir, child: Child, capsys: pytest.CaptureFixture[str]
 ) -> None:
     proc = child(str(job.root), ignore_term=True)
-    assert LocalBackend().stop(job, status_of(**supervised_by(proc)), limit=0.5) == 0
+    LocalBackend().stop(job, status_of(**supervised_by(proc)), limit=0.5)
     assert f"pid {proc.pid} did not exit within 0.5s; sending SIGKILL" in capsys.readouterr().out
     assert proc.wait(timeout=5) == -signal.SIGKILL
 
@@ -199,7 +199,7 @@ def test_local_stop_while_stopping_sends_no_second_signal(
     # A second SIGTERM would force the supervisor's stop: a second `stop` only waits for it.
     proc = child(str(job.root))
     status = status_of(**supervised_by(proc, state="stopping"))
-    assert LocalBackend().stop(job, status, limit=0.5) == 0
+    LocalBackend().stop(job, status, limit=0.5)
     assert "already stopping" in capsys.readouterr().out
     assert proc.wait(timeout=5) == -signal.SIGKILL  # no SIGTERM came before the limit
 
@@ -337,7 +337,7 @@ def test_slurm_stop_cancels_after_the_limit(
     job: JobDir, fake_slurm: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (fake_slurm / "on_term").write_text("RUNNING\n")
-    assert SlurmBackend().stop(job, status_of(slurm_job_id="42"), limit=0.3) == 0
+    SlurmBackend().stop(job, status_of(slurm_job_id="42"), limit=0.3)
     assert "Slurm job 42 still running after 0.3s: scancel 42" in capsys.readouterr().out
     assert (fake_slurm / "scancel.log").read_text() == "--signal=TERM 42\n42\n"
 

@@ -473,6 +473,10 @@ GARBAGE_STATUS = [
     b"[]",
     b'{"state": "ready"}',
     b'{"state": "exploded", "model": "m"}',
+    # An agent's row with a word outside the vocabulary (agent.job.vocab).
+    b'{"state": "ready", "model": "m", "agents": [{"name": "decode-0", "role": "decode", '
+    b'"index": 0, "node": null, "state": "exploded", "restarts": 0, "reason": "", "log": "", '
+    b'"metrics_url": null, "status_url": null}]}',
     b'{"state": "ready", "model": "m", "local_pid": -1}',
     b'{"state": "ready", "model": "m", "local_pid": 0}',
     b'{"state": "ready", "model": "m", "slurm_job_id": "--user=root"}',

@@ -446,7 +446,7 @@ def make_run(
         target(tmp_path),
         BenchmarkFiles(tmp_path / "benchmark"),
         launcher=ProcessLauncher(),
-        build_spec=build,
+        launch_spec=build,
         env={**os.environ, **(env or {})},
         log_path=tmp_path / "logs" / "benchmark.log",
         log_max_bytes=1 << 20,

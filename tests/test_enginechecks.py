@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from agent.facts import CONNECTOR_MODULE
+from agent.facts import STANDIN_CONNECTOR_PATH as CONNECTOR_PATH
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
 from agent.launch import LaunchSpec, ProcessLauncher, preflight
@@ -24,7 +25,6 @@ from agent.launch.enginechecks import (
 from agent.launch.interpreter import is_python, python_of
 from agent.launch.preflight import PreflightResult
 from agent.launch.scratch import SCRATCH_ENV, Scratch, scratch_root, socket_path_problem
-from agent.standins.vllm_connector import CONNECTOR_PATH
 from tests.kit import make_job
 
 

@@ -40,29 +40,30 @@ from agent.head.decisions import (
     waiting_for,
 )
 from agent.head.peers import UNREACHABLE_FAIL_S, Peer, Peers
-from agent.head.statuswriter import StatusWriter
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names, parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.records import (
     AgentExit,
     AgentStatus,
-    EngineState,
     JobAgent,
     JobStatus,
     RendezvousRecord,
 )
+from agent.job.vocab import AgentState, EngineState, Process
 from agent.node.jobwrites import JobWrites
 from agent.node.rendezvous import Records, write_record
+from agent.node.statuswriter import StatusWriter
 from tests import kit
 
 LOG = logging.getLogger("test_head")
 ROUTER_LOG = Path("/j/logs/prefill-0/router.log")
 
 
-def row(name: str, state: str = "healthy", reason: str = "serving") -> JobAgent:
+def row(name: str, state: AgentState = "healthy", reason: str = "serving") -> JobAgent:
     """An agent's status.json row as the head would build it."""
     parsed = parse_agent_name(name)
-    role, index = parsed if parsed else ("router", 0)
+    role: Process = parsed[0] if parsed else "router"
+    index = parsed[1] if parsed else 0
     return JobAgent(
         name=name,
         role=role,
@@ -78,11 +79,11 @@ def row(name: str, state: str = "healthy", reason: str = "serving") -> JobAgent:
 
 
 def view(
-    states: dict[str, str] | None = None,
+    states: dict[str, AgentState] | None = None,
     *,
     decodes: int = 2,
     healthy_since: Mapping[str, float | None] | None = None,
-    router: str | None = None,
+    router: AgentState | None = None,
     versions: dict[str, str] | None = None,
 ) -> JobView:
     """A job of prefill-0 and ``decodes`` decodes, every one healthy unless ``states`` says."""
@@ -161,7 +162,7 @@ def test_a_failed_decode_is_dropped_once() -> None:
 
 
 def test_unhealthy_decodes_are_not_dropped() -> None:
-    states = {"decode-0": "unhealthy", "decode-1": "restarting"}
+    states: dict[str, AgentState] = {"decode-0": "unhealthy", "decode-1": "restarting"}
     assert to_drop(view(states), dropped=()) == []
 
 
@@ -344,19 +345,24 @@ def record(name: str, tilert: str | None = None) -> RendezvousRecord:
     )
 
 
+def state_of(peer: Peer) -> AgentState:
+    """The peer's state, read afresh (an assert on ``peer.state`` would narrow its type)."""
+    return peer.state
+
+
 def test_peer_state_tells_missing_lost_and_stopped_apart() -> None:
     peer = Peer()
-    assert peer.state == "missing"
+    assert state_of(peer) == "missing"
     peer.record = record("decode-0")
-    assert peer.state == "starting"
+    assert state_of(peer) == "starting"
     peer.observe(status("healthy"), now=5.0)
     peer.reachable = True
-    assert peer.state == "healthy"
+    assert state_of(peer) == "healthy"
     peer.reachable = False
-    assert peer.state == "unreachable"
+    assert state_of(peer) == "unreachable"
     peer.observe(status("stopping"), now=6.0)
     peer.reachable = False
-    assert peer.state == "stopped"
+    assert state_of(peer) == "stopped"
 
 
 def test_peer_notes_when_it_turned_healthy_not_each_healthy_answer() -> None:
@@ -404,7 +410,7 @@ def test_peers_rows_feed_the_decisions(tmp_path: Path) -> None:
 
 def test_a_record_that_stays_unreadable_fails_its_peer_not_the_job() -> None:
     peer = Peer(record_problem="J/rendezvous/decode-1.json: not JSON, or cut short")
-    assert (peer.state, peer.reason) == (
+    assert (state_of(peer), peer.reason) == (
         "failed",
         "J/rendezvous/decode-1.json: not JSON, or cut short",
     )
@@ -418,7 +424,7 @@ def test_a_bad_file_over_a_good_record_keeps_the_peer_and_says_so() -> None:
     peer = Peer(record=record("decode-1"))
     peer.observe(status("healthy", "decode-1"), now=1.0)
     peer.record_problem = "J/rendezvous/decode-1.json: a symbolic link, not followed"
-    assert peer.state == "healthy"
+    assert state_of(peer) == "healthy"
     assert peer.reason == (
         "serving; J/rendezvous/decode-1.json: a symbolic link, not followed "
         "(its last good record is used)"
@@ -429,30 +435,30 @@ def test_a_last_word_in_the_record_fails_the_peer_at_once() -> None:
     last = record("decode-1")
     last.exited = AgentExit(state="failed", reason="agent crashed: OSError: boom\nx", code=1)
     peer = Peer(record=last)
-    assert peer.state == "failed"
+    assert state_of(peer) == "failed"
     assert peer.reason == "its agent exited with code 1: agent crashed: OSError: boom\\nx"
     last.exited = AgentExit(state="stopped", reason="stopped on request", code=0)
-    assert peer.state == "stopped"
+    assert state_of(peer) == "stopped"
 
 
 def test_an_unreachable_peer_is_failed_after_the_bound_and_stays_failed() -> None:
     peer = Peer(record=record("decode-1"))
     peer.observe(status("healthy", "decode-1"), now=0.0)
     assert peer.unanswered("connection refused", now=10.0) is False  # asked again at once
-    assert peer.state == "healthy"
+    assert state_of(peer) == "healthy"
     assert peer.unanswered("connection refused", now=10.2) is True
-    assert (peer.state, peer.lost) == ("unreachable", None)
+    assert (state_of(peer), peer.lost) == ("unreachable", None)
     assert "not answering at http://10.0.0.1:9200/status (connection refused)" in peer.reason
     assert peer.unanswered("connection refused", now=10.0 + UNREACHABLE_FAIL_S - 0.1) is False
-    assert peer.state == "unreachable"
+    assert state_of(peer) == "unreachable"
     assert peer.unanswered("connection refused", now=10.0 + UNREACHABLE_FAIL_S) is True
-    assert peer.state == "failed"
+    assert state_of(peer) == "failed"
     assert peer.reason == (
         f"agent not answering for {UNREACHABLE_FAIL_S:g}s at http://10.0.0.1:9200/status "
         "(connection refused); it last said healthy: taken as failed"
     )
     peer.observe(status("healthy", "decode-1"), now=20.0)  # back: it was dropped, for good
-    assert peer.state == "failed"
+    assert state_of(peer) == "failed"
 
 
 def test_one_failed_poll_alone_shows_nothing() -> None:
@@ -462,18 +468,18 @@ def test_one_failed_poll_alone_shows_nothing() -> None:
     for now in (10.0, 20.0, 30.0):
         assert peer.unanswered("timed out", now=now) is False
         peer.observe(status("healthy", "decode-1"), now=now + 0.1)
-        assert peer.state == "healthy"
+        assert state_of(peer) == "healthy"
         assert peer.reason == "serving"
 
 
 def test_a_peer_that_never_answered_turns_unreachable() -> None:
     peer = Peer(record=record("decode-1"))
     peer.unanswered("connection refused", now=0.0)
-    assert peer.state == "starting"
+    assert state_of(peer) == "starting"
     peer.unanswered("connection refused", now=0.2)
-    assert peer.state == "unreachable"
+    assert state_of(peer) == "unreachable"
     assert peer.unanswered("connection refused", now=UNREACHABLE_FAIL_S) is True
-    assert peer.state == "failed"
+    assert state_of(peer) == "failed"
     assert "it last said" not in peer.reason
 
 
@@ -482,11 +488,11 @@ def test_an_answer_ends_an_outage_before_the_bound() -> None:
     peer.observe(status("healthy", "decode-1"), now=0.0)
     peer.unanswered("timed out", now=1.0)
     peer.unanswered("timed out", now=2.0)
-    assert peer.state == "unreachable"
+    assert state_of(peer) == "unreachable"
     peer.observe(status("healthy", "decode-1"), now=4.0)
     peer.unanswered("timed out", now=8.0)  # a new outage starts now, not at 1
     assert peer.unanswered("timed out", now=8.0 + UNREACHABLE_FAIL_S - 0.1) is True
-    assert peer.state == "unreachable"
+    assert state_of(peer) == "unreachable"
 
 
 def test_a_peer_that_said_it_was_stopping_and_went_away_stopped() -> None:
@@ -494,7 +500,7 @@ def test_a_peer_that_said_it_was_stopping_and_went_away_stopped() -> None:
     peer.observe(status("stopping", "decode-1"), now=0.0)
     for now in (1.0, 1.2, 1.0 + 2 * UNREACHABLE_FAIL_S):
         peer.unanswered("connection refused", now=now)
-    assert (peer.state, peer.lost) == ("stopped", None)
+    assert (state_of(peer), peer.lost) == ("stopped", None)
 
 
 async def test_peers_take_bad_files_and_strays_logging_each_once(
@@ -571,6 +577,46 @@ async def test_peers_follow_every_peer_over_the_agents_one_client(
         )
         nursery.cancel_scope.cancel()
     assert sorted(set(polls)) == names[1:]
+
+
+async def test_a_peer_answering_an_unknown_state_is_unreachable_alone(tmp_path: Path) -> None:
+    # States are typed words (agent.job.vocab): an answer with another word (a newer or broken
+    # agent) is no answer. That peer turns unreachable (then failed after the bound, as any peer
+    # that does not answer); the others are followed as before.
+    job = JobDir(tmp_path)
+    job.rendezvous.mkdir()
+    names = list(agent_names(1, 3))
+    for name in names[1:]:
+        url = f"http://p:9200/{name}/status"
+        index = int(name.rsplit("-", 1)[1])
+        write_record(job, msgspec.structs.replace(record(name), index=index, status_url=url))
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        name = request.url.path.split("/")[1]
+        if request.url.params["after"] != "-1":
+            await trio.sleep_forever()  # a long poll: nothing changes
+        answer = msgspec.to_builtins(status("healthy", name))
+        if name == "decode-1":
+            answer["state"] = "exploded"
+        return httpx.Response(200, content=msgspec.json.encode(answer))
+
+    peers = Peers(
+        names,
+        job=job,
+        own_status=lambda: status("healthy", HEAD_NAME),
+        log=LOG,
+        on_change=lambda: None,
+        client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(peers.follow, lambda: None)
+        await kit.until(lambda: peers.state("decode-1") == "unreachable", "decode-1 unreachable")
+        await kit.until(
+            lambda: all(peers.state(n) == "healthy" for n in names if n != "decode-1"),
+            "the other peers healthy",
+        )
+        nursery.cancel_scope.cancel()
+    assert "Invalid enum value 'exploded'" in peers.by_name["decode-1"].reason
 
 
 def test_status_json_is_written_on_change_and_by_the_heartbeat(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ import pytest
 
 from agent.job.logtail import LogLine
 from agent.job.paths import JobDir
-from agent.job.records import JobAgent, JobState, JobStatus
+from agent.job.records import JobAgent, JobStatus
+from agent.job.vocab import AgentState, JobState, as_role
 from submit import logview
 from submit.logview.command import parse_since
 from submit.logview.printer import Printer, wants_colour
@@ -282,12 +283,12 @@ def test_console_script(job: JobDir) -> None:
 # ---- -f ends with the job ----------------------------------------------------------------------
 
 
-def write_status(job: JobDir, state: JobState, pid: int | None, **agents: str) -> None:
+def write_status(job: JobDir, state: JobState, pid: int | None, **agents: AgentState) -> None:
     """status.json as the head writes it: the job's state, its supervisor, agents' states."""
     entries = [
         JobAgent(
             name=name.replace("_", "-"),
-            role=name.split("_")[0],
+            role=as_role(name.split("_")[0]),
             index=int(name.split("_")[1]),
             node="n1",
             state=agent_state,

@@ -81,6 +81,18 @@ def test_mi355x_plan_golden() -> None:
     match("mi355x-mooncake-glm5.plan.json", plan_json(load(MI355X, MI355X_CLUSTER)))
 
 
+def test_the_decode_plan_carries_its_profile_and_weights_folder() -> None:
+    """What two decode flags mean is read once, into the plan: the profile (glm5 when the recipe
+    leaves --model out) and the weights folder (None without one)."""
+    mi355x = make_plan(load(MI355X, MI355X_CLUSTER)).decode
+    assert (mi355x.model_profile, mi355x.weights_dir) == ("glm5_2", "/models/GLM-5.3-tilert-tp8")
+    demo = make_plan(load(DEMO)).decode
+    assert (demo.model_profile, demo.weights_dir) == ("glm5", None)
+    bare = make_plan(load_recipe(DEMO, unsets=["roles.decode.args.model"])).decode
+    assert "--model" not in bare.args
+    assert bare.model_profile == "glm5"
+
+
 def test_plan_is_deterministic_and_decodes() -> None:
     first = plan_json(load(B200, B200_CLUSTER))
     second = plan_json(load(B200, B200_CLUSTER))

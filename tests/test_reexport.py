@@ -18,7 +18,6 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.http.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
 from agent.http.reexport import (
     PageError,
     Relabeller,
@@ -26,6 +25,7 @@ from agent.http.reexport import (
     registry_names,
     relabel_page,
 )
+from agent.web.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
 from tests.conftest import require
 from tests.infra.ports import free_port
 from tests.infra.prometheus import (

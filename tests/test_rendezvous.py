@@ -169,6 +169,28 @@ def test_a_record_whose_role_or_index_is_not_its_name_is_refused(job: JobDir) ->
     assert "says role 'prefill' index 2" in got.problems["decode-2"]
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("role", "router", "Invalid enum value 'router' - at `$.role`"),
+        ("exited", {"state": "exploded", "reason": "r", "code": 1}, "at `$.exited.state`"),
+    ],
+)
+def test_a_word_outside_the_vocabulary_is_a_problem_of_its_agent_only(
+    job: JobDir, field: str, value: object, said: str
+) -> None:
+    # Roles and states are typed words (agent.job.vocab): a record with another word (a newer or
+    # broken agent) is that agent's problem, the others' records are read as before.
+    write_record(job, record("decode-0"))
+    data = msgspec.json.decode(good_bytes("decode-1"))
+    data[field] = value
+    job.record("decode-1").write_bytes(msgspec.json.encode(data))
+    got = read_records(job, NAMES)
+    assert list(got.by_name) == ["decode-0"]
+    assert "malformed rendezvous record" in got.problems["decode-1"]
+    assert said in got.problems["decode-1"], got.problems["decode-1"]
+
+
 def test_values_from_a_bad_record_are_shown_escaped(job: JobDir) -> None:
     data = msgspec.json.decode(good_bytes("decode-1"))
     data["name"] = "decode-0\nERROR forged line\x00"

@@ -32,7 +32,7 @@ from tests import kit
 from tests.kit import FAST, Agents, make_job, running_agents, wait_for
 
 READY_S = 30.0
-# The head writes status.json at least this often (agent.head.statuswriter).
+# The head writes status.json at least this often (agent.node.statuswriter).
 HEARTBEAT_S = 5.0
 
 

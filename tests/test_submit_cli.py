@@ -15,7 +15,8 @@ from agent.job.paths import JobDir
 from agent.job.plan import load_plan
 from agent.recipe.loader import load_recipe
 from agent.recipe.planner import make_plan
-from submit.cli import main
+from submit.backend import Submitted
+from submit.cli import main, submitted_text
 from tests.golden import GOLDEN_DIR, RECIPES
 
 RECIPE_CASES = {
@@ -319,6 +320,37 @@ def test_status_dispatch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["status", str(root), "--json"]) == 0
     view = json.loads(capsys.readouterr().out)
     assert json.dumps(view).count("pending") >= 1
+
+
+def test_what_a_person_reads_once_submitted_names_the_handle(tmp_path: Path) -> None:
+    # The backends return a handle; the words are the CLI's (a local run never returns one today:
+    # it becomes the supervisor, but a handle naming a pid reads as well).
+    job = JobDir(tmp_path / "my job")
+    slurm = submitted_text(Submitted(job=job, slurm_job_id="42")).splitlines()
+    assert slurm[:2] == ["Submitted Slurm job 42", "Follow it with:"]
+    assert f"  tilert-submit logs '{job.root}' -f" in slurm
+    local = submitted_text(Submitted(job=job, local_pid=4242)).splitlines()
+    assert local[0] == "Submitted the local supervisor, pid 4242"
+
+
+def test_status_reads_every_word_a_row_has_ever_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The rows' states and roles are typed (agent.job.vocab): a status.json written before the
+    # types, with any word the head or the submitter ever wrote, still reads.
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--dry-run", "--job-dir", str(root)]) == 0
+    data = json.loads(JobDir(root).status.read_text())
+    row = data["agents"][0]
+    words = ["pending", "missing", "starting", "converting", "healthy", "unhealthy"]
+    words += ["restarting", "unreachable", "stopping", "stopped", "failed"]
+    data["agents"] = [{**row, "name": f"decode-{i}", "state": w} for i, w in enumerate(words)]
+    data["router"] = {**row, "name": "router", "role": "router", "state": "healthy"}
+    JobDir(root).status.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["status", str(root)]) == 0
+    shown = capsys.readouterr().out
+    assert all(f"decode-{i}" in shown and word in shown for i, word in enumerate(words))
 
 
 def test_a_recipe_named_like_a_command(tmp_path: Path) -> None:

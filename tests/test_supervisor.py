@@ -42,14 +42,14 @@ SERVE = textwrap.dedent(
 def policy(**changes: float) -> Policy:
     """A fast policy; ``changes`` override fields."""
     values = dict(
-        startup_interval_s=0.02,
-        interval_s=0.05,
-        timeout_s=0.5,
-        failure_threshold=2,
-        backoff_initial_s=0.1,
-        backoff_max_s=0.4,
-        max_restarts=3,
-        window_s=60.0,
+        probe_startup_interval_s=0.02,
+        probe_interval_s=0.05,
+        probe_timeout_s=0.5,
+        probe_failure_threshold=2,
+        restart_backoff_initial_s=0.1,
+        restart_backoff_max_s=0.4,
+        restart_max=3,
+        restart_window_s=60.0,
         startup_budget_s=10.0,
         stop_grace_s=1.0,
     )
@@ -113,7 +113,7 @@ async def test_address_in_use_moves_ports_once_then_counts_crashes(tmp_path: Pat
         sys.exit(1)
         """
     )
-    h = Harness(tmp_path, script, policy(max_restarts=2, backoff_initial_s=0.02))
+    h = Harness(tmp_path, script, policy(restart_max=2, restart_backoff_initial_s=0.02))
     with trio.fail_after(15):
         await h.sup.run()
     assert h.moves == 1
@@ -126,7 +126,7 @@ async def test_address_in_use_moves_ports_once_then_counts_crashes(tmp_path: Pat
 async def test_backoff_doubles_up_to_the_max(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    h = Harness(tmp_path, "import sys; sys.exit(3)", policy(max_restarts=4))
+    h = Harness(tmp_path, "import sys; sys.exit(3)", policy(restart_max=4))
     with caplog.at_level(logging.WARNING, logger=h.log.name), trio.fail_after(15):
         await h.sup.run()
     delays = [
@@ -144,7 +144,7 @@ async def test_an_engine_that_served_is_restarted_at_once_the_first_time(
     # Users wait for the restart of an engine that was serving; backoff is for one that dies
     # again within the window (or never serves: test_backoff_doubles_up_to_the_max).
     serve_then_die = "import os, threading\nthreading.Timer(0.3, os._exit, [3]).start()\n" + SERVE
-    h = Harness(tmp_path, serve_then_die, policy(max_restarts=2, backoff_initial_s=0.1))
+    h = Harness(tmp_path, serve_then_die, policy(restart_max=2, restart_backoff_initial_s=0.1))
     with caplog.at_level(logging.WARNING, logger=h.log.name), trio.fail_after(30):
         await h.sup.run()
     delays = [
@@ -203,7 +203,11 @@ async def test_probes_use_the_agents_client_and_healthy_at_is_the_answers_time(
 
 
 async def test_stop_during_backoff_ends_stopped(tmp_path: Path) -> None:
-    h = Harness(tmp_path, "import sys; sys.exit(1)", policy(backoff_initial_s=30, backoff_max_s=30))
+    h = Harness(
+        tmp_path,
+        "import sys; sys.exit(1)",
+        policy(restart_backoff_initial_s=30, restart_backoff_max_s=30),
+    )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(h.sup.run)
         await kit.until(lambda: h.sup.state == "restarting", "the engine restarting")

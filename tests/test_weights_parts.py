@@ -18,17 +18,17 @@ import yaml
 from agent.job.logfiles import log_files, log_path
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
-from agent.node.conversion import WeightsError, weights_paths
 from agent.node.folderlock import LockInfo, LockLost, StaleWatch, observe, take_over, try_acquire
 from agent.node.hubcache import HubCacheError, snapshot
-from agent.node.mounts import host_path
 from agent.node.weightsfolder import (
     MARKER_NAME,
     ConvertedMarker,
     Siblings,
+    WeightsError,
     inspect,
     replace_folder,
     sha256_file,
+    weights_paths,
     write_marker,
 )
 from agent.problems import InputError
@@ -205,20 +205,18 @@ def test_a_hub_ids_snapshot_is_found_in_the_cache_as_snapshot_download_finds_it(
     (repo / "snapshots" / "old999").mkdir(parents=True)
     env = {"HF_HOME": str(tmp_path), "PATH": "/bin"}
     with pytest.raises(HubCacheError, match="refs/main"):  # two snapshots, no ref: which one?
-        snapshot("zai-org/GLM-5.1-FP8", env, Path)
+        snapshot("zai-org/GLM-5.1-FP8", env, [], "process")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123\n")
-    assert snapshot("zai-org/GLM-5.1-FP8", env, Path) == f"{repo}/snapshots/abc123"
+    assert snapshot("zai-org/GLM-5.1-FP8", env, [], "process") == f"{repo}/snapshots/abc123"
     with pytest.raises(HubCacheError, match="huggingface-cli download zai-org/other"):
-        snapshot("zai-org/other", {"HF_HUB_CACHE": str(cache)}, Path)
+        snapshot("zai-org/other", {"HF_HUB_CACHE": str(cache)}, [], "process")
     # Under pyxis the cache is a container path: read through the mount that holds it.
-    mounts = [f"{cache}:/hf_hub_cache/hub"]
-    found = snapshot(
-        "zai-org/GLM-5.1-FP8",
-        {"HF_HUB_CACHE": "/hf_hub_cache/hub"},
-        lambda p: host_path(p, mounts, "pyxis") or Path("/nonexistent"),
-    )
+    env = {"HF_HUB_CACHE": "/hf_hub_cache/hub"}
+    found = snapshot("zai-org/GLM-5.1-FP8", env, [f"{cache}:/hf_hub_cache/hub"], "pyxis")
     assert found == "/hf_hub_cache/hub/models--zai-org--GLM-5.1-FP8/snapshots/abc123"
+    with pytest.raises(HubCacheError, match="not under any of the job's container mounts"):
+        snapshot("zai-org/GLM-5.1-FP8", env, [f"{cache}:/elsewhere"], "pyxis")
 
 
 def test_convert_needs_an_absolute_weights_dir() -> None:
@@ -569,7 +567,9 @@ async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
     plan = make_plan(loaded, mock=True)
     args = [*plan.decode.args]
     args[args.index("--model") + 1] = "glm5_2"
-    plan = msgspec.structs.replace(plan, decode=msgspec.structs.replace(plan.decode, args=args))
+    # The gate reads the plan's model profile, never the argv back.
+    decode = msgspec.structs.replace(plan.decode, args=args, model_profile="glm5_2")
+    plan = msgspec.structs.replace(plan, decode=decode)
     gate = WeightsGate(
         plan=plan,
         job=Job(tmp_path),
@@ -590,12 +590,13 @@ async def test_glm5_2_weights_are_not_checked(tmp_path: Path) -> None:
 def test_a_converting_worker_is_not_late_and_not_healthy() -> None:
     from agent.head.decisions import JobView, converting, gate, waiting_for
     from agent.job.records import JobAgent
+    from agent.job.vocab import AgentState, as_role
 
-    def row(name: str, state: str) -> JobAgent:
+    def row(name: str, state: AgentState) -> JobAgent:
         role, _, index = name.rpartition("-")
         return JobAgent(
             name=name,
-            role=role,
+            role=as_role(role),
             index=int(index),
             node="n",
             state=state,

@@ -12,6 +12,6 @@ Independent of the recipe: it runs from a ``BenchmarkPlan`` (``agent.job.benchma
 - ``plots``: the PNG charts (matplotlib, the optional ``plots`` extra);
 - ``runner``: ``BenchmarkRun``, one level after the other through a launcher, stoppable.
 
-May import ``agent.facts``, ``agent.problems``, ``agent.job``, ``agent.launch`` and
-``agent.node`` (the log sink); imported by the head and by ``submit``.
+May import ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``
+and ``agent.node`` (the log sink); imported by the head and by ``submit``.
 """

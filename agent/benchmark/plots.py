@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.errors import RuntimeFailure
 from agent.job.benchmark import LevelResult
 
 PLOT_NAMES = ("output_throughput", "latency", "pareto")
 INSTALL_HINT = "install the plots extra (pip install 'tilert-agent[plots]') for PNG charts"
 
 
-class PlotsUnavailable(Exception):
+class PlotsUnavailable(RuntimeFailure):
     """matplotlib cannot be imported here; ``str()`` says how to get the charts."""
 
 

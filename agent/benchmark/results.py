@@ -17,9 +17,10 @@ from typing import Any
 import msgspec
 
 from agent.benchmark.aiperf import EXPORT_FILE, RECORDS_FILE
+from agent.errors import RuntimeFailure
 
 
-class ResultsError(Exception):
+class ResultsError(RuntimeFailure):
     """The level's export is missing or unreadable; the message says which file."""
 
 

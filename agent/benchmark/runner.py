@@ -35,11 +35,10 @@ from agent.job.benchmark import (
     LevelResult,
     pending_block,
 )
-from agent.launch import Launcher, LaunchSpec, RunTimeout
+from agent.launch import Launcher, RunTimeout
+from agent.launch.jobspecs import SpecBuilder
 from agent.node.logpump import LogSink
 
-# (name, argv, env, image) -> a LaunchSpec with the job's mounts and settings.
-SpecBuilder = Callable[[str, list[str], dict[str, str], str | None], LaunchSpec]
 CLIENT_NAME = "benchmark"
 PREFLIGHT_TIMEOUT_S = 120.0
 # How long the log pump may take to reach EOF after the client exited.
@@ -65,7 +64,7 @@ class BenchmarkRun:
         files: BenchmarkFiles,
         *,
         launcher: Launcher,
-        build_spec: SpecBuilder,
+        launch_spec: SpecBuilder,
         env: dict[str, str],
         log_path: Path,
         log_max_bytes: int,
@@ -77,7 +76,7 @@ class BenchmarkRun:
         self.target = target
         self.files = files
         self.launcher = launcher
-        self.build_spec = build_spec
+        self.launch_spec = launch_spec
         self.env = env
         self.log_path = log_path
         self.log_max_bytes = log_max_bytes
@@ -113,7 +112,7 @@ class BenchmarkRun:
             return None
         program = " ".join(self.plan.program)
         argv = [*self.plan.program, "--version"]
-        spec = self.build_spec(f"{CLIENT_NAME}-preflight", argv, dict(self.env), self.plan.image)
+        spec = self.launch_spec(f"{CLIENT_NAME}-preflight", argv, dict(self.env), self.plan.image)
         where = f" in image {self.plan.image}" if self.plan.image else ""
         try:
             code, out = await self.launcher.run(spec, timeout_s=PREFLIGHT_TIMEOUT_S)
@@ -289,7 +288,7 @@ class BenchmarkRun:
 
     async def _client(self, sink: LogSink, what: str, argv: list[str], env: dict[str, str]) -> int:
         """Run the client once to its end; its exit status (cancellation stops it first)."""
-        spec = self.build_spec(CLIENT_NAME, argv, env, self.plan.image)
+        spec = self.launch_spec(CLIENT_NAME, argv, env, self.plan.image)
         try:
             process = await self.launcher.start(spec)
         except OSError as exc:

@@ -6,12 +6,12 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``peers``: each agent's record and long-polled ``/status``.
 - ``decisions``: gate, drop, fatal and the job's state, as plain functions over a ``JobView``.
 - ``router``: the router's preflight, start and relaunch; ``canaries``: the streaming chat check.
-- ``statuswriter``: status.json (on change and as a heartbeat) and targets.json.
 - ``benchstage``: the recipe's benchmark, checked before the load and run once ready.
-- ``head``: ``Head``, which runs them in order.
+- ``head``: ``Head``, which runs them in order, writing status.json and targets.json through
+  ``agent.node.statuswriter`` (a convert job writes its status.json with it too).
 
-May import: ``agent.facts``, ``agent.problems``, ``agent.job``, ``agent.launch``, ``agent.node``,
-``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` only.
+May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``,
+``agent.node``, ``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` only.
 """
 
 from agent.head.context import HeadContext

@@ -89,7 +89,7 @@ class BenchmarkStage:
             target,
             self.files,
             launcher=launcher,
-            build_spec=self._spec,
+            launch_spec=self._spec,
             env=self.env,
             log_path=log_path(ctx.job, BENCHMARK_NAME, plan=ctx.plan),
             log_max_bytes=ctx.plan.agent.log_max_bytes,

@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import trio
 
+from agent.errors import RuntimeFailure
 from agent.head.decisions import JobFailed
 from agent.job.plan import Plan
 
@@ -26,7 +27,7 @@ CANARY_RETRY_S = 0.5
 CONNECT_TIMEOUT_S = 5.0
 
 
-class CanaryFailed(Exception):
+class CanaryFailed(RuntimeFailure):
     """One canary attempt streamed no text; the message is the cause (retried while budget
     lasts)."""
 

@@ -16,12 +16,10 @@ from agent.http.metrics import HeadFigures
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus
-from agent.launch import Launcher, LaunchSpec
+from agent.launch import Launcher
+from agent.launch.jobspecs import SpecBuilder
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
-
-# (name, argv, env, image) -> a LaunchSpec with the job's mounts and the node's setup script.
-BuildSpec = Callable[[str, list[str], dict[str, str], str | None], LaunchSpec]
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,7 @@ class HeadContext:
     identity: Identity
     log: logging.Logger
     launcher: Launcher
-    launch_spec: BuildSpec
+    launch_spec: SpecBuilder
     # The head agent's own /status (its engine's state), read live.
     own_status: Callable[[], AgentStatus]
     # A supervised state changed: wake /status long-pollers and the head.

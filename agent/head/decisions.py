@@ -16,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from agent.errors import RuntimeFailure
 from agent.job.names import HEAD_NAME, ROUTER_NAME, parse_agent_name
-from agent.job.records import JobAgent, JobState
+from agent.job.records import JobAgent
+from agent.job.vocab import AgentState, JobState
 
 
-class JobFailed(Exception):
+class JobFailed(RuntimeFailure):
     """The job cannot serve; the message names the agent, the reason and its log."""
 
 
@@ -40,7 +42,7 @@ class JobView:
     # The router once started (its row in status.json).
     router: JobAgent | None = None
 
-    def state(self, name: str) -> str:
+    def state(self, name: str) -> AgentState:
         """The state of agent ``name`` as the head sees it (``missing``, ``unreachable``, ...)."""
         return self.agents[name].state
 

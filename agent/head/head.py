@@ -21,6 +21,7 @@ import time
 import msgspec
 import trio
 
+from agent.errors import EXIT_OK, EXIT_RUNTIME
 from agent.head.benchstage import BenchmarkStage
 from agent.head.canaries import Canary, run_canaries
 from agent.head.context import HeadContext
@@ -41,12 +42,13 @@ from agent.head.decisions import (
 )
 from agent.head.peers import Peers
 from agent.head.router import Router
-from agent.head.statuswriter import StatusWriter, read_local_supervisor
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
-from agent.job.records import EngineStatus, Gate, JobState, JobStatus
+from agent.job.records import EngineStatus, Gate, JobStatus
+from agent.job.vocab import JobState
 from agent.node.jobend import end_job
+from agent.node.statuswriter import StatusWriter, read_local_supervisor
 from agent.node.supervisor import EngineSupervisor
 
 GATE_POLL_S = 0.5  # re-evaluate at least this often while bringing the job up
@@ -335,7 +337,7 @@ class Head:
 
     async def run(self) -> int:
         """The head's whole life; returns the agent's exit code."""
-        code = 0
+        code = EXIT_OK
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.peers.follow, self._on_records)
             nursery.start_soon(self.status_file.heartbeat)
@@ -347,7 +349,7 @@ class Head:
             except JobFailed as exc:
                 self.error = str(exc)
                 self.log.error("head: job failed: %s", exc)
-                code = 1
+                code = exc.exit_code
             why = "stopped on request"
             if self.bench is not None:
                 code = await self._end_benchmark(self.bench, code)
@@ -374,4 +376,4 @@ class Head:
             why = "benchmark " + verdict.state + ("" if self.error else "; keep_serving is false")
             await end_job(self.ctx.identity, self.log, why)
         # Never a silent pass: a benchmark that did not pass makes the exit code non-zero.
-        return 1 if code or verdict.state == "failed" else 0
+        return EXIT_RUNTIME if code or verdict.state == "failed" else EXIT_OK

@@ -27,6 +27,7 @@ from agent.job.names import HEAD_NAME, parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, JobAgent, RendezvousRecord
+from agent.job.vocab import AgentState
 from agent.node.rendezvous import Records, watch_records
 from agent.problems import printable
 
@@ -62,7 +63,7 @@ class Peer:
     lost: str | None = None
 
     @property
-    def state(self) -> str:
+    def state(self) -> AgentState:
         """Its state for the job: its own, or ``missing``, ``starting``, ``unreachable``,
         ``stopped``, ``failed`` (a record that stays unreadable, its last word, or lost)."""
         if self.record is None:
@@ -163,7 +164,7 @@ class Peers:
 
     # ---- what the head reads ---------------------------------------------------------------
 
-    def state(self, name: str) -> str:
+    def state(self, name: str) -> AgentState:
         """The state of agent ``name``; the head's own is read live from its agent."""
         if name == HEAD_NAME:
             return self.own_status().state

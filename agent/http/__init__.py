@@ -1,10 +1,11 @@
 """What an agent serves over HTTP, and what it scrapes.
 
-``asgi`` is a small ASGI toolkit on hypercorn + trio (also used by the stand-ins); ``endpoint`` is
-the agent's ``/healthz``, ``/status`` (long-poll), ``/metrics`` and ``/logs``; ``metrics`` is the
-agent's own Prometheus registry; ``reexport`` fetches vLLM's page and re-exports it with our labels;
-``client`` is the agent's one HTTP client (probes, long polls, canaries, the vLLM scrape).
+``endpoint`` (served with the ASGI toolkit ``agent.web.asgi``) is the agent's ``/healthz``,
+``/status`` (long-poll), ``/metrics`` and ``/logs``; ``metrics`` is the agent's own Prometheus
+registry; ``reexport`` fetches vLLM's page and re-exports it with our labels; ``client`` is the
+agent's one HTTP client (probes, long polls, canaries, the vLLM scrape).
 
-May import: the standard library, trio, hypercorn, httpx, psutil, msgspec, prometheus_client,
-``agent.job`` and ``agent.node``. Never ``agent.head`` or ``agent.nodeagent``.
+May import: the standard library, trio, httpx, psutil, msgspec, prometheus_client,
+``agent.problems``, ``agent.errors``, ``agent.web``, ``agent.job`` and ``agent.node``. Never
+``agent.head`` or ``agent.nodeagent``.
 """

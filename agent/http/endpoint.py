@@ -18,7 +18,12 @@ from pathlib import Path
 import msgspec
 import trio
 
-from agent.http.asgi import (
+from agent.http.metrics import CONTENT_TYPE
+from agent.job.logfiles import rotated_files
+from agent.job.logtail import LIVE, LogLine, history, json_lines, open_log, text_lines
+from agent.job.records import AgentStatus
+from agent.problems import printable
+from agent.web.asgi import (
     App,
     HTTPError,
     Request,
@@ -27,11 +32,6 @@ from agent.http.asgi import (
     json_response,
     text_response,
 )
-from agent.http.metrics import CONTENT_TYPE
-from agent.job.logfiles import rotated_files
-from agent.job.logtail import LIVE, LogLine, history, json_lines, open_log, text_lines
-from agent.job.records import AgentStatus
-from agent.problems import printable
 
 MAX_LONG_POLL_S = 60.0
 MAX_VERSION_DIGITS = 18  # a version counts changes; more digits than an int64 holds is no version

@@ -19,10 +19,11 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from agent.http.reexport import registry_names
-from agent.job.records import EngineState
+from agent.job.vocab import JOB_STATES, EngineState, JobState, Role
 from agent.node.supervisor import EngineSupervisor
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Every engine state but ``converting`` (the series docs/metrics.md lists: no engine runs then).
 ENGINE_STATES: Sequence[EngineState] = (
     "starting",
     "healthy",
@@ -31,16 +32,6 @@ ENGINE_STATES: Sequence[EngineState] = (
     "failed",
     "stopping",
     "stopped",
-)
-JOB_STATES = (
-    "pending",
-    "starting",
-    "waiting",
-    "ready",
-    "degraded",
-    "stopping",
-    "stopped",
-    "failed",
 )
 BASE_LABELS = ("role", "node", "slurm_job_id")
 # The head serves these only once it has measured them: reserved from the start all the same.
@@ -54,7 +45,7 @@ TREE_TTL_S = 10.0
 class HeadFigures:
     """What the head agent measures, for its extra series."""
 
-    job_state: str = "starting"
+    job_state: JobState = "starting"
     # Last worker's own healthy -> the router's process running (what users wait for).
     gate_s: float | None = None
     # The head's decision alone: it saw the last worker healthy -> it asked for the router.
@@ -227,7 +218,7 @@ class AgentMetrics:
     def __init__(
         self,
         *,
-        role: str,
+        role: Role,
         node: str,
         slurm_job_id: str | None,
         supervisors: Callable[[], dict[str, EngineSupervisor]],

@@ -37,6 +37,8 @@ import httpx
 import trio
 from prometheus_client.registry import Collector
 
+from agent.errors import RuntimeFailure
+
 log = logging.getLogger(__name__)
 
 ACCEPT = "text/plain; version=0.0.4"
@@ -84,11 +86,11 @@ _LABEL_UNESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
 _HELP_UNESCAPES = {"\\": "\\", "n": "\n"}
 
 
-class PageError(ValueError):
+class PageError(RuntimeFailure, ValueError):
     """A page that is not valid classic exposition text (the message names the line)."""
 
 
-class UpstreamError(Exception):
+class UpstreamError(RuntimeFailure):
     """The upstream answer is unusable before parsing (status, type, size, time)."""
 
 

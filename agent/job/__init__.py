@@ -1,11 +1,12 @@
 """The job directory and the formats in it: what the submitter and every agent read and write.
 
-``paths`` knows every path and mode in ``J/``; ``plan`` is ``J/plan.json``; ``records`` holds the
-rendezvous record, an agent's ``/status`` and ``status.json``; ``benchmark`` the benchmark's part of
-the plan, its status block and ``J/benchmark/summary.json``; ``names`` builds and parses the
-names of agents and the router; ``logfiles`` is the log layout, ``logtimes`` the receive-time
-index beside each engine log, and ``logtail`` reads logs (history, since, follow, the wire form);
-``atomicfile`` writes files that others read; ``secrets`` decides what is masked.
+``vocab`` holds the job's typed words (roles and the states of engines, agents, the job and its
+benchmark); ``paths`` knows every path and mode in ``J/``; ``plan`` is ``J/plan.json``; ``records``
+holds the rendezvous record, an agent's ``/status`` and ``status.json``; ``benchmark`` the
+benchmark's part of the plan, its status block and ``J/benchmark/summary.json``; ``names`` builds
+and parses the names of agents and the router; ``logfiles`` is the log layout, ``logtimes`` the
+receive-time index beside each engine log, and ``logtail`` reads logs (history, since, follow, the
+wire form); ``atomicfile`` writes files that others read; ``secrets`` decides what is masked.
 
 May import: the standard library, msgspec, trio (``logtail`` only, and only once it follows),
 ``agent.facts`` and ``agent.problems``. Nothing here starts a process or opens a socket.

@@ -20,10 +20,11 @@ from typing import Literal
 
 import msgspec
 
+from agent.job.vocab import BenchmarkState, BenchmarkVerdict
+
 SUMMARY_SCHEMA = 1
 
 BenchmarkType = Literal["aiperf", "custom"]
-BenchmarkState = Literal["pending", "running", "passed", "failed"]
 Placement = Literal["head", "last_decode"]
 # The client's endpoint: TileRT 0.1.6 serves streaming chat completions only.
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -120,7 +121,7 @@ class BenchmarkSummary(msgspec.Struct, kw_only=True):
     """``summary.json``: the verdict of one run and every level measured."""
 
     schema: int = SUMMARY_SCHEMA
-    state: Literal["passed", "failed"]
+    state: BenchmarkVerdict
     error: str | None = None
     type: BenchmarkType
     model: str

@@ -30,6 +30,10 @@ AGENT_LOG = "agent.log"
 CONVERT_LOG = "convert.log"
 CONVERT_SOURCE_SUFFIX = ":convert"
 BENCHMARK_LOG = "benchmark.log"
+# Rotation when the recipe says nothing (agent.logs.max_bytes / backups): one home, read by the
+# recipe's defaults and by the agent's own log before it has a plan.
+DEFAULT_LOG_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_LOG_BACKUPS = 3
 # A node's log folder is shared by every user's jobs, like /tmp (each job's folder is 0700).
 NODE_DIR_MODE = 0o1777
 

@@ -8,17 +8,15 @@ Agents are ``prefill-0``, ``decode-0``, ``decode-1``, ...; the router is ``route
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
 
-Role = Literal["prefill", "decode"]
-# Prefill first: the order of every listing (status table, logs, plan printout).
-ROLES: tuple[Role, ...] = ("prefill", "decode")
+from agent.job.vocab import ROLES, Role
+
 ROUTER_NAME = "router"
 # The benchmark the head runs once the job is ready (its log: ``logs J benchmark``).
 BENCHMARK_NAME = "benchmark"
 
 
-def agent_name(role: str, index: int) -> str:
+def agent_name(role: Role, index: int) -> str:
     """The public name of an agent: ``prefill-0``, ``decode-1``."""
     return f"{role}-{index}"
 

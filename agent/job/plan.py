@@ -11,11 +11,12 @@ builders are exercised exactly as in production.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
 from agent.job.benchmark import BenchmarkPlan
+from agent.job.vocab import PROCESSES, Process, Role
 
 PLAN_SCHEMA = 1
 # What an agent may take to exit beyond its engines' graces (sweep leftovers, write its last
@@ -28,33 +29,29 @@ AGENT_EXIT_SLACK_S = 10.0
 DEFAULT_CONVERT_BUDGET_S = 4 * 3600.0
 DEFAULT_CONVERT_LOCK_STALE_S = 120.0
 
-RoleName = Literal["prefill", "decode"]
 LauncherName = Literal["process", "pyxis"]
-# The processes a stand-in can replace; the router's stand-in runs only where the real router
-# cannot be imported (docs/cli.md, --mock).
-StandinName = Literal["prefill", "decode", "router"]
-STANDIN_NAMES: tuple[StandinName, ...] = ("prefill", "decode", "router")
+LAUNCHERS: tuple[LauncherName, ...] = get_args(LauncherName)
 
 
-def parse_standins(spec: str) -> list[StandinName]:
+def parse_standins(spec: str) -> list[Process]:
     """``--mock``'s ROLES (``decode``, ``prefill,router``, ``all``) in canonical order.
 
     ValueError names what is not a role.
     """
     names = {part.strip() for part in spec.split(",") if part.strip()}
     if "all" in names:
-        names = (names - {"all"}) | set(STANDIN_NAMES)
-    unknown = sorted(names - set(STANDIN_NAMES))
+        names = (names - {"all"}) | set(PROCESSES)
+    unknown = sorted(names - set(PROCESSES))
     if unknown or not names:
         raise ValueError(
             f"{', '.join(unknown) or spec!r} is not a role; name one or more of "
-            f"{', '.join(STANDIN_NAMES)} separated by commas, or all"
+            f"{', '.join(PROCESSES)} separated by commas, or all"
         )
-    return [name for name in STANDIN_NAMES if name in names]
+    return [name for name in PROCESSES if name in names]
 
 
 class RolePlan(msgspec.Struct, kw_only=True):
-    role: RoleName
+    role: Role
     nodes: int
     workers: int
     gpus_per_worker: int
@@ -71,6 +68,17 @@ class RolePlan(msgspec.Struct, kw_only=True):
     port_base: dict[str, int]
     startup_budget_s: float
     stop_grace_s: float
+
+
+class DecodePlan(RolePlan, kw_only=True):
+    """The decode's plan: a role's, and what two of its flags mean to the agent (read once, by
+    the planner, so that nothing parses ``args`` back)."""
+
+    # TileRT's model profile (``--model``; agent.facts.DEFAULT_TILERT_MODEL when left out).
+    model_profile: str
+    # The weights folder the engine loads (``--model-weights-dir``, as the engine sees it); None
+    # when the recipe names none. The weights gate checks (or converts) it before the engine.
+    weights_dir: str | None
 
 
 class RouterPlan(msgspec.Struct, kw_only=True):
@@ -123,7 +131,7 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ConvertPlan(msgspec.Struct, kw_only=True):
     """``roles.decode.convert`` resolved: how an incomplete decode weights folder is made.
 
-    The folder itself is the decode's ``--model-weights-dir`` (one source: ``decode.args``).
+    The folder itself is the decode's ``--model-weights-dir`` (``DecodePlan.weights_dir``).
     """
 
     # The Hugging Face checkpoint the converter reads (as the converter sees it).
@@ -146,7 +154,7 @@ class Plan(msgspec.Struct, kw_only=True):
     # The public model name clients send (the prefill's served-model-name, else the model path).
     model: str
     # The processes the project's stand-ins replace (``--mock``: all three); [] in production.
-    standins: list[StandinName] = []
+    standins: list[Process] = []
     launcher: LauncherName
     # Cluster file's network interface ("lo" means 127.0.0.1); None: the node's resolved address.
     network_interface: str | None
@@ -157,7 +165,7 @@ class Plan(msgspec.Struct, kw_only=True):
     # Where setup scripts are looked up on the node: <configs_dir>/<script>, then .../patches/.
     configs_dir: str = "/configs"
     prefill: RolePlan
-    decode: RolePlan
+    decode: DecodePlan
     router: RouterPlan
     agent: AgentPlan
     slurm: SlurmPlan
@@ -172,17 +180,13 @@ class Plan(msgspec.Struct, kw_only=True):
     # without.
     pyxis_flags: list[str] | msgspec.UnsetType = msgspec.UNSET
 
-    def standin(self, name: StandinName) -> bool:
+    def standin(self, name: Process) -> bool:
         """Whether ``name``'s process is the project's stand-in (the router's: where needed)."""
         return name in self.standins
 
-    def role(self, name: str) -> RolePlan:
+    def role(self, name: Role) -> RolePlan:
         """The plan of one role by name."""
-        if name == "prefill":
-            return self.prefill
-        if name == "decode":
-            return self.decode
-        raise KeyError(name)
+        return self.prefill if name == "prefill" else self.decode
 
     def drain_s(self) -> float:
         """How long a whole job may take to drain: the router, then the slower worker, plus slack.

@@ -11,19 +11,11 @@ from typing import Annotated, Literal
 import msgspec
 
 from agent.job.benchmark import BenchmarkStatus
+from agent.job.vocab import AgentState, EngineState, ExitState, JobState, Process, Role
 
 RECORD_SCHEMA = 1
 # Linux's largest pid_max.
 PID_MAX = 4_194_304
-
-# ``converting``: a decode agent waits for its weights folder to be converted (by itself or by
-# another agent holding the folder's lock) before it starts its engine.
-EngineState = Literal[
-    "converting", "starting", "healthy", "unhealthy", "restarting", "failed", "stopping", "stopped"
-]
-JobState = Literal[
-    "pending", "starting", "waiting", "ready", "degraded", "stopping", "stopped", "failed"
-]
 
 
 class AgentExit(msgspec.Struct, kw_only=True):
@@ -33,7 +25,7 @@ class AgentExit(msgspec.Struct, kw_only=True):
     agent that fails at start says so and the head takes it as failed at once.
     """
 
-    state: Literal["failed", "stopped"]
+    state: ExitState
     reason: str
     code: int
     at: float = msgspec.field(default_factory=time.time)
@@ -45,7 +37,7 @@ class RendezvousRecord(msgspec.Struct, kw_only=True):
 
     schema: int = RECORD_SCHEMA
     name: str
-    role: str
+    role: Role
     index: int
     node: str
     address: str
@@ -96,7 +88,7 @@ class AgentStatus(EngineStatus, kw_only=True):
     """An agent's ``/status``: identity plus its engine's state; prefill-0 adds ``router``."""
 
     name: str
-    role: str
+    role: Role
     index: int
     node: str
     # Increases on every change; long-poll with ``/status?after=<version>``.
@@ -110,11 +102,13 @@ class AgentStatus(EngineStatus, kw_only=True):
 
 
 class JobAgent(msgspec.Struct, kw_only=True):
+    """A row of ``status.json``: an agent (or the router) as the head sees it."""
+
     name: str
-    role: str
+    role: Process
     index: int
     node: str | None
-    state: str
+    state: AgentState
     restarts: int
     reason: str
     log: str

@@ -11,7 +11,9 @@ guarantees, and why, is in docs/launchers.md:
 - ``pyxis``: ``PyxisLauncher``, whose handles are ``PyxisStep`` (a nested ``srun --overlap`` step
   of the agent's job, in a pyxis container, stopped with ``scancel``).
 
-Beside the launchers, and imported as modules: ``commands`` (each engine's argv and environment),
+Beside the launchers, and imported as modules: ``jobspecs`` (the job's launch specs: mounts,
+container env, setup script; ``SpecBuilder``, the one type of a spec builder), ``commands`` (each
+engine's argv and environment),
 ``scratch`` (each engine's own temp and cache folders), ``preflight`` (seconds-long checks through
 the same launcher before the long load), ``enginechecks`` (what the preflight checks for an engine,
 and the TileRT connector stand-in decision) and ``interpreter`` (which Python runs a program).
@@ -22,8 +24,9 @@ it starts: an engine, the router, a preflight, or (``--local``) an agent. The ha
 called an engine here.
 
 May import: the standard library, trio, psutil, msgspec, and ``agent.facts``, ``agent.problems``,
-``agent.job`` (commands reads the plan), ``agent.standins.vllm_connector`` (where the connector
-stand-in lies); nothing of ``agent.recipe``, ``agent.node`` or above.
+``agent.errors``, ``agent.job`` (commands reads the plan); nothing of ``agent.recipe``,
+``agent.standins`` (the stand-ins are run by module name, and ``agent.facts`` says where the
+connector stand-in lies), ``agent.node`` or above.
 """
 
 from __future__ import annotations

@@ -153,6 +153,30 @@ def decode_command(
     return Command(argv, env)
 
 
+def engine_command(
+    plan: Plan,
+    role: str,
+    *,
+    name: str,
+    address: str,
+    ports: Mapping[str, int],
+    scratch: str | None = None,
+) -> Command:
+    """The engine of ``role`` on a node at ``address`` with its chosen ``ports``."""
+    if role == "prefill":
+        return prefill_command(
+            plan, name=name, host=address, http_port=ports["http"], scratch=scratch
+        )
+    return decode_command(
+        plan,
+        name=name,
+        address=address,
+        http_port=ports["http"],
+        ctrl_port=ports["ctrl"],
+        scratch=scratch,
+    )
+
+
 def router_command(
     plan: Plan,
     *,

@@ -26,10 +26,12 @@ from dataclasses import dataclass
 import msgspec
 
 from agent.facts import CONNECTOR_MODULE, DECODE_MODULE, ENGINE_DISTRIBUTIONS
-from agent.job.plan import Plan, RoleName
+from agent.facts import STANDIN_CONNECTOR_PATH as CONNECTOR_PATH
+from agent.facts import STANDIN_CONNECTOR_SWITCH as SWITCH
+from agent.job.plan import Plan
+from agent.job.vocab import Role
 from agent.launch.interpreter import is_python, python_of
 from agent.launch.preflight import PreflightChecks, PreflightResult
-from agent.standins.vllm_connector import CONNECTOR_PATH, SWITCH
 
 # What the connector stand-in needs in vLLM's environment (vLLM brings msgspec).
 CONNECTOR_STANDIN_MODULES = ("trio", "msgspec")
@@ -42,7 +44,7 @@ def standin_connector_asked(env: Mapping[str, str]) -> bool:
     return env.get(SWITCH, "").strip() == "1"
 
 
-def _paths(plan: Plan, role: RoleName) -> list[str]:
+def _paths(plan: Plan, role: Role) -> list[str]:
     """Paths the engine needs that must exist as it sees them (an absolute model).
 
     The decode's weights folder is not one: the weights gate checks it (and converts it when the
@@ -55,7 +57,7 @@ def _paths(plan: Plan, role: RoleName) -> list[str]:
     return paths
 
 
-def engine_checks(plan: Plan, role: RoleName, env: Mapping[str, str]) -> PreflightChecks:
+def engine_checks(plan: Plan, role: Role, env: Mapping[str, str]) -> PreflightChecks:
     """The preflight of ``role``'s engine, run with ``env`` (the engine's own environment)."""
     role_plan = plan.role(role)
     if plan.standin(role):

@@ -14,6 +14,8 @@ from typing import Protocol
 import psutil
 import trio
 
+from agent.errors import RuntimeFailure
+
 # ``Launcher.run`` keeps the first MiB of a command's output: any preflight report fits, and a
 # runaway command cannot fill the agent's memory.
 RUN_OUTPUT_LIMIT = 1 << 20
@@ -90,7 +92,7 @@ class Launcher(Protocol):
         ...
 
 
-class RunTimeout(TimeoutError):
+class RunTimeout(RuntimeFailure, TimeoutError):
     """A ``Launcher.run`` command outlived its timeout and was killed; ``output``: what it said."""
 
     def __init__(self, spec: LaunchSpec, timeout_s: float, output: bytes) -> None:

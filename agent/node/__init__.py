@@ -1,17 +1,19 @@
 """The node runtime's parts: who this agent is, its ports, its rendezvous record, its engine.
 
 ``identity`` (index, node, address), ``ports`` (probe bindable ports), ``rendezvous`` (write our
-record, read and watch the others', trusting no file), ``jobwrites`` (writes into the job
-directory that may fail: retried, shown, never fatal), ``supervisor`` (one engine's state
-machine: probe, restart, give up), ``logpump`` (engine output to rotated files, never blocking
-the engine), ``agentlog`` (the agent's own log), the decode's weights: ``weightsfolder``
-(complete or not, the marker), ``folderlock`` (a lock on a shared file system), ``mounts``
-(engine paths through the container mounts), ``hubcache`` (a hub id's snapshot in the Hugging
-Face cache) and ``conversion`` (the gate before the engine: check, wait, or convert once), and
-``jobend`` (the head ends the whole job). ``agent.nodeagent`` puts them together; ``agent.head``
-uses them too.
+record, read and watch the others', trusting no file), ``ownrecord`` (this agent's ports, versions
+and last word, published in its record), ``statuswriter`` (status.json and targets.json, for the
+head and a convert job), ``jobwrites`` (writes into the job directory that may fail: retried,
+shown, never fatal), ``supervisor`` (one engine's state machine: probe, restart, give up),
+``logpump`` (engine output to rotated files, never blocking the engine), ``agentlog`` (the
+agent's own log), the decode's weights: ``weightsfolder`` (complete or not, the marker, its path
+through the mounts), ``folderlock`` (a lock on a shared file system), ``mounts`` (engine paths
+through the container mounts), ``hubcache`` (a hub id's snapshot in the Hugging Face cache),
+``converter`` (TileRT's converter: its preflight, its run, its marker) and ``conversion`` (the
+gate before the engine: check, wait, or convert once), and ``jobend`` (the head ends the whole
+job). ``agent.nodeagent`` puts them together; ``agent.head`` uses them too.
 
-May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``,
-``agent.problems``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
+May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``, ``agent.problems``,
+``agent.errors``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
 ``agent.nodeagent``.
 """

@@ -6,8 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from agent.job.logfiles import DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES
 from agent.job.paths import PRIVATE_DIR_MODE
-from agent.recipe.model import LogSettings
 
 # ---- agent.log ----
 
@@ -66,8 +66,8 @@ def setup_agent_logging(
     name: str,
     level: int = logging.INFO,
     stderr: bool = True,
-    max_bytes: int = LogSettings().max_bytes,
-    backups: int = LogSettings().backups,
+    max_bytes: int = DEFAULT_LOG_MAX_BYTES,
+    backups: int = DEFAULT_LOG_BACKUPS,
 ) -> logging.Logger:
     """Send all logging to ``path`` (size-rotated) and stderr; returns the ``agent`` logger."""
     path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)

@@ -7,39 +7,33 @@
    for, showing ``converting`` with the holder's node, bytes written and rate;
 3. an incomplete one without ``roles.decode.convert`` fails at once, saying what is missing and
    how to convert it;
-4. otherwise this agent takes the lock and converts: TileRT's converter, through the agent's own
-   launcher (as the engine would run), writes into a hidden sibling folder, its output going to
-   ``J/logs/<agent>/convert.log``; on success the agent checks the result, writes the marker and
-   renames the folder into place; on failure it removes its folder and releases the lock, and the
-   error names the log. A stale lock (its holder died) is taken over and the holder's leftovers
-   deleted.
+4. otherwise this agent takes the lock and converts: TileRT's converter (agent.node.converter),
+   through the agent's own launcher (as the engine would run), writes into a hidden sibling
+   folder, its output going to ``J/logs/<agent>/convert.log``; on success the agent checks the
+   result, writes the marker and renames the folder into place; on failure it removes its folder
+   and releases the lock, and the error names the log. A stale lock (its holder died) is taken
+   over and the holder's leftovers deleted.
 
 The agent works on the folder as its node sees it; under pyxis the converter and the engine see it
-through the job's container mounts, so the path is mapped back through them.
+through the job's container mounts, so the path is mapped back through them
+(agent.node.weightsfolder.weights_paths). The folder and the model profile are the plan's
+(``plan.decode.weights_dir``, ``plan.decode.model_profile``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import posixpath
-import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import msgspec
 import trio
 
-from agent.facts import (
-    CONVERTER_MODEL_TYPES,
-    DEFAULT_TILERT_MODEL,
-    WEIGHTS_INDEX_FILE,
-    human_bytes,
-)
+from agent.facts import CONVERTER_MODEL_TYPES, human_bytes
 from agent.job.logfiles import convert_log_path
 from agent.job.paths import JobDir
 from agent.job.plan import (
@@ -48,15 +42,18 @@ from agent.job.plan import (
     ConvertPlan,
     Plan,
 )
-from agent.job.records import ConvertProgress, EngineState, EngineStatus
-from agent.launch import Launcher, LaunchSpec, ProcessHandle, preflight
-from agent.launch.commands import STANDIN_MODULES, arg_value, convert_command
+from agent.job.records import ConvertProgress, EngineStatus
+from agent.job.vocab import EngineState
+from agent.launch import Launcher
+from agent.launch.jobspecs import SpecBuilder
+from agent.node.converter import Converter
 from agent.node.folderlock import (
     HeldLock,
     LockInfo,
     LockLost,
     Observed,
     StaleWatch,
+    failed_verdict,
     new_token,
     observe,
     take_over,
@@ -64,23 +61,20 @@ from agent.node.folderlock import (
 )
 from agent.node.hubcache import HubCacheError, snapshot
 from agent.node.identity import Identity
-from agent.node.logpump import LogSink
-from agent.node.mounts import host_path, mounted
 from agent.node.weightsfolder import (
     MARKER_NAME,
-    ConvertedMarker,
     Inspection,
     Siblings,
+    WeightsError,
+    WeightsPaths,
     copy_for_append,
     folder_bytes,
     inspect,
     remove_tree,
     replace_folder,
+    weights_paths,
     write_marker,
 )
-
-# Builds a LaunchSpec with the job's mounts and settings: (name, argv, env, image).
-SpecBuilder = Callable[[str, list[str], dict[str, str], str | None], LaunchSpec]
 
 # The rate shown is over this window (a converter writes in bursts, one shard at a time).
 RATE_WINDOW_S = 30.0
@@ -89,59 +83,11 @@ MAX_HEARTBEAT_S = 10.0
 MAX_POLL_S = 1.0
 # A failed holder keeps its verdict in the lock this many of its waiters' polls (docs/weights.md).
 VERDICT_POLLS = 3
-# How long the log pump may take to reach EOF after the converter exited.
-CONVERT_LOG_TAIL = 5
 HOW_TO_CONVERT = (
     "add roles.decode.convert (source: the Hugging Face checkpoint) to the recipe and the agent "
     "converts it before the engine starts, or run `tilert-submit convert RECIPE` ahead of the job "
     "(docs/weights.md)"
 )
-
-
-def _verdict(seen: Observed | None, waited_on: Observed | None, job: str) -> str | None:
-    """The failure left in the lock by the holder this agent waited for, or by one of its own
-    job; None while it works. Another job's agent that only arrives waits for the lock to go,
-    then converts from scratch."""
-    info = seen.info if seen is not None else None
-    if info is None or info.failed is None:
-        return None
-    if info.job == job:
-        return info.failed
-    if waited_on is None or waited_on.info is None or waited_on.info.token != info.token:
-        return None
-    return info.failed
-
-
-class WeightsError(Exception):
-    """The weights folder cannot be served; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class WeightsPaths:
-    """The weights folder as the agent sees it (``host``) and as the engine sees it."""
-
-    host: Path
-    engine: str
-    # Whether the engine also sees the folder's siblings (a conversion writes into one).
-    siblings_visible: bool
-
-    def engine_path(self, sibling: Path) -> str:
-        """A sibling of the folder as the engine (and the converter) see it."""
-        return posixpath.join(posixpath.dirname(self.engine), sibling.name)
-
-
-def weights_paths(folder: str, mounts: Sequence[str], launcher: str) -> WeightsPaths:
-    """Map the engine's ``--model-weights-dir`` to this node's path (pyxis: through the mounts)."""
-    engine = posixpath.normpath(folder)
-    path = host_path(engine, mounts, launcher)
-    if path is None:
-        raise WeightsError(
-            f"the weights folder {folder} (roles.decode.args.model-weights-dir) is not under any "
-            "of the job's container mounts, so the agent cannot check it on the node; mount the "
-            "folder that holds it (container_mounts, or the cluster's default_mounts)"
-        )
-    found = mounted(engine, mounts) if launcher == "pyxis" else None
-    return WeightsPaths(path, engine, siblings_visible=found is None or engine != found[1])
 
 
 class _Rate:
@@ -179,7 +125,7 @@ class WeightsGate:
         self.launch_spec = launch_spec
         self.log = log
         self.on_change = on_change
-        self.folder = arg_value(plan.decode.args, "--model-weights-dir")
+        self.folder = plan.decode.weights_dir
         self.convert: ConvertPlan | None = (
             None if isinstance(plan.convert, msgspec.UnsetType) else plan.convert
         )
@@ -187,7 +133,16 @@ class WeightsGate:
         self.stale_s = self.convert.lock_stale_s if self.convert else DEFAULT_CONVERT_LOCK_STALE_S
         self.heartbeat_s = max(0.05, min(MAX_HEARTBEAT_S, self.stale_s / 4))
         self.poll_s = max(0.05, min(MAX_POLL_S, self.stale_s / 4))
-        self.log_path = convert_log_path(job, identity.name)
+        self.converter = Converter(
+            plan=plan,
+            job=job,
+            identity=identity,
+            launcher=launcher,
+            launch_spec=launch_spec,
+            log=log,
+            budget_s=self.budget_s,
+        )
+        self.log_path = self.converter.log_path
         # What /status shows while the gate is working (None: nothing to show).
         self.state: EngineState | None = None
         self.reason = ""
@@ -196,9 +151,7 @@ class WeightsGate:
         self.failure: str | None = None
         self.done: Inspection | None = None
         self._progress: ConvertProgress | None = None
-        # What the converter's preflight found: the setup script to source, the tilert version.
-        self._setup_script: Path | None = None
-        self._versions: dict[str, str] = {}
+        self._converter_checked = False
         # Bytes already in the conversion folder before the converter ran (an --append_mtp copy).
         self._baseline = 0
 
@@ -250,7 +203,7 @@ class WeightsGate:
                 "weight_converter",
                 self.id.name,
                 self.folder,
-                arg_value(self.plan.decode.args, "--model"),
+                self.plan.decode.model_profile,
             )
             return True
         try:
@@ -270,20 +223,10 @@ class WeightsGate:
 
     async def _from_hub_cache(self, convert: ConvertPlan) -> ConvertPlan:
         """A hub-id source: its snapshot in the decode's Hugging Face cache (docs/weights.md)."""
-
-        def to_host(path: str) -> Path:
-            found = host_path(path, self.plan.mounts, self.plan.launcher)
-            if found is None:
-                raise HubCacheError(
-                    f"the Hugging Face cache folder {path} is not under any of the job's "
-                    "container mounts: mount it, or set roles.decode.convert.source to the "
-                    "checkpoint folder"
-                )
-            return found
-
         env = {**os.environ, **self.plan.decode.env}
+        find = partial(snapshot, convert.source, env, self.plan.mounts, self.plan.launcher)
         try:
-            folder = await trio.to_thread.run_sync(snapshot, convert.source, env, to_host)
+            folder = await trio.to_thread.run_sync(find)
         except HubCacheError as exc:
             raise WeightsError(str(exc)) from None
         self.log.info("%s: converting %s from %s", self.id.name, convert.source, folder)
@@ -292,8 +235,7 @@ class WeightsGate:
     def _expected_model_type(self) -> str | None:
         if self.convert is not None:
             return self.convert.model_type
-        profile = arg_value(self.plan.decode.args, "--model") or DEFAULT_TILERT_MODEL
-        return CONVERTER_MODEL_TYPES.get(profile)
+        return CONVERTER_MODEL_TYPES.get(self.plan.decode.model_profile)
 
     def _accept(self, found: Inspection) -> None:
         """A complete folder: check it is the model the decode serves, then say so."""
@@ -337,7 +279,6 @@ class WeightsGate:
         waited_on: Observed | None = None
         vanished: float | None = None
         waiting_since = time.monotonic()
-        checked_converter = False
         while True:
             # Without a marker nothing changed that matters: no need to read every shard again.
             if found is None or await trio.to_thread.run_sync(marker.exists):
@@ -346,7 +287,7 @@ class WeightsGate:
                 self._accept(found)
                 return
             seen = await trio.to_thread.run_sync(observe, siblings.lock)
-            verdict = _verdict(seen, waited_on, str(self.job.root))
+            verdict = failed_verdict(seen, waited_on, str(self.job.root))
             if seen is not None and verdict is not None:
                 raise WeightsError(self._holder_failed(paths, seen, found, verdict))
             if seen is None and waited_on is not None:
@@ -358,27 +299,9 @@ class WeightsGate:
                     continue
                 raise WeightsError(self._holder_failed(paths, waited_on, found))
             if seen is None:
-                convert = self.convert
-                if convert is None:
-                    raise WeightsError(
-                        f"{paths.host} is not a complete TileRT conversion: {found.summary()}. "
-                        f"To convert it: {HOW_TO_CONVERT}"
-                    )
-                if not checked_converter:
-                    await self._check_converter(convert)
-                    checked_converter = True
-                token = new_token()
-                # The lock lives beside the folder: its parent may not exist yet.
-                await trio.to_thread.run_sync(
-                    partial(paths.host.parent.mkdir, parents=True, exist_ok=True)
-                )
-                held = await trio.to_thread.run_sync(
-                    try_acquire, siblings.lock, self._lock_info(token, siblings)
-                )
-                if held is None:
-                    continue  # someone else created it first: wait for them
-                await self._convert_holding(convert, held, paths, siblings, token)
-                return
+                if await self._convert_here(paths, siblings, found):
+                    return
+                continue  # someone else created the lock first: wait for them
             if waited_on is None:
                 self.log.info(
                     "%s: %s is incomplete and being converted by %s (lock %s): waiting",
@@ -390,9 +313,8 @@ class WeightsGate:
             waited_on, vanished = seen, None
             self._waiting(paths, seen)
             if watch.stale(seen):
-                if self.convert is not None and not checked_converter:
+                if self.convert is not None:
                     await self._check_converter(self.convert)  # before: take over, then lock
-                    checked_converter = True
                 await self._stale(paths, siblings, seen, found)
                 watch, waited_on = StaleWatch(self.stale_s), None
                 continue
@@ -483,29 +405,35 @@ class WeightsGate:
 
     # ---- converting --------------------------------------------------------------------------
 
-    def _converter_module(self, convert: ConvertPlan) -> str:
-        return STANDIN_MODULES["converter"] if self.plan.standin("decode") else convert.program[-1]
-
     async def _check_converter(self, convert: ConvertPlan) -> None:
-        """Can this node run the converter on the checkpoint? Seconds, before taking the lock."""
+        """Once per gate: can this node run the converter? Seconds, before taking the lock."""
+        if self._converter_checked:
+            return
         self._show("converting", "checking the converter (preflight)")
-        checks = preflight.PreflightChecks(
-            python=sys.executable if self.plan.standin("decode") else convert.program[0],
-            modules=[self._converter_module(convert)],
-            distributions=["tilert"],
-            # The stand-in needs no setup; the script belongs to the real image.
-            setup_script=None if self.plan.standin("decode") else self.plan.setup_script,
-            configs_dir=self.plan.configs_dir,
-            paths=[convert.source],
+        await self.converter.check(convert)
+        self._converter_checked = True
+
+    async def _convert_here(
+        self, paths: WeightsPaths, siblings: Siblings, found: Inspection
+    ) -> bool:
+        """Nobody holds the lock: take it and convert; False when another agent took it first."""
+        convert = self.convert
+        if convert is None:
+            raise WeightsError(
+                f"{paths.host} is not a complete TileRT conversion: {found.summary()}. "
+                f"To convert it: {HOW_TO_CONVERT}"
+            )
+        await self._check_converter(convert)
+        token = new_token()
+        # The lock lives beside the folder: its parent may not exist yet.
+        await trio.to_thread.run_sync(partial(paths.host.parent.mkdir, parents=True, exist_ok=True))
+        held = await trio.to_thread.run_sync(
+            try_acquire, siblings.lock, self._lock_info(token, siblings)
         )
-        base = self.launch_spec(
-            f"{self.id.name}-convert-preflight", [], dict(os.environ), self.plan.decode.image
-        )
-        result = await preflight.run_preflight(self.launcher, base, checks)
-        if not result.ok:
-            raise WeightsError("the converter's preflight failed: " + "; ".join(result.problems))
-        self._setup_script = Path(result.setup_script) if result.setup_script else None
-        self._versions = dict(result.versions)
+        if held is None:
+            return False
+        await self._convert_holding(convert, held, paths, siblings, token)
+        return True
 
     async def _convert_holding(
         self,
@@ -619,12 +547,21 @@ class WeightsGate:
         else:
             await trio.to_thread.run_sync(temp.mkdir)
         self._baseline = await trio.to_thread.run_sync(folder_bytes, temp)
-        code = await self._run_converter(convert, paths, temp, append)
+        try:
+            code = await self.converter.run(
+                convert,
+                save_dir=paths.engine_path(temp),
+                temp=temp,
+                append=append,
+                started=partial(self._converter_started, paths),
+            )
+        finally:
+            self.pid = None
         if code != 0:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             raise WeightsError(
                 f"the converter {how} converting {paths.host}; nothing was put in place. See "
-                f"{self.log_path}; last lines: {self._log_tail()}"
+                f"{self.log_path}; last lines: {self.converter.log_tail()}"
             )
         result = await trio.to_thread.run_sync(partial(inspect, temp, marker_required=False))
         if result.problems:
@@ -632,7 +569,7 @@ class WeightsGate:
                 f"the converter exited 0 but its output is incomplete ({result.summary()}); "
                 f"nothing was put in place. See {self.log_path}"
             )
-        marker = self._marker(convert, result, append)
+        marker = self.converter.marker(convert, result, append)
         try:
             await trio.to_thread.run_sync(write_marker, temp, marker)
             await trio.to_thread.run_sync(
@@ -656,6 +593,10 @@ class WeightsGate:
             human_bytes(final.total_bytes),
         )
         self._accept(final)
+
+    def _converter_started(self, paths: WeightsPaths, pid: int | None) -> None:
+        self.pid = pid
+        self._show("converting", f"converting {paths.host}: starting (log {self.log_path})")
 
     def _refuse_unsafe(self, paths: WeightsPaths, found: Inspection) -> None:
         """Never replace what is not ours to delete, nor what the converter could not reach."""
@@ -701,86 +642,3 @@ class WeightsGate:
             return False
         self._accept(final)
         return True
-
-    def _marker(self, convert: ConvertPlan, result: Inspection, append: bool) -> ConvertedMarker:
-        now = time.time()
-        return ConvertedMarker(
-            converter=self._converter_module(convert),
-            converter_version=self._versions.get("tilert", "unknown"),
-            source=convert.source,
-            model_type=convert.model_type,
-            append_mtp=append,
-            converted_at=now,
-            converted_at_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-            index_file=WEIGHTS_INDEX_FILE,
-            index_sha256=result.index_sha256 or "",
-            shards=result.shard_count,
-            total_bytes=result.total_bytes,
-            agent=self.id.name,
-            node=self.id.node,
-            job=str(self.job.root),
-        )
-
-    async def _run_converter(
-        self, convert: ConvertPlan, paths: WeightsPaths, temp: Path, append: bool
-    ) -> int:
-        """Run the converter into ``temp`` within the budget; its exit status."""
-        cmd = convert_command(
-            self.plan, name=self.id.name, save_dir=paths.engine_path(temp), append_mtp=append
-        )
-        spec = self.launch_spec(
-            f"{self.id.name}-convert", cmd.argv, cmd.env, self.plan.decode.image
-        )
-        spec = replace(spec, setup_script=self._setup_script)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        sink = LogSink(
-            self.log_path,
-            max_bytes=self.plan.agent.log_max_bytes,
-            backups=self.plan.agent.log_backups,
-        )
-        try:
-            try:
-                converter = await self.launcher.start(spec)
-            except OSError as exc:
-                raise WeightsError(f"could not start the converter {spec.argv[0]}: {exc}") from None
-            self.pid = converter.pid
-            sink.note(f"=== converter pid {converter.pid}: {' '.join(spec.argv)} ===")
-            self.log.info(
-                "%s: converting %s into %s (pid %s, log %s, budget %gs)",
-                self.id.name,
-                convert.source,
-                temp,
-                converter.pid,
-                self.log_path,
-                self.budget_s,
-            )
-            self._show("converting", f"converting {paths.host}: starting (log {self.log_path})")
-            return await self._wait_converter(converter, sink)
-        finally:
-            self.pid = None
-            sink.close()
-
-    async def _wait_converter(self, converter: ProcessHandle, sink: LogSink) -> int:
-        try:
-            with trio.move_on_after(self.budget_s) as budget:
-                code = await sink.pump_until_exit(converter)
-            if budget.cancelled_caught:
-                raise WeightsError(
-                    f"the conversion did not finish within agent.convert_budget_s "
-                    f"({self.budget_s:g}s) and was stopped; nothing was put in place. See "
-                    f"{self.log_path}"
-                )
-            sink.note(f"=== converter pid {converter.pid} ended with status {code} ===")
-            return code
-        finally:
-            with trio.CancelScope(shield=True):
-                await converter.stop(self.plan.decode.stop_grace_s)
-
-    def _log_tail(self) -> str:
-        # The file may lag (its writer runs in a thread); the sink's ring is gone: read the file.
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(none)"
-        lines = [ln for ln in lines if ln.strip() and not ln.startswith("===")]
-        return " | ".join(lines[-CONVERT_LOG_TAIL:]) or "(none)"

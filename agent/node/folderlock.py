@@ -38,6 +38,8 @@ from pathlib import Path
 
 import msgspec
 
+from agent.errors import RuntimeFailure
+
 
 class LockInfo(msgspec.Struct, kw_only=True):
     """The lock file's content: who holds it, where it writes, how far it got."""
@@ -58,7 +60,7 @@ class LockInfo(msgspec.Struct, kw_only=True):
     failed: str | None = None
 
 
-class LockLost(Exception):
+class LockLost(RuntimeFailure):
     """The lock file is no longer ours (it was taken over as stale, or removed)."""
 
 
@@ -199,3 +201,17 @@ def take_over(path: Path, stale: Observed) -> bool:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(aside)
+
+
+def failed_verdict(seen: Observed | None, waited_on: Observed | None, job: str) -> str | None:
+    """The failure left in the lock by the holder this agent waited for, or by one of its own
+    job; None while it works. Another job's agent that only arrives waits for the lock to go,
+    then converts from scratch."""
+    info = seen.info if seen is not None else None
+    if info is None or info.failed is None:
+        return None
+    if info.job == job:
+        return info.failed
+    if waited_on is None or waited_on.info is None or waited_on.info.token != info.token:
+        return None
+    return info.failed

@@ -4,17 +4,19 @@ srtctl's TileRT backend converts an ``hf:`` model from ``snapshot_download(<id>,
 local_files_only=True)``: the snapshot the cache's ``refs/main`` names, nothing downloaded. A
 ``roles.decode.convert.source`` that is a hub id means the same here (docs/weights.md): the cache
 is the decode's ``HF_HUB_CACHE`` (or ``HUGGINGFACE_HUB_CACHE``, else ``HF_HOME``/hub, else
-``~/.cache/huggingface/hub``), a path as the engine sees it; the agent reads it through
-``to_host`` (under pyxis: back through the job's container mounts). File system calls block: call
-``snapshot`` from a worker thread.
+``~/.cache/huggingface/hub``), a path as the engine sees it; the agent reads it on its node
+(under pyxis: back through the job's container mounts, agent.node.mounts). File system calls
+block: call ``snapshot`` from a worker thread.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from agent.node.mounts import host_path
 
 DEFAULT_HUB_CACHE = "~/.cache/huggingface/hub"
 
@@ -34,8 +36,18 @@ def hub_cache(env: Mapping[str, str]) -> str:
     return os.path.expanduser(DEFAULT_HUB_CACHE)
 
 
-def snapshot(hub_id: str, env: Mapping[str, str], to_host: Callable[[str], Path]) -> str:
+def snapshot(hub_id: str, env: Mapping[str, str], mounts: Sequence[str], launcher: str) -> str:
     """The snapshot folder of ``hub_id`` (``org/name``) as the engine sees it."""
+
+    def to_host(path: str) -> Path:
+        found = host_path(path, mounts, launcher)
+        if found is None:
+            raise HubCacheError(
+                f"the Hugging Face cache folder {path} is not under any of the job's container "
+                "mounts: mount it, or set roles.decode.convert.source to the checkpoint folder"
+            )
+        return found
+
     cache = hub_cache(env)
     repo = posixpath.join(cache, "models--" + hub_id.replace("/", "--"))
     host = to_host(repo)

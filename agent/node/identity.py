@@ -13,12 +13,16 @@ from dataclasses import dataclass
 
 import psutil
 
+from agent.errors import BadInput
 from agent.job.names import HEAD_NAME, agent_name
+from agent.job.vocab import Role
 
 
 @dataclass(frozen=True)
 class Identity:
-    role: str
+    """Who this agent is: its role and index, the node it runs on and the address peers use."""
+
+    role: Role
     index: int
     node: str
     address: str
@@ -35,7 +39,7 @@ class Identity:
         return self.name == HEAD_NAME
 
 
-class IdentityError(Exception):
+class IdentityError(BadInput):
     """The environment does not say who we are (a user-facing error, exit 2)."""
 
 
@@ -60,7 +64,7 @@ def interface_address(interface: str) -> str:
 
 
 def resolve_identity(
-    role: str,
+    role: Role,
     index: int | None,
     network_interface: str | None,
     env: Mapping[str, str] = os.environ,

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 import trio
 
+from agent.errors import RuntimeFailure
 from agent.job.atomicfile import is_temp_name, write_atomic
 from agent.job.names import parse_agent_name
 from agent.job.paths import JobDir
@@ -36,7 +37,7 @@ RECORD_RETRY_S = 3.0
 WATCH_INTERVAL_S = 0.1
 
 
-class RecordProblem(Exception):
+class RecordProblem(RuntimeFailure):
     """A file in the rendezvous folder that is not a usable record; the message names the file."""
 
 

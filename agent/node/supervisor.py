@@ -36,7 +36,8 @@ import psutil
 import trio
 
 from agent.job.plan import Plan
-from agent.job.records import EngineState, EngineStatus
+from agent.job.records import EngineStatus
+from agent.job.vocab import EngineState
 from agent.launch import Launcher, LaunchSpec, ProcessHandle
 from agent.node.logpump import LogSink
 
@@ -46,16 +47,22 @@ FAILURE_LOG_LINES = 50
 
 @dataclass(frozen=True)
 class Policy:
-    """Probe cadence, restart policy and budgets for one engine (from the plan)."""
+    """Probe cadence, restart policy and budgets for one engine.
 
-    startup_interval_s: float
-    interval_s: float
-    timeout_s: float
-    failure_threshold: int
-    backoff_initial_s: float
-    backoff_max_s: float
-    max_restarts: int
-    window_s: float
+    The agent's settings keep the plan's names (``plan.agent``, agent.job.plan.AgentPlan), which
+    are the recipe's ``agent.probe.*`` and ``agent.restart.*`` keys joined by ``_`` (``restart_max``
+    is ``agent.restart.max_restarts``): one name each from the plan to here.
+    """
+
+    probe_startup_interval_s: float
+    probe_interval_s: float
+    probe_timeout_s: float
+    probe_failure_threshold: int
+    restart_backoff_initial_s: float
+    restart_backoff_max_s: float
+    restart_max: int
+    restart_window_s: float
+    # The role's (plan.prefill / plan.decode / plan.router).
     startup_budget_s: float
     stop_grace_s: float
 
@@ -64,14 +71,14 @@ def policy_for(plan: Plan, *, startup_budget_s: float, stop_grace_s: float) -> P
     """The supervisor policy of one engine, from the plan's agent settings."""
     a = plan.agent
     return Policy(
-        startup_interval_s=a.probe_startup_interval_s,
-        interval_s=a.probe_interval_s,
-        timeout_s=a.probe_timeout_s,
-        failure_threshold=a.probe_failure_threshold,
-        backoff_initial_s=a.restart_backoff_initial_s,
-        backoff_max_s=a.restart_backoff_max_s,
-        max_restarts=a.restart_max,
-        window_s=a.restart_window_s,
+        probe_startup_interval_s=a.probe_startup_interval_s,
+        probe_interval_s=a.probe_interval_s,
+        probe_timeout_s=a.probe_timeout_s,
+        probe_failure_threshold=a.probe_failure_threshold,
+        restart_backoff_initial_s=a.restart_backoff_initial_s,
+        restart_backoff_max_s=a.restart_backoff_max_s,
+        restart_max=a.restart_max,
+        restart_window_s=a.restart_window_s,
         startup_budget_s=startup_budget_s,
         stop_grace_s=stop_grace_s,
     )
@@ -237,17 +244,20 @@ class EngineSupervisor:
                     continue
                 now = time.monotonic()
                 self._restart_times.append(now)
-                while self._restart_times and now - self._restart_times[0] > self.policy.window_s:
+                while (
+                    self._restart_times
+                    and now - self._restart_times[0] > self.policy.restart_window_s
+                ):
                     self._restart_times.popleft()
-                if len(self._restart_times) > self.policy.max_restarts:
+                if len(self._restart_times) > self.policy.restart_max:
                     self._fail(
-                        f"{outcome}; gave up after {self.policy.max_restarts} restarts within "
-                        f"{self.policy.window_s:g}s (agent.restart.max_restarts / window_s)"
+                        f"{outcome}; gave up after {self.policy.restart_max} restarts within "
+                        f"{self.policy.restart_window_s:g}s (agent.restart.max_restarts / window_s)"
                     )
                     return
                 delay = min(
-                    self.policy.backoff_max_s,
-                    self.policy.backoff_initial_s * 2 ** (len(self._restart_times) - 1),
+                    self.policy.restart_backoff_max_s,
+                    self.policy.restart_backoff_initial_s * 2 ** (len(self._restart_times) - 1),
                 )
                 if len(self._restart_times) == 1 and self.stats.healthy_count > served_before:
                     # It served, then died: the first restart in the window is at once (users
@@ -321,7 +331,7 @@ class EngineSupervisor:
     async def _probe(self, client: httpx.AsyncClient) -> bool:
         t0 = time.monotonic()
         try:
-            response = await client.get(self.health_url(), timeout=self.policy.timeout_s)
+            response = await client.get(self.health_url(), timeout=self.policy.probe_timeout_s)
             ok = response.status_code == 200
         except (httpx.HTTPError, OSError):
             ok = False
@@ -382,7 +392,7 @@ class EngineSupervisor:
                     f"({self.health_url()}); raise agent.startup_budget_s or health_check"
                 )
                 return None
-            await self._sleep_or_wake(policy.startup_interval_s)
+            await self._sleep_or_wake(policy.probe_startup_interval_s)
         elapsed = time.monotonic() - start
         self.healthy_at = time.time()
         self.ever_healthy = True
@@ -392,7 +402,7 @@ class EngineSupervisor:
         # Liveness: N consecutive failures -> unhealthy -> restart.
         failures = 0
         while True:
-            await self._sleep_or_wake(policy.interval_s)
+            await self._sleep_or_wake(policy.probe_interval_s)
             if self._relaunch_reason is not None:
                 return "relaunch"
             if exited.is_set():
@@ -404,9 +414,12 @@ class EngineSupervisor:
                 return self._exit_reason(engine)
             failures += 1
             self.log.info(
-                "%s: health probe failed (%d/%d)", self.name, failures, policy.failure_threshold
+                "%s: health probe failed (%d/%d)",
+                self.name,
+                failures,
+                policy.probe_failure_threshold,
             )
-            if failures >= policy.failure_threshold:
+            if failures >= policy.probe_failure_threshold:
                 reason = f"{failures} consecutive health probe failures ({self.health_url()})"
                 self._set("unhealthy", reason)
                 return reason

@@ -1,4 +1,5 @@
-"""A TileRT weights folder: complete or not, its completion marker, and its hidden siblings.
+"""A TileRT weights folder: complete or not, its completion marker, and its hidden siblings;
+where it lies as the agent sees it and as the engine sees it (``weights_paths``, pyxis mounts).
 
 TileRT's converter writes straight into its ``--save_dir``: shards one after the other, the index
 (``model.safetensors.index.json``) last. A converter that is killed (time limit, preemption, a full
@@ -26,16 +27,19 @@ import errno
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
+from agent.errors import RuntimeFailure
 from agent.facts import WEIGHTS_INDEX_FILE
 from agent.job.atomicfile import is_temp_name, write_atomic
+from agent.node.mounts import host_path, mounted
 
 MARKER_NAME = ".tilert-converted.json"
 MARKER_SCHEMA = 1
@@ -337,3 +341,35 @@ def sync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class WeightsError(RuntimeFailure):
+    """The weights folder cannot be served; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class WeightsPaths:
+    """The weights folder as the agent sees it (``host``) and as the engine sees it."""
+
+    host: Path
+    engine: str
+    # Whether the engine also sees the folder's siblings (a conversion writes into one).
+    siblings_visible: bool
+
+    def engine_path(self, sibling: Path) -> str:
+        """A sibling of the folder as the engine (and the converter) see it."""
+        return posixpath.join(posixpath.dirname(self.engine), sibling.name)
+
+
+def weights_paths(folder: str, mounts: Sequence[str], launcher: str) -> WeightsPaths:
+    """Map the engine's ``--model-weights-dir`` to this node's path (pyxis: through the mounts)."""
+    engine = posixpath.normpath(folder)
+    path = host_path(engine, mounts, launcher)
+    if path is None:
+        raise WeightsError(
+            f"the weights folder {folder} (roles.decode.args.model-weights-dir) is not under any "
+            "of the job's container mounts, so the agent cannot check it on the node; mount the "
+            "folder that holds it (container_mounts, or the cluster's default_mounts)"
+        )
+    found = mounted(engine, mounts) if launcher == "pyxis" else None
+    return WeightsPaths(path, engine, siblings_visible=found is None or engine != found[1])

@@ -12,5 +12,6 @@
   benchmark.
 
 Runs in the submitter, and in every agent when it re-checks ``J/recipe.yaml``. May import
-``agent.facts``, ``agent.problems`` and ``agent.job``; nothing of the node, HTTP or head layers.
+``agent.facts``, ``agent.problems``, ``agent.errors`` and ``agent.job``; nothing of the node, HTTP
+or head layers.
 """

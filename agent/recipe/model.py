@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from agent.facts import DECODE_PYTHON, PREFILL_PROGRAM, ROUTER_PYTHON
+from agent.job.logfiles import DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES
 from agent.job.plan import DEFAULT_CONVERT_BUDGET_S, DEFAULT_CONVERT_LOCK_STALE_S
 
 # A scalar or structured value as YAML gives it. Engine args keep their YAML type until rendered.
@@ -216,8 +217,8 @@ class Canary(_Strict):
 
 
 class LogSettings(_Strict):
-    max_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 40)] = 64 * 1024 * 1024
-    backups: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
+    max_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 40)] = DEFAULT_LOG_MAX_BYTES
+    backups: Annotated[int, msgspec.Meta(ge=0, le=1000)] = DEFAULT_LOG_BACKUPS
     # Where engine logs go: the job directory (``job``), or each node's own disk (``node``,
     # in ``node_dir``/<job folder name>/), read through the agents' /logs (docs/logs.md).
     location: Literal["job", "node"] = "job"

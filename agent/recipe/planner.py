@@ -14,19 +14,21 @@ from typing import Any
 
 import msgspec
 
-from agent.facts import DECODE_MODULE, ROUTER_MODULE
+from agent.facts import DECODE_MODULE, DEFAULT_TILERT_MODEL, ROUTER_MODULE
+from agent.job import vocab
 from agent.job.benchmark import BenchmarkPlan
 from agent.job.plan import (
-    STANDIN_NAMES,
+    LAUNCHERS,
     AgentPlan,
+    DecodePlan,
     LauncherName,
     Plan,
     RolePlan,
     RouterPlan,
     SlurmPlan,
-    StandinName,
 )
 from agent.job.secrets import is_secret_name
+from agent.job.vocab import PROCESSES, Process
 from agent.problems import InputError, error
 from agent.recipe.benchplan import benchmark_plan
 from agent.recipe.cluster import ClusterConfig
@@ -41,6 +43,7 @@ from agent.recipe.model import (
     Recipe,
     Role,
     env_value,
+    find_arg,
     gpus_per_node,
     norm_arg,
     public_model_name,
@@ -108,7 +111,7 @@ def health_check_budget_s(recipe: Recipe) -> float:
     return float(attempts * interval)
 
 
-def _startup_budget(recipe: Recipe, role: str) -> float:
+def _startup_budget(recipe: Recipe, role: Process) -> float:
     value = getattr(recipe.agent.startup_budget_s, role)
     if value is not None:
         return float(value)
@@ -117,7 +120,7 @@ def _startup_budget(recipe: Recipe, role: str) -> float:
     return health_check_budget_s(recipe)
 
 
-def _requested_grace(recipe: Recipe, role: str) -> float:
+def _requested_grace(recipe: Recipe, role: Process) -> float:
     value = getattr(recipe.agent.stop_grace_s, role)
     if value is None:
         value = getattr(_AGENT_DEFAULTS.stop_grace_s, role)
@@ -134,7 +137,7 @@ def stop_graces(recipe: Recipe, kill_wait_s: float) -> dict[str, float]:
     the agent's own exit.
     """
     budget = max(max(kill_wait_s, SLURM_MIN_KILL_WAIT_S) - DRAIN_MARGIN_S, 0.0)
-    want = {role: _requested_grace(recipe, role) for role in ("prefill", "decode", "router")}
+    want = {role: _requested_grace(recipe, role) for role in PROCESSES}
     decode = min(want["decode"], budget)
     head = want["prefill"] + want["router"]
     scale = budget / head if head > budget else 1.0
@@ -154,7 +157,7 @@ def _model_argument(recipe: Recipe) -> str:
     return path[len(HF_PREFIX) :] if path.startswith(HF_PREFIX) else path
 
 
-def _role(recipe: Recipe, name: str) -> Role:
+def _role(recipe: Recipe, name: vocab.Role) -> Role:
     role: Role | None = getattr(recipe.roles, name)
     if role is None:
         raise InputError([error(f"roles.{name}", f"the {name} role is missing", "add it")])
@@ -163,7 +166,7 @@ def _role(recipe: Recipe, name: str) -> Role:
 
 def _role_plan(
     recipe: Recipe,
-    name: str,
+    name: vocab.Role,
     *,
     program: list[str],
     first_node: int,
@@ -177,7 +180,7 @@ def _role_plan(
     if bases.ctrl is not None:
         port_base["ctrl"] = bases.ctrl
     return RolePlan(
-        role=name,  # type: ignore[arg-type]  # "prefill" | "decode", checked by the callers
+        role=name,
         nodes=nodes,
         workers=workers,
         gpus_per_worker=gpus,
@@ -210,15 +213,16 @@ def choose_launcher(
     if mock:
         return "process"
     chosen = launcher or (cluster.launcher if cluster is not None else "process")
-    if chosen not in ("process", "pyxis"):
-        raise ValueError(f"unknown launcher {chosen!r}")
-    return chosen  # type: ignore[return-value]
+    for known in LAUNCHERS:
+        if chosen == known:
+            return known
+    raise ValueError(f"unknown launcher {chosen!r}")
 
 
 def make_plan(
     loaded: LoadedRecipe,
     *,
-    mock: bool | Collection[StandinName] = False,
+    mock: bool | Collection[Process] = False,
     launcher: str | None = None,
 ) -> Plan:
     """The launch plan of a loaded (validated, resolved) recipe.
@@ -226,40 +230,21 @@ def make_plan(
     ``mock``: True replaces every engine by its stand-in (``--mock``), a collection only those
     named (``--mock decode``).
     """
-    named = set(STANDIN_NAMES) if mock is True else set(mock or ())
-    standins = [name for name in STANDIN_NAMES if name in named]
+    named = set(PROCESSES) if mock is True else set(mock or ())
+    standins = [name for name in PROCESSES if name in named]
     recipe = loaded.recipe
     # No cluster file: the site defaults every field of ClusterConfig states (one source).
     cluster = loaded.cluster or ClusterConfig()
     graces = stop_graces(recipe, cluster.kill_wait_s)
-    agent = recipe.agent
-
     prefill = _role_plan(
         recipe,
         "prefill",
-        program=[*agent.prefill_command, _model_argument(recipe)],
+        program=[*recipe.agent.prefill_command, _model_argument(recipe)],
         first_node=0,
         grace=graces["prefill"],
     )
-    decode = _role_plan(
-        recipe,
-        "decode",
-        program=[agent.decode_python, "-m", DECODE_MODULE],
-        first_node=prefill.nodes,
-        grace=graces["decode"],
-    )
-    router_env, router_secret = split_env(role_env(recipe, recipe.frontend))
-    router = RouterPlan(
-        image=recipe.frontend.container_image or recipe.model.container,
-        program=[agent.router_python, "-m", ROUTER_MODULE],
-        args=render_args(recipe.frontend.args),
-        env=router_env,
-        secret_env=router_secret,
-        port=agent.router_port,
-        python=agent.router_python,
-        startup_budget_s=_startup_budget(recipe, "router"),
-        stop_grace_s=graces["router"],
-    )
+    decode = _decode_plan(recipe, first_node=prefill.nodes, grace=graces["decode"])
+    router = _router_plan(recipe, grace=graces["router"])
     return Plan(
         name=recipe.name or "",
         model=public_model_name(recipe) or _model_argument(recipe),
@@ -273,40 +258,93 @@ def make_plan(
         prefill=prefill,
         decode=decode,
         router=router,
-        agent=AgentPlan(
-            probe_startup_interval_s=agent.probe.startup_interval_s,
-            probe_interval_s=agent.probe.interval_s,
-            probe_timeout_s=agent.probe.timeout_s,
-            probe_failure_threshold=agent.probe.failure_threshold,
-            restart_backoff_initial_s=agent.restart.backoff_initial_s,
-            restart_backoff_max_s=agent.restart.backoff_max_s,
-            restart_max=agent.restart.max_restarts,
-            restart_window_s=agent.restart.window_s,
-            bind=agent.bind,
-            log_max_bytes=agent.logs.max_bytes,
-            log_backups=agent.logs.backups,
-            canary_prompt=agent.canary.prompt,
-            canary_max_tokens=agent.canary.max_tokens,
-            canary_timeout_s=agent.canary.timeout_s,
-            canary_attempt_timeout_s=agent.canary.attempt_timeout_s,
-            scratch_dir=agent.scratch_dir,
-            log_node_dir=agent.logs.node_dir if agent.logs.location == "node" else None,
-        ),
-        slurm=SlurmPlan(
-            account=recipe.slurm.account,
-            partition=recipe.slurm.partition,
-            time_limit=recipe.slurm.time_limit,
-            nodes=prefill.nodes + decode.nodes,
-            # Each node runs one worker: ask for what the largest worker holds (0: no GPU line).
-            gpus_per_node=max(prefill.gpus_per_worker, decode.gpus_per_worker),
-            signal_lead_s=cluster.signal_lead_s,
-            exclusive=cluster.exclusive,
-            kill_wait_s=cluster.kill_wait_s,
-        ),
+        agent=_agent_plan(recipe.agent),
+        slurm=_slurm_plan(recipe, cluster, prefill, decode),
         convert=convert_plan(recipe),
         benchmark=_benchmark(recipe, stop_grace_s=router.stop_grace_s),
-        frameworks=dict(agent.frameworks) if agent.frameworks else msgspec.UNSET,
-        pyxis_flags=list(agent.pyxis_flags) if agent.pyxis_flags else msgspec.UNSET,
+        frameworks=dict(recipe.agent.frameworks) if recipe.agent.frameworks else msgspec.UNSET,
+        pyxis_flags=list(recipe.agent.pyxis_flags) if recipe.agent.pyxis_flags else msgspec.UNSET,
+    )
+
+
+def _decode_plan(recipe: Recipe, *, first_node: int, grace: float) -> DecodePlan:
+    """The decode's role plan, with its model profile and weights folder read from its args."""
+    base = _role_plan(
+        recipe,
+        "decode",
+        program=[recipe.agent.decode_python, "-m", DECODE_MODULE],
+        first_node=first_node,
+        grace=grace,
+    )
+    args = _role(recipe, "decode").args
+    profile = find_arg(args, "model")
+    weights = find_arg(args, "model-weights-dir")
+    return DecodePlan(
+        **msgspec.structs.asdict(base),
+        model_profile=_flag_value(profile) or DEFAULT_TILERT_MODEL,
+        weights_dir=_flag_value(weights),
+    )
+
+
+def _flag_value(found: tuple[str, ArgValue] | None) -> str | None:
+    """A flag's value as its argv word (None when absent, null, false or empty)."""
+    if found is None or found[1] is None or found[1] is False:
+        return None
+    return render_value(found[1]) or None
+
+
+def _router_plan(recipe: Recipe, *, grace: float) -> RouterPlan:
+    agent = recipe.agent
+    env, secret = split_env(role_env(recipe, recipe.frontend))
+    return RouterPlan(
+        image=recipe.frontend.container_image or recipe.model.container,
+        program=[agent.router_python, "-m", ROUTER_MODULE],
+        args=render_args(recipe.frontend.args),
+        env=env,
+        secret_env=secret,
+        port=agent.router_port,
+        python=agent.router_python,
+        startup_budget_s=_startup_budget(recipe, "router"),
+        stop_grace_s=grace,
+    )
+
+
+def _agent_plan(agent: AgentSection) -> AgentPlan:
+    """The recipe's ``agent:`` settings as every agent reads them (``plan.agent``)."""
+    return AgentPlan(
+        probe_startup_interval_s=agent.probe.startup_interval_s,
+        probe_interval_s=agent.probe.interval_s,
+        probe_timeout_s=agent.probe.timeout_s,
+        probe_failure_threshold=agent.probe.failure_threshold,
+        restart_backoff_initial_s=agent.restart.backoff_initial_s,
+        restart_backoff_max_s=agent.restart.backoff_max_s,
+        restart_max=agent.restart.max_restarts,
+        restart_window_s=agent.restart.window_s,
+        bind=agent.bind,
+        log_max_bytes=agent.logs.max_bytes,
+        log_backups=agent.logs.backups,
+        canary_prompt=agent.canary.prompt,
+        canary_max_tokens=agent.canary.max_tokens,
+        canary_timeout_s=agent.canary.timeout_s,
+        canary_attempt_timeout_s=agent.canary.attempt_timeout_s,
+        scratch_dir=agent.scratch_dir,
+        log_node_dir=agent.logs.node_dir if agent.logs.location == "node" else None,
+    )
+
+
+def _slurm_plan(
+    recipe: Recipe, cluster: ClusterConfig, prefill: RolePlan, decode: RolePlan
+) -> SlurmPlan:
+    return SlurmPlan(
+        account=recipe.slurm.account,
+        partition=recipe.slurm.partition,
+        time_limit=recipe.slurm.time_limit,
+        nodes=prefill.nodes + decode.nodes,
+        # Each node runs one worker: ask for what the largest worker holds (0: no GPU line).
+        gpus_per_node=max(prefill.gpus_per_worker, decode.gpus_per_worker),
+        signal_lead_s=cluster.signal_lead_s,
+        exclusive=cluster.exclusive,
+        kill_wait_s=cluster.kill_wait_s,
     )
 
 

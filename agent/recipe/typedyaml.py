@@ -30,6 +30,7 @@ import msgspec
 import msgspec.inspect as mi
 import yaml
 
+from agent.errors import BadInput
 from agent.problems import Problem, error
 
 # A key path in a YAML tree, ("roles", "decode", "env", 0); not named Path, which is pathlib's.
@@ -146,7 +147,7 @@ LIMIT_HINT = "a recipe or cluster file is a few KB of plain YAML: check that thi
 TEXT_HINT = "remove it: the file must be plain UTF-8 text (is it binary or damaged?)"
 
 
-class YamlSyntaxError(Exception):
+class YamlSyntaxError(BadInput):
     """YAML that does not parse (or is over a bound); ``line``/``column`` are 1-based when known."""
 
     def __init__(

@@ -31,7 +31,8 @@ What they share:
   own byte-level BPE, for the prefill's ``/tokenize``;
 - ``faults``: the ``TILERT_MOCK_*`` fault switches; ``lifecycle``: parse, load, serve, stop.
 
-Imports: the standard library, third-party packages, ``agent.facts`` (what TileRT and vLLM are)
-and ``agent.http.asgi`` (the HTTP toolkit); nothing of the node runtime, so a stand-in is as
-independent of the agent as the engine it replaces.
+May import: the standard library, third-party packages, ``agent.facts`` (what TileRT and vLLM are),
+``agent.errors`` (the error tree) and ``agent.web`` (the HTTP toolkit); nothing else of ``agent``,
+so a stand-in is as independent of the agent as the engine it replaces. Nothing imports a stand-in:
+the agent runs them by module name.
 """

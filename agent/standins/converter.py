@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         faults = ConvertFaults.from_env()
     except FaultConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(exc.exit_code) from None
     if args.model_type not in CONVERTER_MODEL_TYPES.values():
         raise ValueError(f"Invalid model type: {args.model_type}")
     model_dir, save_dir = Path(args.model_dir), Path(args.save_dir)

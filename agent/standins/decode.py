@@ -33,7 +33,10 @@ from agent.facts import (
     NUM_MTP_CHOICES,
     TRANSPORTS,
 )
-from agent.http.asgi import (
+from agent.standins import lifecycle, tokens, wire
+from agent.standins.faults import Crasher, Faults
+from agent.standins.kvlink import Receiver
+from agent.web.asgi import (
     App,
     Request,
     Response,
@@ -42,9 +45,6 @@ from agent.http.asgi import (
     json_response,
     serve,
 )
-from agent.standins import lifecycle, tokens, wire
-from agent.standins.faults import Crasher, Faults
-from agent.standins.kvlink import Receiver
 
 log = logging.getLogger("pd_vllm.decode_server")
 recv_log = logging.getLogger("pd_vllm.receive")

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import trio
 
+from agent.errors import BadInput
+
 log = logging.getLogger("standin.faults")
 
 PREFIX = "TILERT_MOCK_"
@@ -54,7 +56,7 @@ AGENT_NAME_ENV = "TILERT_AGENT_NAME"
 _CRASH_FLUSH_S = 0.1
 
 
-class FaultConfigError(ValueError):
+class FaultConfigError(BadInput, ValueError):
     """A TILERT_MOCK_* value that cannot be parsed."""
 
 

@@ -42,7 +42,7 @@ def load_faults() -> Faults:
         return Faults.from_env()
     except FaultConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(exc.exit_code) from None
 
 
 async def loading(faults: Faults, shutdown: trio.Event) -> bool:

@@ -28,7 +28,11 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agent.facts import CONNECTOR, PREFILL_KV_DEFAULT, human_int
-from agent.http.asgi import (
+from agent.standins import lifecycle, openai_api, tokens
+from agent.standins.bpe import ByteLevelBPE
+from agent.standins.faults import Crasher, Faults
+from agent.standins.kvlink import ConnectorConfig, Sender
+from agent.web.asgi import (
     App,
     HTTPError,
     Request,
@@ -39,10 +43,6 @@ from agent.http.asgi import (
     serve,
     text_response,
 )
-from agent.standins import lifecycle, openai_api, tokens
-from agent.standins.bpe import ByteLevelBPE
-from agent.standins.faults import Crasher, Faults
-from agent.standins.kvlink import ConnectorConfig, Sender
 
 log = logging.getLogger("vllm.entrypoints.openai.api_server")
 

@@ -27,7 +27,9 @@ import msgspec
 import trio
 
 from agent.facts import ROUTER_PARSERS
-from agent.http.asgi import (
+from agent.standins import lifecycle, openai_api, tokens, wire
+from agent.standins.faults import Crasher, Faults
+from agent.web.asgi import (
     App,
     Request,
     Response,
@@ -36,8 +38,6 @@ from agent.http.asgi import (
     json_response,
     serve,
 )
-from agent.standins import lifecycle, openai_api, tokens, wire
-from agent.standins.faults import Crasher, Faults
 
 log = logging.getLogger("pd_vllm.router")
 

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import msgspec
 import trio
 
+from agent.errors import RuntimeFailure
 from agent.facts import DEFAULT_SENDERS
 
 _T = TypeVar("_T")
@@ -84,7 +85,7 @@ class Done(msgspec.Struct):
     generation: int
 
 
-class WireError(Exception):
+class WireError(RuntimeFailure):
     """The peer broke the protocol (closed mid-frame, oversized frame, wrong message)."""
 
 

@@ -20,13 +20,13 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from typing import NoReturn
 
 import psutil
 
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobStatus
-from submit import PROG
 from submit.backend import Backend, BackendError
 
 # The signals that stop a job. From the moment status.json names the submitter until the
@@ -126,8 +126,10 @@ class LocalBackend(Backend):
         status.local_pid = os.getpid()
         status.local_started_at = psutil.Process().create_time()
 
-    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> int:
-        """Become the supervisor (exec, same pid): it runs the agents here, in the foreground."""
+    def submit(self, job: JobDir, plan: Plan, secrets: Mapping[str, str]) -> NoReturn:
+        """Become the supervisor (exec, same pid): it runs the agents here, in the foreground.
+
+        Never returns: this process is the job now (status.json's ``local_pid``)."""
         del plan  # the supervisor reads J/plan.json
         sys.stdout.flush()
         sys.stderr.flush()
@@ -151,24 +153,21 @@ class LocalBackend(Backend):
         """The supervisor's pid."""
         return f"local supervisor pid: {_pid(status)}"
 
-    def stop(self, job: JobDir, status: JobStatus, limit: float) -> int:
+    def stop(self, job: JobDir, status: JobStatus, limit: float) -> None:
         """SIGTERM the verified supervisor and wait for it to exit; SIGKILL it after ``limit``."""
         pid = _pid(status)
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             print("it had already exited")
-            return 0
+            return
         try:
             why = not_the_supervisor(job, status)
             if why is not None:
-                print(
-                    f"{PROG}: not signalling pid {pid}: {why}. The "
-                    "job's supervisor is gone (status.json is stale); if you know better, stop "
-                    "that process yourself",
-                    file=sys.stderr,
+                raise BackendError(
+                    f"not signalling pid {pid}: {why}. The job's supervisor is gone "
+                    "(status.json is stale); if you know better, stop that process yourself"
                 )
-                return 1
             if status.state == "stopping":
                 # A stop is under way (another `stop`, a Ctrl-C): a second signal would force it.
                 print(
@@ -182,13 +181,12 @@ class LocalBackend(Backend):
                 signal.pidfd_send_signal(pidfd, signal.SIGTERM)
             if _wait_exit(pidfd, limit):
                 print("stopped")
-                return 0
+                return
             print(
                 f"pid {pid} did not exit within {limit:g}s; "
                 "sending SIGKILL (its agents die with it)"
             )
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            return 0
         finally:
             os.close(pidfd)

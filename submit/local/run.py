@@ -29,10 +29,12 @@ from pathlib import Path
 import msgspec
 import trio
 
+from agent.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
 from agent.job.names import HEAD_NAME, agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
 from agent.job.records import JobAgent, JobStatus
+from agent.job.vocab import Role
 from agent.launch import LaunchSpec, ProcessHandle, make_launcher
 from agent.node.logpump import LogSink
 from agent.problems import printable
@@ -47,7 +49,7 @@ AGENT_START_S = 20.0
 FINAL_STATES = ("stopped", "failed")
 
 
-def agent_argv(job: JobDir, role: str, index: int) -> list[str]:
+def agent_argv(job: JobDir, role: Role, index: int) -> list[str]:
     """How a local agent is started: this interpreter, so the demo needs nothing on PATH."""
     return [
         sys.executable,
@@ -126,7 +128,7 @@ class LocalRun:
         # Why the job failed when tilert-submit itself decided it (its limit, a dead head).
         self.failure: str | None = None
 
-    async def _start(self, nursery: trio.Nursery, role: str, index: int) -> None:
+    async def _start(self, nursery: trio.Nursery, role: Role, index: int) -> None:
         name = agent_name(role, index)
         log_dir = self.job.log_dir(name)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +182,9 @@ class LocalRun:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._on_signals, signals)
-                starts = [("prefill", i) for i in range(self.plan.prefill.nodes)]
+                starts: list[tuple[Role, int]] = [
+                    ("prefill", i) for i in range(self.plan.prefill.nodes)
+                ]
                 starts += [("decode", i) for i in range(self.plan.decode.workers)]
                 for role, index in starts:
                     if not self.stop.is_set():
@@ -358,13 +362,13 @@ def main(argv: list[str] | None = None) -> int:
             "usage: python -m submit.local.run JOB_DIR (tilert-submit --local runs it)",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_BAD_INPUT
     job = JobDir(Path(args[0]))
     try:
         plan = load_plan(job.plan.read_bytes())
     except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         print(f"tilert-submit: {job.plan}: cannot read the plan: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_RUNTIME
     return run_local(job, plan)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 
+from agent.errors import BadInput
 from agent.job.logfiles import log_files, log_path, node_local
 from agent.job.names import BENCHMARK_NAME, HEAD_NAME, ROUTER_NAME, agent_names
 from agent.job.paths import JobDir
@@ -26,7 +27,7 @@ _PATTERN_CHARS = "*?["
 _NOT_AGENTS = (ROUTER_NAME, BENCHMARK_NAME)
 
 
-class SelectionError(Exception):
+class SelectionError(BadInput):
     """A NAME that names nothing; the message says what the job has."""
 
 

@@ -19,6 +19,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from agent.errors import EXIT_BAD_INPUT
 from agent.job.logtail import history, open_log
 from agent.job.paths import JobDir
 from submit.logview.catalogue import (
@@ -105,7 +106,7 @@ def parse_since(text: str, now: float | None = None) -> float:
 def _fail(message: str) -> int:
     """Print a user-facing error; exit code 2."""
     say(message)
-    return 2
+    return EXIT_BAD_INPUT
 
 
 def _print_local(selection: Selection, options: Options, printer: Printer) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import httpx
 import msgspec
 
+from agent.errors import RuntimeFailure
 from agent.job.logtail import LogLine, WireLine
 from agent.job.paths import JobDir
 from agent.node.rendezvous import read_records
@@ -25,11 +26,11 @@ HISTORY_READ_TIMEOUT_S = 60.0
 _decoder = msgspec.json.Decoder(WireLine)
 
 
-class NoLogYet(Exception):
+class NoLogYet(RuntimeFailure):
     """The agent that holds the log has not started, or the log does not exist yet."""
 
 
-class Unreachable(Exception):
+class Unreachable(RuntimeFailure):
     """The agent could not be asked, or the stream broke; ``streamed`` says whether any came."""
 
     def __init__(self, message: str, *, streamed: bool) -> None:

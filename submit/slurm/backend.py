@@ -10,7 +10,6 @@ with SIGKILL, so the agents would never drain.
 from __future__ import annotations
 
 import os
-import shlex
 import time
 from collections.abc import Mapping
 
@@ -19,8 +18,7 @@ import msgspec
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import JobStatus
-from submit import PROG
-from submit.backend import Backend, BackendError, wait_until
+from submit.backend import Backend, BackendError, Submitted, wait_until
 from submit.slurm import client
 
 # How long a job may take to leave squeue after a plain scancel (TERM, then KILL).
@@ -42,7 +40,7 @@ class SlurmBackend(Backend):
         """Whether status.json records a Slurm job id."""
         return bool(status.slurm_job_id)
 
-    def submit(self, job: JobDir, _plan: Plan, secrets: Mapping[str, str]) -> int:
+    def submit(self, job: JobDir, _plan: Plan, secrets: Mapping[str, str]) -> Submitted:
         """sbatch ``J/sbatch.sh`` and record the job id in status.json (or the failure)."""
         # Secrets written in the recipe travel in sbatch's process environment (exported to the
         # agents), never in a file or argv; the recipe's value wins over the submitting shell's.
@@ -59,12 +57,7 @@ class SlurmBackend(Backend):
         job.write_status(
             msgspec.structs.replace(status, slurm_job_id=job_id, updated_at=time.time())
         )
-        print(f"Submitted Slurm job {job_id}")
-        print("Follow it with:")
-        for command in ("status", "logs", "stop"):
-            extra = " -f" if command == "logs" else ""
-            print(f"  {PROG} {command} {shlex.quote(str(job.root))}{extra}")
-        return 0
+        return Submitted(job=job, slurm_job_id=job_id)
 
     def is_running(self, status: JobStatus) -> bool | None:
         """Whether Slurm still runs or queues the job; None while Slurm cannot be asked."""
@@ -82,23 +75,22 @@ class SlurmBackend(Backend):
         """The Slurm job is not running."""
         return f"Slurm job {_job_id(status)} is not running (status.json: {status.state})"
 
-    def stop(self, _job: JobDir, status: JobStatus, limit: float) -> int:
+    def stop(self, _job: JobDir, status: JobStatus, limit: float) -> None:
         """TERM every task of the job, wait for it to end, scancel it for good after ``limit``."""
         job_id = _job_id(status)
         try:
-            return stop_job(job_id, limit)
+            stop_job(job_id, limit)
         except client.SlurmError as exc:
             raise BackendError(f"could not stop Slurm job {job_id}: {exc}") from None
 
 
-def stop_job(job_id: str, limit: float) -> int:
-    """``scancel --signal=TERM``, wait up to ``limit`` s, then a plain ``scancel``; 0."""
+def stop_job(job_id: str, limit: float) -> None:
+    """``scancel --signal=TERM``, wait up to ``limit`` s, then a plain ``scancel``."""
     print(f"stopping Slurm job {job_id}: scancel --signal=TERM (agents drain, up to {limit:g}s)")
     client.scancel(job_id, signal_name="TERM")
     if wait_until(lambda: client.job_active(job_id) is False, limit):
         print(f"Slurm job {job_id} ended")
-        return 0
+        return
     print(f"Slurm job {job_id} still running after {limit:g}s: scancel {job_id}")
     client.scancel(job_id)
     wait_until(lambda: client.job_active(job_id) is False, SCANCEL_WAIT_S)
-    return 0

@@ -12,10 +12,12 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from agent.errors import RuntimeFailure
+
 CLIENT_TIMEOUT_S = 30.0
 
 
-class SlurmError(Exception):
+class SlurmError(RuntimeFailure):
     """A Slurm client command is missing, timed out or failed; ``str()`` says what to do."""
 
 

@@ -20,6 +20,8 @@ import hypercorn.trio
 import msgspec
 import trio
 
+from agent.errors import TilertError
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -80,7 +82,7 @@ class StreamingResponse:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-class HTTPError(Exception):
+class HTTPError(TilertError):
     """Raise from a handler to answer ``status`` with a JSON ``{"error": message}``."""
 
     def __init__(self, status: int, message: str) -> None:

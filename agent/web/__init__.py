@@ -1,0 +1,7 @@
+"""The HTTP server toolkit: a small ASGI layer on hypercorn + trio (``asgi``).
+
+A base layer, so that the agent's endpoint (``agent.http``) and the stand-in engines
+(``agent.standins``) serve HTTP the same way without the stand-ins importing the agent.
+
+May import: the standard library, trio, hypercorn and msgspec; nothing of ``agent``.
+"""
