@@ -132,6 +132,40 @@ def test_two_decode_agents_racing_on_one_folder_convert_it_once(
     assert siblings(weights) == []  # no lock, no conversion folder left
 
 
+def test_a_hub_id_source_is_converted_from_the_decodes_hugging_face_cache(
+    tmp_path: Path, agents: Agents
+) -> None:
+    """``source: hf:org/name`` (schema 1's hf: model): the snapshot refs/main names in the
+    decode's HF_HUB_CACHE, as srtctl's snapshot_download(local_files_only=True)."""
+    weights = tmp_path / "shared" / "glm5"
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    snap = checkpoint(repo / "snapshots" / "r1")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("r1")
+    job = make_job(
+        tmp_path / "a",
+        f"roles.decode.args.model-weights-dir={weights}",
+        "roles.decode.convert={source: 'hf:org/tiny'}",
+        f"roles.decode.env.HF_HUB_CACHE={cache}",
+    )
+    agent = agents.start(job, "decode", 0)
+    agent.wait_state("healthy", timeout=30)
+    found = inspect(weights)
+    assert found.marker is not None, found.problems
+    assert found.marker.source == str(snap)
+    # Not in the cache: the decode fails at once, saying where it looked and how to get it.
+    other = make_job(
+        tmp_path / "b",
+        f"roles.decode.args.model-weights-dir={tmp_path / 'other' / 'w'}",
+        "roles.decode.convert={source: 'hf:org/missing'}",
+        f"roles.decode.env.HF_HUB_CACHE={cache}",
+    )
+    failed = agents.start(other, "decode", 0).wait_state("failed", timeout=30)
+    assert f"org/missing is not in the Hugging Face cache {cache}" in failed["reason"], failed
+    assert "huggingface-cli download org/missing" in failed["reason"]
+
+
 def test_a_failed_conversion_is_known_at_once_by_the_decode_waiting_for_it(
     tmp_path: Path, agents: Agents
 ) -> None:
