@@ -234,14 +234,14 @@ def _translate(raw: dict[str, Any]) -> tuple[dict[str, Any], Origins]:
             # Unknown to both schemas, or a schema-2 key in a schema-1 file: the schema-2 shape
             # check names it (with its advice) at its own line.
             out[key] = raw[key]
-            origins.note(key, key)
+            origins.note(str(key), str(key))
     return out, origins
 
 
 def _same(out: dict[str, Any], raw: dict[str, Any], key: str, origins: Origins) -> None:
     if key in raw:
         out[key] = raw[key]
-        origins.note(key, key)
+        origins.note(str(key), str(key))
 
 
 def _resources(
@@ -426,7 +426,12 @@ def _decode(value: dict[str, Any], where: dict[str, str], origins: Origins) -> d
         origins.derive(f"roles.decode.args.{new}", where[old])
     with_mtp = value["with_mtp"]
     if not isinstance(with_mtp, bool):
-        _refuse(origins, where["with_mtp"], f"expected true or false, got {with_mtp!r}", "")
+        _refuse(
+            origins,
+            where["with_mtp"],
+            f"expected true or false, got {with_mtp!r}",
+            "write with_mtp: true or false (schema 2: roles.decode.args.with-mtp)",
+        )
     elif with_mtp:
         args["with-mtp"] = True
     return {"engine": "tilert", "args": args}
