@@ -122,8 +122,8 @@ MANAGED_ARGS = {
         "remove it; probing starts at agent.ports.decode.ctrl",
     ),
     ("prefill", "host"): (
-        "the agent runs vLLM on all interfaces and advertises the node's address",
-        "remove it (agent.bind and the cluster's network_interface choose addresses)",
+        "the agent passes --host: vLLM listens on the node's address, the one peers are told",
+        "remove it (the cluster file's network_interface chooses the node's address)",
     ),
     ("prefill", "port"): (
         "the agent chooses the prefill HTTP port on its node and passes --port",
@@ -137,7 +137,7 @@ MANAGED_ARGS = {
 ROUTER_MANAGED_ARGS = {
     "vllm-url": "the agent passes the prefill's URL once its port is known",
     "decode": "the agent passes every decode node's host:ctrl:http once their ports are known",
-    "host": "the router listens on all interfaces",
+    "host": "the agent passes --host: the router listens on the node's address",
     "port": "the router port is agent.router_port",
 }
 

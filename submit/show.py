@@ -1,7 +1,7 @@
 """The readable plan ``tilert-submit --dry-run`` prints: who runs where, with what, for how long.
 
-Command lines come from the agent's own builders (``agent.commands``) with the values the agent
-chooses on its node shown as placeholders, so what is printed is what will run.
+Command lines come from the agent's own builders (``agent.launch.commands``) with the values the
+agent chooses on its node shown as placeholders, so what is printed is what will run.
 """
 
 from __future__ import annotations

@@ -8,6 +8,12 @@ venv at .cache/aiperf-venv (built on first use: about 3.5 minutes and 1.2 GB).
 Outside CI a missing Debian package skips the tests that need it, with the reason; under
 ``CI=true`` it fails them instead, because CI installs everything (tests/run.sh) and a skip there
 would hide a broken setup.
+
+The fast lane (``pytest -m unit``, ``bash tests/run.sh --quick``): the modules named in
+``UNIT_MODULES`` need no service, no venv but the project's, and start no job, agent or engine
+(a process of a few milliseconds, the CLI's own, is fine). Each of their tests gets the ``unit``
+mark here, except one that asks for a service by its marker or fixture: that one stays out of the
+lane without a word in its module. A module joins the list by being that fast; docs/testing.md.
 """
 
 from __future__ import annotations
@@ -26,6 +32,46 @@ from tests.infra.slurm import LocalSlurm, SlurmError, missing_binaries
 from tests.infra.vllm_env import vllm_venv as find_vllm_venv
 from tests.kit.shared import CALL_REPORT
 
+# Modules whose tests form the fast lane (docs/testing.md, "The fast lane").
+UNIT_MODULES = frozenset(
+    {
+        "test_backends",
+        "test_bad_input",
+        "test_benchmark",
+        "test_cluster",
+        "test_commands",
+        "test_enginechecks",
+        "test_errors",
+        "test_head",
+        "test_head_gate",
+        "test_jobspecs",
+        "test_jobwrites",
+        "test_layers",
+        "test_loader",
+        "test_map",
+        "test_overrides",
+        "test_planner",
+        "test_ports",
+        "test_preflight",
+        "test_printable",
+        "test_prop_head",
+        "test_prop_input",
+        "test_prop_reexport",
+        "test_reexport",
+        "test_rendezvous",
+        "test_rules",
+        "test_sbatch",
+        "test_submit_cli",
+        "test_supervisor_policy",
+        "test_systemd",
+    }
+)
+# What a test outside the fast lane asks for: these markers, or these fixtures (tests/infra/).
+SERVICE_MARKERS = frozenset({"slurm", "router", "prometheus", "real_vllm", "aiperf"})
+SERVICE_FIXTURES = frozenset(
+    {"slurm", "slurm_session", "slurm_cluster_file", "prometheus_factory", "router_python"}
+    | {"vllm_venv", "aiperf"}
+)
 SLURM_NODES = 3
 ROUTER_VENV = Path(__file__).resolve().parent.parent / ".cache" / "router-venv"
 VLLM_VENV = Path(__file__).resolve().parent.parent / ".cache" / "vllm-venv"
@@ -44,6 +90,22 @@ def require(ok: bool, reason: str) -> None:
     if under_ci():
         pytest.fail(f"{reason} (CI=true: required; tests/run.sh installs it)", pytrace=False)
     pytest.skip(reason)
+
+
+def needs_a_service(item: pytest.Item) -> bool:
+    """Whether ``item`` asks for a service by its marker or a fixture."""
+    marks = {mark.name for mark in item.iter_markers()}
+    return bool(
+        marks & SERVICE_MARKERS or set(getattr(item, "fixturenames", ())) & SERVICE_FIXTURES
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the fast lane's tests ``unit`` (before ``-m`` selects)."""
+    for item in items:
+        if item.path.stem in UNIT_MODULES and not needs_a_service(item):
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.hookimpl(wrapper=True)

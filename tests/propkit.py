@@ -1,13 +1,15 @@
 """Hypothesis settings for the property-based tests, and the odd values they share.
 
-Two profiles, chosen by ``$HYPOTHESIS_PROFILE``:
+Three profiles, chosen by ``$HYPOTHESIS_PROFILE``:
 - ``ci`` (the default): every property test together stays well under a minute on a 2-core machine;
   no example database, so a run leaves no files behind and is the same on every machine.
+- ``quick``: a fifth of the examples (at least 10 a test), as ``ci`` otherwise; the fast lane
+  (``bash tests/run.sh --quick``) runs with it.
 - ``thorough``: ten times the examples, with the example database in ``.hypothesis/`` so that a
   failure found once is tried first next time:
   ``HYPOTHESIS_PROFILE=thorough pytest tests/test_prop_*.py``.
 
-A test states its ``max_examples`` for ``ci`` through ``examples(n)``; ``thorough`` multiplies it.
+A test states its ``max_examples`` for ``ci`` through ``examples(n)``; the other profiles scale it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-_SCALE = {"ci": 1, "thorough": 10}
+_SCALE = {"ci": 1.0, "quick": 0.2, "thorough": 10.0}
 if PROFILE not in _SCALE:
     raise RuntimeError(f"HYPOTHESIS_PROFILE={PROFILE!r}: use one of {', '.join(_SCALE)}")
 
@@ -31,6 +33,7 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+settings.register_profile("quick", parent=settings.get_profile("ci"))
 settings.register_profile(
     "thorough",
     deadline=None,
@@ -43,8 +46,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def examples(n: int) -> Callable[[F], F]:
-    """``@settings(max_examples=n)`` under ``ci``, ten times that under ``thorough``."""
-    return settings(max_examples=n * _SCALE[PROFILE])
+    """``@settings(max_examples=n)`` under ``ci``, scaled under ``quick`` and ``thorough``."""
+    return settings(max_examples=max(min(n, 10), round(n * _SCALE[PROFILE])))
 
 
 # Characters users and machines slip into files: controls, NUL, escapes, separators, quotes,

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # The test command: `bash tests/run.sh [PYTEST ARGS...]` (CI runs it through .ci/run).
+# The fast lane: `bash tests/run.sh --quick [PYTEST ARGS...]`: only the project venv (no Debian
+# packages, no router, vLLM or AIPerf venv), lint, types and the tests marked `unit`
+# (tests/conftest.py UNIT_MODULES) with the `quick` hypothesis profile; under 2 minutes on 2 cores.
 #
 # From a clean clone on Debian 12 it installs what the tests need (Debian packages, the project
 # venv with its test and plots extras, the Python 3.12 router venv, the Python 3.11 vLLM venv:
@@ -7,6 +10,12 @@
 # type-checks and runs pytest. The tests start
 # their own Slurm and Prometheus. A second run skips whatever is already in place.
 set -euo pipefail
+
+QUICK=
+if [[ ${1:-} == --quick ]]; then
+  QUICK=1
+  shift
+fi
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -204,30 +213,38 @@ run_pytest() {
   return 1
 }
 
-phase_start packages
-install_packages
-phase_end
+if [[ -z $QUICK ]]; then
+  phase_start packages
+  install_packages
+  phase_end
+fi
 
 phase_start venv
 build_venv
 phase_end
 
-phase_start router-venv
-build_router_venv
-phase_end
+if [[ -z $QUICK ]]; then
+  phase_start router-venv
+  build_router_venv
+  phase_end
 
-phase_start vllm-venv
-build_vllm_venv
-phase_end
+  phase_start vllm-venv
+  build_vllm_venv
+  phase_end
 
-phase_start aiperf-venv
-build_aiperf_venv
-phase_end
+  phase_start aiperf-venv
+  build_aiperf_venv
+  phase_end
+fi
 
 phase_start lint
 check "ruff check" "$VENV/bin/ruff" check .
 check "ruff format" "$VENV/bin/ruff" format --check .
-check shellcheck shellcheck tests/run.sh .ci/run
+if [[ -z $QUICK ]] || command -v shellcheck >/dev/null; then
+  check shellcheck shellcheck tests/run.sh .ci/run
+else
+  echo "   shellcheck not installed: skipped (the full run installs it)"
+fi
 phase_end
 
 phase_start types
@@ -235,7 +252,13 @@ check mypy "$VENV/bin/mypy"
 phase_end
 
 phase_start pytest
-check pytest run_pytest "$@"
+if [[ -n $QUICK ]]; then
+  # A fifth of the property tests' examples; HYPOTHESIS_PROFILE=ci runs them all.
+  export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-quick}
+  check pytest run_pytest -m unit "$@"
+else
+  check pytest run_pytest "$@"
+fi
 phase_end
 
 if ((${#FAILED[@]})); then

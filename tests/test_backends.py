@@ -134,7 +134,8 @@ def child() -> Iterator[Child]:
             [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True
         )
         assert proc.stdout is not None
-        assert proc.stdout.readline() == "up\n"
+        with proc.stdout:  # it says nothing after "up"
+            assert proc.stdout.readline() == "up\n"
         procs.append(proc)
         return proc
 

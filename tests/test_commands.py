@@ -1,4 +1,4 @@
-"""Command builders (``agent.commands``) on the demo recipe's real plan."""
+"""Command builders (``agent.launch.commands``) on the demo recipe's real plan."""
 
 from __future__ import annotations
 

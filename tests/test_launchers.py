@@ -399,7 +399,8 @@ def start_agent(pids: list[int]) -> tuple[subprocess.Popen[bytes], int, int]:
     )
     pids.append(agent.pid)
     assert agent.stdout is not None
-    line = agent.stdout.readline().split()
+    with agent.stdout:  # its one line read, the pipe is closed (it prints nothing more)
+        line = agent.stdout.readline().split()
     assert len(line) == 2, f"agent said {line!r}"
     engine, grandchild = int(line[0]), int(line[1])
     pids += [engine, grandchild]

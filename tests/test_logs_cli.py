@@ -180,7 +180,7 @@ def on_a_terminal(args: list[str], **env: str) -> str:
         cwd=REPO,
         env=clean_env(**env),
         stdout=follower,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     os.close(follower)
     chunks = []
@@ -229,7 +229,8 @@ def test_head_1_exits_0_quietly(running: kit.LocalJob, follow: bool) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.stderr is not None
-    assert (code, proc.stderr.read()) == (0, b"")
+    with proc.stderr:
+        assert (code, proc.stderr.read()) == (0, b"")
     assert head.stdout.decode().startswith("prefill-0 | ")
 
 

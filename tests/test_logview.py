@@ -203,6 +203,9 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+        for pipe in (p.stdout, p.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 class LineReader:

@@ -1,4 +1,4 @@
-"""agent.reexport: vLLM's /metrics relabelled (real captured page, hostile pages, a real HTTP
+"""agent.http.reexport: vLLM's /metrics relabelled (real captured page, hostile pages, a real HTTP
 server)."""
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The launch plan (``J/plan.json``): what every agent needs to start its engine, and nothing
 secret.
 
-The submitter's planner (``agent.planner``) writes it; every agent reads it. Commands are kept as
-``program`` + ``args`` *without* the arguments the agent manages (hosts, ports, ``--engine``,
-``--vllm-url``, ``--decode``): the agent adds those once it has chosen its ports
-(``agent.commands``). For each process named in ``standins`` (``tilert-submit --mock [ROLES]``) the
-agent swaps the program for the project's stand-in and keeps the argument list, so the command
-builders are exercised exactly as in production.
+The submitter's planner (``agent.recipe.planner``) writes it; every agent reads it. Commands are
+kept as ``program`` + ``args`` *without* the arguments the agent manages (hosts, ports,
+``--engine``, ``--vllm-url``, ``--decode``): the agent adds those once it has chosen its ports
+(``agent.launch.commands``). For each process named in ``standins`` (``tilert-submit --mock
+[ROLES]``) the agent swaps the program for the project's stand-in and keeps the argument list, so
+the command builders are exercised exactly as in production.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The plan holds each engine's program and the user's arguments rendered as argv, *without* what the
 agent manages (hosts, ports, ``--engine``, the router's ``--vllm-url`` / ``--decode``): those are
-added by ``agent.commands`` once ports are chosen on the node. The same input always gives the same
-plan, byte for byte, so a golden test can pin it.
+added by ``agent.launch.commands`` once ports are chosen on the node. The same input always gives
+the same plan, byte for byte, so a golden test can pin it.
 """
 
 from __future__ import annotations

@@ -3,5 +3,6 @@
 A base layer, so that the agent's endpoint (``agent.http``) and the stand-in engines
 (``agent.standins``) serve HTTP the same way without the stand-ins importing the agent.
 
-May import: the standard library, trio, hypercorn and msgspec; nothing of ``agent``.
+May import: the standard library, trio, hypercorn, msgspec and ``agent.errors`` (the error tree);
+nothing else of ``agent``.
 """

@@ -25,6 +25,9 @@ the /metrics page readers, which are imported from ``tests.kit.metrics``. One co
 - ``metrics``: reading a /metrics page (samples, families, one series).
 - ``logs``: `tilert-submit logs` as a user runs it (followers, per-source lines); imported from
   ``tests.kit.logs``.
+- ``fakelauncher``: an in-memory ``Launcher`` whose engines follow a script (exit, lines,
+  ``/health`` answers through an ``httpx.MockTransport``), for supervisor and head tests that
+  start no process; imported from ``tests.kit.fakelauncher``.
 
 Free ports come from ``tests/infra/ports.py`` (``free_port``, ``free_ports``), the only place
 that picks them.

@@ -62,8 +62,9 @@ class Follower:
         assert stdout is not None
 
         def read() -> None:
-            for line in stdout:
-                self._queue.put(line)
+            with stdout:  # closed at EOF: the process ended
+                for line in stdout:
+                    self._queue.put(line)
 
         threading.Thread(target=read, daemon=True).start()
 
@@ -90,11 +91,17 @@ class Follower:
 
     def err(self) -> str:
         """Its stderr (once it has ended)."""
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read() if self.proc.poll() is not None else ""
+        stderr = self.proc.stderr
+        assert stderr is not None
+        if self.proc.poll() is None or stderr.closed:
+            return ""
+        with stderr:
+            return stderr.read()
 
     def kill(self) -> None:
         """Kill it if it is still running."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
