@@ -16,12 +16,13 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from agent.errors import RuntimeFailure
 from agent.node.mounts import host_path
 
 DEFAULT_HUB_CACHE = "~/.cache/huggingface/hub"
 
 
-class HubCacheError(Exception):
+class HubCacheError(RuntimeFailure):
     """The hub id's snapshot is not in the cache; the message says where it looked and how to
     get it there."""
 
