@@ -61,6 +61,7 @@ UNIT_MODULES = frozenset(
         "test_rendezvous",
         "test_rules",
         "test_sbatch",
+        "test_schema1",
         "test_submit_cli",
         "test_supervisor_policy",
         "test_systemd",
