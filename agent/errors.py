@@ -19,7 +19,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── LockLost              agent.node.folderlock: the weights folder's lock was taken
     │   ├── HubCacheError         agent.node.hubcache: a hub id's snapshot is not in the cache
     │   ├── RecordProblem         agent.node.rendezvous: a rendezvous file that is no record
-    │   ├── UpstreamError         agent.http.reexport: vLLM's /metrics answer is unusable
+    │   ├── UpstreamError         agent.http.upstream: vLLM's /metrics answer is unusable
     │   ├── PageError             agent.http.reexport: vLLM's /metrics page does not parse
     │   ├── RunTimeout            agent.launch.spec: a one-shot process ran past its bound
     │   ├── ResultsError          agent.benchmark.results: a level's export is unreadable

@@ -21,7 +21,7 @@ from agent.head import Head, HeadContext
 from agent.http.client import open_client
 from agent.http.endpoint import LogStreams, StatusFeed, build_app
 from agent.http.metrics import AgentMetrics, HeadFigures
-from agent.http.reexport import UpstreamMetrics
+from agent.http.upstream import UpstreamMetrics
 from agent.job.logfiles import convert_log_path, log_path, make_log_dir
 from agent.job.names import BENCHMARK_NAME, ROUTER_NAME
 from agent.job.paths import JobDir

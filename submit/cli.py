@@ -320,11 +320,12 @@ def _prepare_sweep(
     return prepared
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load, plan, write the job directory (one per sweep combination), then dry-run, run
-    locally or submit."""
+def _prepare_all(
+    args: argparse.Namespace,
+) -> tuple[list[_Prepared], list[Problem], str] | int:
+    """The jobs to write (one per sweep combination) with the cluster file's warnings and name;
+    or the exit code after saying why there are none."""
     from agent.recipe.loader import recipe_sweep
-    from agent.recipe.planner import secret_values
 
     try:
         cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
@@ -336,15 +337,25 @@ def run(args: argparse.Namespace) -> int:
                 "and --unset sweep), or submit the sweep to Slurm"
             )
         if combinations is None:
-            jobs = [_prepare(args, cluster, None)]
-        else:
-            swept = _prepare_sweep(args, cluster, combinations)
-            if swept is None:
-                return EXIT_BAD_INPUT
-            jobs = swept
+            return [_prepare(args, cluster, None)], cluster_warnings, cluster_source
+        swept = _prepare_sweep(args, cluster, combinations)
+        if swept is None:
+            return EXIT_BAD_INPUT
+        return swept, cluster_warnings, cluster_source
     except InputError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, plan, write the job directory (one per sweep combination), then dry-run, run
+    locally or submit."""
+    from agent.recipe.planner import secret_values
+
+    prepared = _prepare_all(args)
+    if isinstance(prepared, int):
+        return prepared
+    jobs, cluster_warnings, cluster_source = prepared
     backend = None if args.dry_run else backend_for(local=args.local)
     for i, one in enumerate(jobs):
         if one.combination is not None:

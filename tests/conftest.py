@@ -38,6 +38,7 @@ UNIT_MODULES = frozenset(
         "test_backends",
         "test_bad_input",
         "test_benchmark",
+        "test_canaries",
         "test_cluster",
         "test_commands",
         "test_enginechecks",
@@ -62,9 +63,11 @@ UNIT_MODULES = frozenset(
         "test_rules",
         "test_sbatch",
         "test_schema1",
+        "test_shape",
         "test_submit_cli",
         "test_supervisor_policy",
         "test_systemd",
+        "test_upstream",
     }
 )
 # What a test outside the fast lane asks for: these markers, or these fixtures (tests/infra/).

@@ -32,7 +32,8 @@ from agent.node.jobwrites import JobWrites
 from agent.node.rendezvous import write_record
 from tests import kit
 from tests.kit.fakelauncher import Engine, FakeLauncher
-from tests.test_head import record, status, stream
+from tests.test_canaries import stream
+from tests.test_head import record, status
 
 LOG = logging.getLogger("test_head_gate")
 DECODES = ("decode-0", "decode-1")

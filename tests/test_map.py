@@ -316,8 +316,8 @@ def _layer(module: str) -> int:
     return LAYERS[max((p for p in LAYERS if _within(module, p)), key=len)]
 
 
-def rule_problems(rule: ImportRule) -> list[str]:
-    """How a package's "May import" paragraph disagrees with the table and with the code."""
+def _named_problems(rule: ImportRule) -> list[str]:
+    """What the line names that does not exist, sits above the package, or is forbidden."""
     problems = []
     here = _layer(rule.package)
     for name in (*rule.allowed, *rule.exact):
@@ -328,6 +328,12 @@ def rule_problems(rule: ImportRule) -> list[str]:
         for scope, banned in FORBIDDEN.items():
             if _within(rule.package, scope) and any(_within(name, b) for b in banned):
                 problems.append(f"allows {name}, which tests/test_layers.py forbids it")
+    return problems
+
+
+def _import_problems(rule: ImportRule) -> list[str]:
+    """What the package's modules import that the line does not allow."""
+    problems = []
     inside = [m for m in GRAPH if _within(m, rule.package)]
     for module in inside:
         for target in GRAPH[module]:
@@ -340,15 +346,27 @@ def rule_problems(rule: ImportRule) -> list[str]:
                 problems.append(f"forbids {target}, which {module} imports")
             elif not covered:
                 problems.append(f"does not list {target}, which {module} imports")
-    if rule.importers is not None:
-        for module, targets in GRAPH.items():
-            if _within(module, rule.package) or not any(_within(t, rule.package) for t in targets):
-                continue
-            if not any(_within(module, i) for i in rule.importers):
-                problems.append(
-                    f"says it is imported by {', '.join(rule.importers)} only, "
-                    f"but {module} imports it"
-                )
+    return problems
+
+
+def _importer_problems(rule: ImportRule) -> list[str]:
+    """Who imports the package although the line says only its named importers do."""
+    if rule.importers is None:
+        return []
+    problems = []
+    for module, targets in GRAPH.items():
+        if _within(module, rule.package) or not any(_within(t, rule.package) for t in targets):
+            continue
+        if not any(_within(module, i) for i in rule.importers):
+            problems.append(
+                f"says it is imported by {', '.join(rule.importers)} only, but {module} imports it"
+            )
+    return problems
+
+
+def rule_problems(rule: ImportRule) -> list[str]:
+    """How a package's "May import" paragraph disagrees with the table and with the code."""
+    problems = [*_named_problems(rule), *_import_problems(rule), *_importer_problems(rule)]
     return [f"{rule.where}: {rule.package}'s 'May import' line {p}" for p in problems]
 
 

@@ -19,7 +19,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.http.reexport import PageError, UpstreamMetrics, relabel_page
+from agent.http.reexport import PageError, relabel_page
+from agent.http.upstream import UpstreamMetrics
 from tests.propkit import CHARACTERS, ODD_CHARS, examples
 
 REAL = (Path(__file__).parent / "data" / "metrics" / "vllm-0.32-cpu.txt").read_text()

@@ -1,5 +1,5 @@
-"""agent.http.reexport: vLLM's /metrics relabelled (real captured page, hostile pages, a real HTTP
-server)."""
+"""agent.http.reexport: vLLM's /metrics relabelled (real captured page, hostile pages, a real
+Prometheus); the fetch around it is tests/test_upstream.py's."""
 
 from __future__ import annotations
 
@@ -8,39 +8,29 @@ import math
 import random
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import prometheus_client
 import pytest
-import trio
-import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.http.reexport import (
     PageError,
     Relabeller,
-    UpstreamMetrics,
     registry_names,
     relabel_page,
 )
-from agent.web.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
+from agent.http.upstream import UpstreamMetrics
 from tests.conftest import require
-from tests.infra.ports import free_port
 from tests.infra.prometheus import (
     PrometheusServer,
     promtool_binary,
     promtool_check_metrics,
     write_targets,
 )
+from tests.kit.metrics import BAD_PAGES, OPENMETRICS_PAGE, PAGES, PREFILL_LABELS, VLLM_PAGE
 
-DATA = Path(__file__).parent / "data" / "metrics"
-REAL = DATA / "vllm-0.32-cpu.txt"  # captured by tests/infra/capture_vllm_metrics.py
-OPENMETRICS = DATA / "vllm-0.32-cpu-openmetrics.txt"
-BAD = sorted(DATA.glob("bad-*"))
-OURS = {"role": "prefill", "node": "gpu-node-01", "slurm_job_id": "4242"}
-VLLM_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"  # what vLLM 0.32 answers
 DROPPED = ("process_", "python_", "http_")
 
 Key = tuple[str, frozenset[tuple[str, str]]]
@@ -76,7 +66,7 @@ def promtool_errors(text: str) -> str:
 
 def test_captured_page_is_genuine() -> None:
     """The fixture is what vLLM 0.32 serves: ~600 lines, 39 vllm: families, promtool-clean."""
-    page = REAL.read_text()
+    page = VLLM_PAGE.read_text()
     families = {f.name: f.type for f in text_string_to_metric_families(page)}
     vllm = {n for n in families if n.startswith("vllm:") and not n.endswith("_created")}
     assert len(vllm) == 39
@@ -88,10 +78,10 @@ def test_captured_page_is_genuine() -> None:
 
 def test_every_vllm_sample_kept_with_our_labels() -> None:
     """Output samples are exactly upstream's vllm: samples plus role/node/slurm_job_id."""
-    page = REAL.read_text()
-    out = relabel_page(page, OURS)
+    page = VLLM_PAGE.read_text()
+    out = relabel_page(page, PREFILL_LABELS)
     expected = {
-        (name, labels | frozenset(OURS.items())): value
+        (name, labels | frozenset(PREFILL_LABELS.items())): value
         for (name, labels), value in samples(page).items()
         if name.startswith("vllm:")
     }
@@ -103,8 +93,8 @@ def test_every_vllm_sample_kept_with_our_labels() -> None:
 
 def test_families_keep_names_types_and_help() -> None:
     """Same vllm: family names (colons kept), types and HELP; TYPE lines match sample names."""
-    page = REAL.read_text()
-    out = relabel_page(page, OURS)
+    page = VLLM_PAGE.read_text()
+    out = relabel_page(page, PREFILL_LABELS)
     before = {f.name: (f.type, f.documentation) for f in text_string_to_metric_families(page)}
     after = {f.name: (f.type, f.documentation) for f in text_string_to_metric_families(out)}
     assert after == {n: v for n, v in before.items() if n.startswith("vllm:")}
@@ -123,12 +113,12 @@ def test_families_keep_names_types_and_help() -> None:
 
 def test_output_parses_in_promtool() -> None:
     """promtool finds no parse error in the relabelled real page."""
-    assert promtool_errors(relabel_page(REAL.read_text(), OURS)) == ""
+    assert promtool_errors(relabel_page(VLLM_PAGE.read_text(), PREFILL_LABELS)) == ""
 
 
 def test_upstream_process_python_http_families_dropped() -> None:
     """They describe vLLM's API process only and clash with the agent's own."""
-    out = relabel_page(REAL.read_text(), OURS)
+    out = relabel_page(VLLM_PAGE.read_text(), PREFILL_LABELS)
     names = {f.name for f in text_string_to_metric_families(out)}
     assert not [n for n in names if n.startswith(DROPPED)]
     for prefix in DROPPED:
@@ -139,7 +129,7 @@ def test_upstream_process_python_http_families_dropped() -> None:
 def test_our_label_values_are_escaped() -> None:
     """Backslash, quote and newline in our values survive promtool and the parser."""
     tricky = {"role": "prefill", "node": 'a\\b"c\nd', "slurm_job_id": ""}
-    out = relabel_page(REAL.read_text(), tricky)
+    out = relabel_page(VLLM_PAGE.read_text(), tricky)
     assert promtool_errors(out) == ""
     for _, labels in samples(out):
         assert dict(labels)["node"] == 'a\\b"c\nd'
@@ -159,19 +149,19 @@ def test_bad_label_names_refused() -> None:
 
 def test_odd_but_valid_page() -> None:
     """Escapes, spacing, timestamps, summaries, untyped samples: all kept and re-escaped."""
-    out = relabel_page((DATA / "odd-but-valid.txt").read_text(), OURS)
+    out = relabel_page((PAGES / "odd-but-valid.txt").read_text(), PREFILL_LABELS)
     assert promtool_errors(out) == ""
     got = samples(out)
-    values = {n: {k: v for k, v in labels if k not in OURS} for n, labels in got}
+    values = {n: {k: v for k, v in labels if k not in PREFILL_LABELS} for n, labels in got}
     odd = [dict(labels) for n, labels in got if n == "vllm:odd_labels"]
     assert {
         "path": "C:\\dir\\file",
         "quote": 'say "hi"',
         "multi": "line1\nline2",
         "utf8": "Grüße ✓",
-        **OURS,
+        **PREFILL_LABELS,
     } in odd
-    assert {"spaced": "yes", "trailing": "comma", **OURS} in odd
+    assert {"spaced": "yes", "trailing": "comma", **PREFILL_LABELS} in odd
     assert "vllm:counted_total" in values
     assert "vllm:untyped_thing" in values
     assert "vllm:counted_total{" in out
@@ -184,7 +174,7 @@ def test_odd_but_valid_page() -> None:
 
 def test_upstream_job_instance_and_our_labels_renamed() -> None:
     """Upstream job/instance/role/node/slurm_job_id move to upstream_*; ours win; no clash."""
-    out = relabel_page((DATA / "odd-but-valid.txt").read_text(), OURS)
+    out = relabel_page((PAGES / "odd-but-valid.txt").read_text(), PREFILL_LABELS)
     renamed = {
         "upstream_upstream_job": "vllm",  # upstream_job was taken by upstream itself
         "upstream_job": "x",
@@ -192,20 +182,20 @@ def test_upstream_job_instance_and_our_labels_renamed() -> None:
         "upstream_role": "decode",
         "upstream_node": "other",
         "upstream_slurm_job_id": "7",
-        **OURS,
+        **PREFILL_LABELS,
     }
     got = samples(out)
     assert ("vllm:odd_labels", frozenset(renamed.items())) in got
     for _, labels in got:
         names = {k for k, _ in labels}
         assert not names & {"job", "instance"}
-        assert {k: v for k, v in labels if k in OURS} == OURS
+        assert {k: v for k, v in labels if k in PREFILL_LABELS} == PREFILL_LABELS
 
 
 def test_samples_before_their_type_are_regrouped() -> None:
     """promtool refuses a TYPE after samples; the output puts HELP/TYPE first."""
     page = 'x_a 1\n# TYPE x_b gauge\nx_b 1\nx_a{k="v"} 2\n# HELP x_b B.\n'
-    out = relabel_page(page, OURS)
+    out = relabel_page(page, PREFILL_LABELS)
     assert promtool_errors(out) == ""
     assert out.index("# HELP x_b B.") < out.index("# TYPE x_b gauge") < out.index("x_b{")
     assert out.count("# TYPE x_a untyped") == 1
@@ -213,7 +203,7 @@ def test_samples_before_their_type_are_regrouped() -> None:
 
 def test_empty_page_is_empty() -> None:
     """An empty upstream page is valid and re-exports nothing."""
-    assert relabel_page("", OURS) == ""
+    assert relabel_page("", PREFILL_LABELS) == ""
 
 
 # --- the relabeller: the next page of the same shape --------------------------------------------
@@ -237,17 +227,17 @@ def new_values(page: str, seed: int) -> str:
     )
 
 
-@pytest.mark.parametrize("first", [REAL, DATA / "odd-but-valid.txt"], ids=lambda p: p.name)
+@pytest.mark.parametrize("first", [VLLM_PAGE, PAGES / "odd-but-valid.txt"], ids=lambda p: p.name)
 def test_relabeller_agrees_with_relabel_page_on_every_next_page(first: Path) -> None:
     """A page of the last one's shape is cut and joined, not parsed: it must come out exactly as
     relabel_page makes it, and any other page (a new series, a changed HELP, a value that is not
     a float, a changed timestamp, a hostile page) too, errors included."""
     page = first.read_text()
     reserved = ["vllm:num_requests_running"]
-    relabeller = Relabeller(OURS, reserved_names=reserved)
+    relabeller = Relabeller(PREFILL_LABELS, reserved_names=reserved)
 
     def reference(text: str) -> str:
-        return relabel_page(text, OURS, reserved_names=reserved)
+        return relabel_page(text, PREFILL_LABELS, reserved_names=reserved)
 
     lines = page.splitlines(keepends=True)
     sample = next(i for i, line in enumerate(lines) if line.startswith("vllm:"))
@@ -277,7 +267,7 @@ def test_relabeller_agrees_with_relabel_page_on_every_next_page(first: Path) -> 
         ),
         page[:-1],
         page.replace("\n", " \n", 1),
-        *(path.read_text() for path in BAD if path.suffix == ".txt"),
+        *(path.read_text() for path in BAD_PAGES if path.suffix == ".txt"),
         "",
     ]
     relabeller.relabel(page)
@@ -296,7 +286,7 @@ def test_relabeller_agrees_with_relabel_page_on_every_next_page(first: Path) -> 
 # --- hostile pages -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", BAD, ids=[p.name for p in BAD])
+@pytest.mark.parametrize("path", BAD_PAGES, ids=[p.name for p in BAD_PAGES])
 def test_hostile_page_refused(path: Path) -> None:
     """Every hostile page is refused whole: PageError (or undecodable as UTF-8)."""
     data = path.read_bytes()
@@ -306,12 +296,12 @@ def test_hostile_page_refused(path: Path) -> None:
         assert path.suffix == ".bin"  # render() refuses these before parsing
         return
     with pytest.raises(PageError, match=r"line \d+|newline"):
-        relabel_page(page, OURS)
+        relabel_page(page, PREFILL_LABELS)
 
 
 def test_hostile_fixtures_cover_the_brief() -> None:
     """The named hostile cases exist, so the parametrized test cannot silently shrink."""
-    names = {p.name for p in BAD}
+    names = {p.name for p in BAD_PAGES}
     for needed in (
         "malformed-line",
         "nul",
@@ -328,11 +318,12 @@ def test_hostile_fixtures_cover_the_brief() -> None:
 
 def test_one_corrupt_line_in_the_real_page_refuses_all() -> None:
     """A NUL or a junk line in the middle of a genuine page refuses the whole page."""
-    lines = REAL.read_text().splitlines(keepends=True)
+    lines = VLLM_PAGE.read_text().splitlines(keepends=True)
     for junk in ("\x00\n", "garbage here\n", 'vllm:x{a="b} 1\n', "vllm:x 1 2 3\n"):
         with pytest.raises(PageError, match=f"line {len(lines) // 2 + 1}"):
             relabel_page(
-                "".join([*lines[: len(lines) // 2], junk, *lines[len(lines) // 2 :]]), OURS
+                "".join([*lines[: len(lines) // 2], junk, *lines[len(lines) // 2 :]]),
+                PREFILL_LABELS,
             )
 
 
@@ -340,7 +331,7 @@ def test_openmetrics_page_refused() -> None:
     """vLLM's /metrics/ (OpenMetrics, bug #1177's vllm_ sample names) is not mistaken for
     classic."""
     with pytest.raises(PageError, match="OpenMetrics"):
-        relabel_page(OPENMETRICS.read_text(), OURS)
+        relabel_page(OPENMETRICS_PAGE.read_text(), PREFILL_LABELS)
 
 
 # --- next to the agent's own registry ------------------------------------------------------------
@@ -351,16 +342,16 @@ def agent_registry() -> prometheus_client.CollectorRegistry:
     registry = prometheus_client.CollectorRegistry()
     prometheus_client.ProcessCollector(registry=registry)
     prometheus_client.PlatformCollector(registry=registry)
-    labels = list(OURS)
+    labels = list(PREFILL_LABELS)
     prometheus_client.Counter("tilert_agent_restarts", "R.", labels, registry=registry).labels(
-        **OURS
+        **PREFILL_LABELS
     ).inc()
     prometheus_client.Gauge("tilert_agent_upstream_up", "U.", labels, registry=registry).labels(
-        **OURS
+        **PREFILL_LABELS
     ).set(1)
     prometheus_client.Histogram(
         "tilert_agent_probe_seconds", "P.", labels, registry=registry
-    ).labels(**OURS).observe(0.1)
+    ).labels(**PREFILL_LABELS).observe(0.1)
     return registry
 
 
@@ -370,10 +361,10 @@ def test_combined_with_the_agents_own_page() -> None:
     own = prometheus_client.generate_latest(registry).decode()
     # an upstream that also serves a family under one of our names: it must be dropped
     hostile = (
-        REAL.read_text()
+        VLLM_PAGE.read_text()
         + "# TYPE tilert_agent_restarts_total counter\ntilert_agent_restarts_total 9\n"
     )
-    out = relabel_page(hostile, OURS, reserved_names=registry_names(registry))
+    out = relabel_page(hostile, PREFILL_LABELS, reserved_names=registry_names(registry))
     combined = own + out
     assert promtool_errors(combined) == ""
     names = [f.name for f in text_string_to_metric_families(combined)]
@@ -390,7 +381,7 @@ def test_reserved_names_are_widened() -> None:
         "# TYPE mine_total counter\nmine_total 1\n# TYPE mine_created gauge\nmine_created 1\n"
         "# TYPE theirs gauge\ntheirs 1\n"
     )
-    out = relabel_page(page, OURS, reserved_names=["mine"])
+    out = relabel_page(page, PREFILL_LABELS, reserved_names=["mine"])
     assert "mine" not in out
     assert "theirs{" in out
 
@@ -431,11 +422,11 @@ def test_real_prometheus_scrapes_the_combined_page(
 ) -> None:
     """Prometheus takes the page whole: vllm: names, our labels, no exported_* labels."""
     registry = agent_registry()
-    odd = (DATA / "odd-but-valid.txt").read_text()
+    odd = (PAGES / "odd-but-valid.txt").read_text()
     odd = odd[odd.index("# HELP vllm:odd_labels") : odd.index("# TYPE vllm:counted_total")]
     page = prometheus_client.generate_latest(registry).decode() + relabel_page(
-        REAL.read_text() + odd,
-        OURS,
+        VLLM_PAGE.read_text() + odd,
+        PREFILL_LABELS,
         reserved_names=registry_names(registry),
     )
     target = static_exporter(page.encode())
@@ -449,7 +440,7 @@ def test_real_prometheus_scrapes_the_combined_page(
     ttft = prom.query(
         "count by (role, node, slurm_job_id, job) (vllm:time_to_first_token_seconds_bucket)"
     )
-    assert [r["metric"] for r in ttft] == [{**OURS, "job": "tilert"}]
+    assert [r["metric"] for r in ttft] == [{**PREFILL_LABELS, "job": "tilert"}]
     assert prom.query('{__name__=~"vllm:.+", exported_job!=""}') == []
     assert prom.query('{__name__=~"vllm:.+", exported_instance!=""}') == []
     renamed = prom.query('vllm:odd_labels{upstream_instance="10.0.0.1:8000"}')
@@ -460,333 +451,3 @@ def test_real_prometheus_scrapes_the_combined_page(
     scraped = prom.query(f'scrape_samples_scraped{{instance="{target}"}}')
     expected = len(samples(page))
     assert int(float(scraped[0]["value"][1])) == expected
-
-
-# --- render() against a real local HTTP server ---------------------------------------------------
-
-
-class Upstream:
-    """A real HTTP server on 127.0.0.1 with a route per upstream behaviour."""
-
-    def __init__(self) -> None:
-        self.app = App()
-        self.port = 0
-        self.hits = 0
-        self.page = REAL.read_bytes()
-        self.sent = 0  # bytes the huge route produced
-        app = self.app
-
-        @app.route("GET", "/metrics")
-        async def metrics(request: Request) -> Response:
-            self.hits += 1
-            self.accept = request.headers.get("accept")
-            return Response(self.page, 200, VLLM_CONTENT_TYPE)
-
-        @app.route("GET", "/slow")
-        async def slow(_request: Request) -> Response:
-            self.hits += 1
-            await trio.sleep(0.2)
-            return Response(self.page, 200, VLLM_CONTENT_TYPE)
-
-        @app.route("GET", "/openmetrics")
-        async def openmetrics(_request: Request) -> Response:
-            ctype = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-            return Response(OPENMETRICS.read_bytes(), 200, ctype)
-
-        @app.route("GET", "/broken")
-        async def broken(_request: Request) -> Response:
-            return Response(b"engine dead\n", 503)
-
-        @app.route("GET", "/trickle")
-        async def trickle(_request: Request) -> StreamingResponse:
-            async def chunks() -> AsyncIterator[bytes]:
-                step = len(self.page) // 10 + 1
-                for i in range(0, len(self.page), step):
-                    yield self.page[i : i + step]
-                    await trio.sleep(0.03)
-
-            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
-
-        @app.route("GET", "/huge")
-        async def huge(_request: Request) -> StreamingResponse:
-            line = b'vllm:big{engine="0",pad="' + b"x" * 200 + b'"} 1\n'
-
-            async def chunks() -> AsyncIterator[bytes]:
-                chunk = line * 256  # ~55 KB
-                while self.sent < 50 * 1024 * 1024:
-                    self.sent += len(chunk)
-                    yield chunk
-
-            return StreamingResponse(chunks(), 200, VLLM_CONTENT_TYPE)
-
-        @app.route("GET", "/huge-declared")
-        async def huge_declared(_request: Request) -> Response:
-            body = b"# x\n" * (512 * 1024)
-            headers = {"content-length": str(len(body))}  # Response leaves it to hypercorn
-            return Response(body, 200, VLLM_CONTENT_TYPE, headers)
-
-        @app.route("GET", "/gzip")
-        async def gzipped(_request: Request) -> Response:
-            import gzip
-
-            headers = {"content-encoding": "gzip"}
-            return Response(gzip.compress(self.page), 200, VLLM_CONTENT_TYPE, headers)
-
-        for path in BAD:
-
-            async def bad(_request: Request, data: bytes = path.read_bytes()) -> Response:
-                return Response(data, 200, VLLM_CONTENT_TYPE)
-
-            app.route("GET", f"/{path.name}")(bad)
-
-    def url(self, path: str) -> str:
-        """A URL on this server."""
-        return f"http://127.0.0.1:{self.port}{path}"
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[Upstream]:
-    """The Upstream server, running for one test."""
-    server = Upstream()
-    sock = bound_socket("127.0.0.1", 0)
-    server.port = sock.getsockname()[1]
-    async with trio.open_nursery() as nursery:
-        await nursery.start(serve, server.app, sock)
-        # hypercorn wraps the same fd in its own socket object and closes it at shutdown; detach
-        # ours so its garbage collection cannot close a later test's socket that reused the number
-        sock.detach()
-        yield server
-        nursery.cancel_scope.cancel()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    """An httpx client like the agent's."""
-    async with httpx.AsyncClient() as c:
-        yield c
-
-
-# An upstream that hangs or never finishes, in memory: the tests of the fetch deadline run on
-# trio's MockClock (pytest-trio's ``autojump_clock``), so they wait out no real time.
-STALLED = "http://stalled-upstream.invalid"
-
-
-async def stalled_upstream(request: httpx.Request) -> httpx.Response:
-    """No headers, a stalled body, or a body that never ends; /metrics is the real page."""
-    headers = {"content-type": VLLM_CONTENT_TYPE}
-    if request.url.path == "/hang-headers":
-        await trio.sleep_forever()
-    if request.url.path == "/hang-body":
-
-        async def stalled() -> AsyncIterator[bytes]:
-            yield REAL.read_bytes()[:1000]
-            await trio.sleep_forever()
-
-        return httpx.Response(200, headers=headers, content=stalled())
-    if request.url.path == "/trickle-forever":
-
-        async def trickle() -> AsyncIterator[bytes]:
-            while True:  # each read is quick, so only an overall deadline stops this
-                yield b"# still here\n"
-                await trio.sleep(0.05)
-
-        return httpx.Response(200, headers=headers, content=trickle())
-    if request.url.path == "/metrics":
-
-        async def whole() -> AsyncIterator[bytes]:  # streamed, as a server's body is
-            yield REAL.read_bytes()
-
-        return httpx.Response(200, headers=headers, content=whole())
-    return httpx.Response(404)
-
-
-@pytest.fixture
-async def stalled_client() -> AsyncIterator[httpx.AsyncClient]:
-    """An httpx client whose upstream (at ``STALLED``) is ``stalled_upstream``, in memory."""
-    async with httpx.AsyncClient(transport=httpx.MockTransport(stalled_upstream)) as c:
-        yield c
-
-
-async def render_timed(metrics: UpstreamMetrics, client: httpx.AsyncClient) -> tuple[str, float]:
-    """render() and how long it took (it must never raise)."""
-    start = trio.current_time()
-    with trio.fail_after(30):
-        text = await metrics.render(client)
-    return text, trio.current_time() - start
-
-
-async def test_render_real_page(upstream: Upstream, client: httpx.AsyncClient) -> None:
-    """The live page is fetched as classic text and relabelled; status fields filled in."""
-    metrics = UpstreamMetrics(upstream.url("/metrics"), OURS)
-    text = await metrics.render(client)
-    assert text == relabel_page(REAL.read_text(), OURS)
-    assert upstream.accept == "text/plain; version=0.0.4"
-    assert metrics.up
-    assert metrics.last_error is None
-    assert metrics.last_bytes == len(upstream.page)
-    assert metrics.last_duration_s is not None
-    assert metrics.last_duration_s >= 0
-
-
-@pytest.mark.parametrize("path", BAD, ids=[p.name for p in BAD])
-async def test_render_hostile_page(
-    upstream: Upstream, client: httpx.AsyncClient, path: Path
-) -> None:
-    """A hostile page gives "" and up=False with a reason; nothing raises."""
-    metrics = UpstreamMetrics(upstream.url(f"/{path.name}"), OURS)
-    text, _ = await render_timed(metrics, client)
-    assert text == ""
-    assert not metrics.up
-    assert metrics.last_error
-    assert upstream.url(f"/{path.name}") in metrics.last_error
-
-
-async def test_render_openmetrics_and_http_errors(
-    upstream: Upstream, client: httpx.AsyncClient
-) -> None:
-    """OpenMetrics, a 503, a gzip body we did not ask for: each refused with its reason."""
-    for path, reason in (
-        ("/openmetrics", "content-type"),
-        ("/broken", "HTTP 503"),
-        ("/gzip", "content-encoding"),
-        ("/nowhere", "HTTP 404"),
-    ):
-        metrics = UpstreamMetrics(upstream.url(path), OURS)
-        assert await metrics.render(client) == ""
-        assert not metrics.up
-        assert metrics.last_error
-        assert reason in metrics.last_error
-
-
-@pytest.mark.parametrize("path", ["/hang-headers", "/hang-body", "/trickle-forever"])
-async def test_hanging_or_trickling_upstream_bounded_by_timeout(
-    autojump_clock: trio.testing.MockClock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
-    stalled_client: httpx.AsyncClient,
-    path: str,
-) -> None:
-    """No headers, a stalled body, or a body that never ends: all cut at timeout_s overall."""
-    metrics = UpstreamMetrics(STALLED + path, OURS, timeout_s=0.5)
-    text, took = await render_timed(metrics, stalled_client)
-    assert text == ""
-    assert not metrics.up
-    assert metrics.last_error
-    assert "within 0.5 s" in metrics.last_error
-    assert 0.4 < took < 3.0  # a liveness bound, not a performance target
-
-
-async def test_scrape_budget_shortens_the_timeout(
-    autojump_clock: trio.testing.MockClock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
-    stalled_client: httpx.AsyncClient,
-) -> None:
-    """The scraper's deadline (budget_s) wins over a longer configured timeout."""
-    metrics = UpstreamMetrics(STALLED + "/hang-headers", OURS, timeout_s=30)
-    with trio.fail_after(10):
-        assert await metrics.render(stalled_client, budget_s=0.3) == ""
-    assert metrics.last_error
-    assert "within 0.3 s" in metrics.last_error
-
-
-async def test_slow_but_finishing_upstream_is_fine(
-    upstream: Upstream, client: httpx.AsyncClient
-) -> None:
-    """A page that trickles in chunks but completes within timeout_s is accepted."""
-    metrics = UpstreamMetrics(upstream.url("/trickle"), OURS, timeout_s=10)
-    assert await metrics.render(client) == relabel_page(REAL.read_text(), OURS)
-    assert metrics.up
-
-
-async def test_huge_page_capped_while_streaming(
-    upstream: Upstream, client: httpx.AsyncClient
-) -> None:
-    """A 50 MB stream stops at max_bytes; the rest is never read."""
-    limit = 1024 * 1024
-    metrics = UpstreamMetrics(upstream.url("/huge"), OURS, max_bytes=limit, timeout_s=20)
-    text, _ = await render_timed(metrics, client)
-    assert text == ""
-    assert not metrics.up
-    assert metrics.last_error
-    assert "limit" in metrics.last_error
-    assert limit < metrics.last_bytes < limit + 256 * 1024
-    assert upstream.sent < 20 * 1024 * 1024
-
-
-async def test_declared_huge_page_refused_before_reading(
-    upstream: Upstream, client: httpx.AsyncClient
-) -> None:
-    """A Content-Length over max_bytes is refused without reading the body."""
-    metrics = UpstreamMetrics(upstream.url("/huge-declared"), OURS, max_bytes=1024 * 1024)
-    assert await metrics.render(client) == ""
-    assert metrics.last_error
-    assert "2097152 bytes" in metrics.last_error
-    assert metrics.last_bytes == 0
-
-
-async def test_connection_refused(client: httpx.AsyncClient) -> None:
-    """Nothing listening: up=False, "cannot connect", quickly."""
-    metrics = UpstreamMetrics(f"http://127.0.0.1:{free_port()}/metrics", OURS)
-    text, took = await render_timed(metrics, client)
-    assert text == ""
-    assert not metrics.up
-    assert metrics.last_error
-    assert "cannot connect" in metrics.last_error
-    assert took < 3.0
-
-
-async def test_cache_reused_within_cache_s(upstream: Upstream, client: httpx.AsyncClient) -> None:
-    """Scrapes within cache_s (also concurrent ones) share one fetch; cache_s=0 always fetches."""
-    metrics = UpstreamMetrics(upstream.url("/metrics"), OURS, cache_s=30)
-    first = await metrics.render(client)
-    async with trio.open_nursery() as nursery:
-        for _ in range(3):
-            nursery.start_soon(metrics.render, client)
-    assert await metrics.render(client) == first
-    assert upstream.hits == 1
-    fresh = UpstreamMetrics(upstream.url("/metrics"), OURS, cache_s=0)
-    await fresh.render(client)
-    await fresh.render(client)
-    assert upstream.hits == 3
-
-
-async def test_cache_age_counts_from_the_start_of_a_refresh(
-    upstream: Upstream, client: httpx.AsyncClient
-) -> None:
-    """Scrapes just over cache_s apart each fetch: counted from a refresh's end (0.2 s later),
-    every second scrape would be served the previous page instead."""
-    metrics = UpstreamMetrics(upstream.url("/slow"), OURS, cache_s=1.0)
-    start = trio.current_time()
-    await metrics.render(client)
-    await trio.sleep_until(start + 1.1)
-    await metrics.render(client)
-    assert upstream.hits == 2
-    await metrics.render(client)  # well within 1 s of the second refresh's start
-    assert upstream.hits == 2
-
-
-async def test_cache_expires_and_upstream_recovers(
-    upstream: Upstream, client: httpx.AsyncClient
-) -> None:
-    """A broken page then a good one: up goes False then True again after cache_s."""
-    upstream.page = b"not a metrics page\n"
-    metrics = UpstreamMetrics(upstream.url("/metrics"), OURS, cache_s=0.2)
-    assert await metrics.render(client) == ""
-    assert not metrics.up
-    upstream.page = REAL.read_bytes()
-    assert await metrics.render(client) == ""  # still the cached failure
-    await trio.sleep(0.3)
-    assert await metrics.render(client) != ""
-    assert metrics.up
-    assert metrics.last_error is None
-    assert upstream.hits == 2
-
-
-async def test_cancellation_propagates(
-    autojump_clock: trio.testing.MockClock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
-    stalled_client: httpx.AsyncClient,
-) -> None:
-    """render() swallows upstream failures but not the caller's own cancellation."""
-    metrics = UpstreamMetrics(STALLED + "/hang-headers", OURS, timeout_s=30)
-    with trio.move_on_after(0.3) as scope:
-        await metrics.render(stalled_client)
-    assert scope.cancelled_caught
-    metrics.url = STALLED + "/metrics"
-    assert await metrics.render(stalled_client) != ""  # the lock was released

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import msgspec
@@ -18,12 +20,23 @@ from agent.problems import InputError
 from agent.recipe.cluster import ClusterConfig, load_cluster
 from agent.recipe.loader import load_recipe
 from agent.recipe.planner import make_plan
-from submit.slurm.render import default_agent_command, job_name, render_sbatch
+from submit.slurm.render import (
+    HEADER_MARK,
+    JOB_NAME_MARK,
+    STEPS_MARK,
+    TEMPLATE,
+    VARIABLES_MARK,
+    default_agent_command,
+    job_name,
+    render_sbatch,
+    sbatch_template,
+)
 from tests.golden import GOLDEN_DIR, RECIPES, match
 from tests.infra.slurm import LocalSlurm
 from tests.kit import wait_for
 
 SHELLCHECK = shutil.which("shellcheck")
+REPO = Path(__file__).resolve().parents[1]
 GOLDEN_JOB = JobDir(Path("/shared/jobs/glm5-run"))
 GOLDEN_AGENT = ["/opt/tilert/bin/tilert-agent"]
 CASES = {
@@ -82,6 +95,31 @@ def test_rendered_scripts_pass_bash_n_and_shellcheck(name: str, tmp_path: Path) 
     script = tmp_path / "sbatch.sh"
     script.write_text(render_sbatch(plan_for(name), JobDir(tmp_path / "J"), GOLDEN_AGENT))
     check_shell(script)
+
+
+def test_the_template_passes_bash_n_and_shellcheck(tmp_path: Path) -> None:
+    # The static part is read by shellcheck as it is, markers and all (they are bash comments).
+    template = tmp_path / TEMPLATE
+    template.write_text(sbatch_template())
+    for mark in (HEADER_MARK, VARIABLES_MARK, STEPS_MARK):
+        assert sbatch_template().split("\n").count(mark) == 1, mark
+    check_shell(template)
+
+
+def test_the_template_ships_as_package_data() -> None:
+    # pip installs only the files pyproject names: without this entry an installed
+    # tilert-submit could not render a script (the editable install here would not notice).
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = setuptools["package-data"]["submit.slurm"]
+    assert any(fnmatch.fnmatch(TEMPLATE, glob) for glob in globs), globs
+    assert (REPO / "submit" / "slurm" / TEMPLATE).is_file()
+
+
+def test_a_job_dir_holding_a_marker_stays_as_it_is(tmp_path: Path) -> None:
+    job = JobDir(tmp_path / JOB_NAME_MARK)
+    text = render_sbatch(plan_for("local-demo"), job, GOLDEN_AGENT)
+    assert f"JOB_DIR={tmp_path}/{JOB_NAME_MARK}" in text
+    assert JOB_NAME_MARK not in text.replace(str(job.root), "")
 
 
 def test_header() -> None:

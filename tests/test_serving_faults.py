@@ -136,6 +136,66 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kit.LocalJob]:
 # ---- files in J/rendezvous ------------------------------------------------------------------
 
 
+# Files in J/rendezvous that are no agent's record (place_strays writes one of each kind).
+STRAYS = ("notes.json", "decode-7.json", "prefill-1.json", "decode-99.json")
+
+
+def place_strays(strays: list[Path]) -> None:
+    """Strays of every kind (``STRAYS``' paths): garbage, a copy of decode-0's record under a
+    name no agent has, a symlink and a FIFO."""
+    strays[0].write_bytes(b"\x00garbage")
+    strays[1].write_bytes(strays[1].with_name("decode-0.json").read_bytes())
+    strays[2].symlink_to("/etc/passwd")
+    os.mkfifo(strays[3])
+
+
+def half_written_for_a_moment(job: Path, record: Path, original: bytes) -> None:
+    """``record`` half-written (as NFS shows one) for less than the retry, then whole: the job
+    stays ready and the record's agent shows no problem."""
+    record.write_bytes(original[: len(original) // 2])
+    time.sleep(RECORD_RETRY_S / 2)  # the scenario is a window shorter than the retry
+    record.write_bytes(original)
+    time.sleep(RECORD_RETRY_S)  # and nothing may follow from it: nothing to wait for
+    status = kit.current_status(job)
+    assert status["state"] == "ready", status
+    assert "decode-1.json" not in kit.agent_entry(status, "decode-1")["reason"], status
+
+
+def replaced_records_keep_serving(job: Path, d1: Path, copy: Path, seen: list[str]) -> None:
+    """decode-1's record replaced by a symlink to a good ``copy``, then by decode-0's record:
+    decode-1 is named with the problem, keeps its last good record, and the job serves."""
+
+    def still_ready() -> None:
+        status = kit.read_status(job)
+        assert status is None or status["state"] == "ready", status
+
+    for kind, said in (
+        ("symlink", "a symbolic link, not followed"),
+        ("decode-0's record", "'decode-0'"),
+    ):
+        d1.unlink()
+        if kind == "symlink":
+            d1.symlink_to(copy)
+        else:
+            d1.write_bytes(d1.with_name("decode-0.json").read_bytes())
+
+        def names(s: dict[str, Any], said: str = said) -> bool:
+            return said in kit.agent_entry(s, "decode-1")["reason"]
+
+        status = kit.wait_status(
+            job,
+            names,
+            f"decode-1's reason naming {said!r}",
+            RECORD_RETRY_S + 5,
+            seen=seen,
+            each=still_ready,
+        )
+        row = kit.agent_entry(status, "decode-1")
+        assert row["state"] == "healthy"
+        assert "its last good record is used" in row["reason"]
+        assert kit.chat(status["router_url"], kit.MODEL) == kit.ANSWER
+
+
 def test_bad_files_beside_and_over_records_leave_the_job_serving(
     serving: kit.LocalJob, tmp_path: Path
 ) -> None:
@@ -147,62 +207,18 @@ def test_bad_files_beside_and_over_records_leave_the_job_serving(
     d1 = folder / "decode-1.json"
     original = d1.read_bytes()
     seen: list[str] = []
-
-    def still_ready() -> None:
-        status = kit.read_status(job)
-        assert status is None or status["state"] == "ready", status
-
-    strays = [
-        folder / n for n in ("notes.json", "decode-7.json", "prefill-1.json", "decode-99.json")
-    ]
+    strays = [folder / name for name in STRAYS]
 
     def restore() -> None:
         d1.unlink(missing_ok=True)
         d1.write_bytes(original)
 
     try:
-        # Strays, every kind of them.
-        strays[0].write_bytes(b"\x00garbage")
-        strays[1].write_bytes((folder / "decode-0.json").read_bytes())
-        strays[2].symlink_to("/etc/passwd")
-        os.mkfifo(strays[3])
-        # decode-1's record half-written (as NFS shows one) for less than the retry, then whole.
-        d1.write_bytes(original[: len(original) // 2])
-        time.sleep(RECORD_RETRY_S / 2)  # the scenario is a window shorter than the retry
-        d1.write_bytes(original)
-        time.sleep(RECORD_RETRY_S)  # and nothing may follow from it: nothing to wait for
-        status = kit.current_status(job)
-        assert status["state"] == "ready", status
-        assert "decode-1.json" not in kit.agent_entry(status, "decode-1")["reason"], status
-
-        # Over decode-1's record: a symlink to a good copy, then decode-0's record.
+        place_strays(strays)
+        half_written_for_a_moment(job, d1, original)
         copy = tmp_path / "decode-1.json"
         copy.write_bytes(original)
-        for kind, said in (
-            ("symlink", "a symbolic link, not followed"),
-            ("decode-0's record", "'decode-0'"),
-        ):
-            d1.unlink()
-            if kind == "symlink":
-                d1.symlink_to(copy)
-            else:
-                d1.write_bytes(folder.joinpath("decode-0.json").read_bytes())
-
-            def names(s: dict[str, Any], said: str = said) -> bool:
-                return said in kit.agent_entry(s, "decode-1")["reason"]
-
-            status = kit.wait_status(
-                job,
-                names,
-                f"decode-1's reason naming {said!r}",
-                RECORD_RETRY_S + 5,
-                seen=seen,
-                each=still_ready,
-            )
-            row = kit.agent_entry(status, "decode-1")
-            assert row["state"] == "healthy"
-            assert "its last good record is used" in row["reason"]
-            assert kit.chat(status["router_url"], kit.MODEL) == kit.ANSWER
+        replaced_records_keep_serving(job, d1, copy, seen)
         restore()
         kit.wait_status(
             job,

@@ -4,6 +4,7 @@ sbatch."""
 from __future__ import annotations
 
 import json
+import secrets
 import stat
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from agent.recipe.loader import load_recipe
 from agent.recipe.planner import make_plan
 from submit.backend import Submitted
 from submit.cli import main, submitted_text
+from tests import kit
 from tests.golden import GOLDEN_DIR, RECIPES
 
 RECIPE_CASES = {
@@ -428,3 +430,24 @@ def test_prefill_command_and_decode_python_reach_the_plan(
     out = capsys.readouterr().out
     assert "/opt/site/bin/launch-vllm --profile big (agent.prefill_command)" in out
     assert f"/opt/site/bin/launch-vllm --profile big {RECIPES / 'local-demo-model'}" in out
+
+
+def test_dry_run_masks_the_secret(tmp_path: Path) -> None:
+    """The dry run's output and job directory hold no secret value."""
+    secret = f"s3cr3t-value-{secrets.token_hex(4)}"
+    job_dir = tmp_path / "J"
+    done = kit.submit_cmd(
+        str(kit.DEMO_RECIPE),
+        "--dry-run",
+        "--job-dir",
+        str(job_dir),
+        "--set",
+        f"roles.prefill.env.HF_TOKEN={secret}",
+        env=kit.clean_env(),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert secret not in done.stdout + done.stderr
+    assert "HF_TOKEN" in (job_dir / "recipe.yaml").read_text()
+    for path in job_dir.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -20,7 +21,15 @@ import trio
 
 from agent.http.metrics import CONTENT_TYPE
 from agent.job.logfiles import rotated_files
-from agent.job.logtail import LIVE, LogLine, history, json_lines, open_log, text_lines
+from agent.job.logtail import (
+    LIVE,
+    LogFollower,
+    LogLine,
+    history,
+    json_lines,
+    open_log,
+    text_lines,
+)
 from agent.job.records import AgentStatus
 from agent.problems import printable
 from agent.web.asgi import (
@@ -176,6 +185,87 @@ def _flag(request: Request, key: str) -> bool:
     return request.query.get(key) in ("1", "true", "yes")
 
 
+def _scrape_budget(request: Request) -> float | None:
+    """The share of Prometheus' scrape timeout the upstream fetch may spend, if it said one."""
+    # Prometheus says how long it will wait; the upstream fetch must leave room for our page,
+    # or a hanging vLLM would cost the agent's own series that scrape.
+    header = request.headers.get("x-prometheus-scrape-timeout-seconds")
+    if not header:
+        return None
+    try:
+        return max(0.05, float(header) * SCRAPE_BUDGET_SHARE)
+    except ValueError:
+        return None
+
+
+def _authorize(request: Request, token: str) -> None:
+    """Refuse (401) a request without the job's bearer token."""
+    given = request.headers.get("authorization", "")
+    expected = f"Bearer {token}"
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise HTTPError(
+            401, "missing or wrong bearer token; send 'Authorization: Bearer <J/token>'"
+        )
+
+
+@dataclass(frozen=True)
+class LogQuery:
+    """What a ``/logs`` request asks for, checked."""
+
+    path: Path
+    tail: int | None
+    since: float | None
+    timestamps: bool
+    follow: bool
+    as_json: bool
+
+    @classmethod
+    def parse(cls, request: Request, files: dict[str, Path]) -> LogQuery:
+        """The query of ``request`` over the logs ``files`` (400/404 for what is not served)."""
+        name = request.query.get("name", "engine")
+        # Only names from this fixed map are served, so no request can reach outside J/logs.
+        if name not in files:
+            raise HTTPError(404, f"no log {name!r} here; known: {', '.join(sorted(files))}")
+        tail = _tail(request)
+        since = _since(request)
+        timestamps = _flag(request, "timestamps")
+        follow = _flag(request, "follow")
+        form = request.query.get("format", "text")
+        if form not in ("text", "json"):
+            raise HTTPError(400, f"query parameter format={form!r}: use text or json")
+        return cls(files[name], tail, since, timestamps, follow, form == "json")
+
+    def wire_lines(self, lines: list[LogLine]) -> bytes:
+        """``lines`` as sent: JSON lines or text."""
+        return json_lines(lines) if self.as_json else text_lines(lines, self.timestamps)
+
+
+async def _log_chunks(
+    reader: LogFollower, query: LogQuery, streams: LogStreams
+) -> AsyncIterator[bytes]:
+    """The ``/logs`` body: the history, then (``follow``) live batches until the agent stops."""
+    # Streamed batch by batch, each read in a worker thread: J/logs is often NFS, where
+    # reading can stall for seconds, and the agent's probes and /status share this loop.
+    try:
+        past = history(reader, rotated=query.tail is None)
+        while (batch := await trio.to_thread.run_sync(next, past, None)) is not None:
+            yield query.wire_lines(batch)
+        if not query.follow:
+            if last := await trio.to_thread.run_sync(reader.finish):
+                yield query.wire_lines(last)
+            return
+        if query.as_json:
+            yield LIVE
+        streams.opened()
+        try:
+            async for batch in reader.batches(stop=streams.closing):
+                yield query.wire_lines(batch)
+        finally:
+            streams.ended()
+    finally:
+        reader.close()
+
+
 def build_app(
     *,
     feed: StatusFeed,
@@ -203,68 +293,19 @@ def build_app(
 
     @app.route("GET", "/metrics")
     async def metrics(request: Request) -> Response | StreamingResponse:
-        # Prometheus says how long it will wait; the upstream fetch must leave room for our page,
-        # or a hanging vLLM would cost the agent's own series that scrape.
-        budget = None
-        header = request.headers.get("x-prometheus-scrape-timeout-seconds")
-        if header:
-            try:
-                budget = max(0.05, float(header) * SCRAPE_BUDGET_SHARE)
-            except ValueError:
-                budget = None
-        return text_response(await metrics_page(budget), content_type=CONTENT_TYPE)
+        page = await metrics_page(_scrape_budget(request))
+        return text_response(page, content_type=CONTENT_TYPE)
 
     @app.route("GET", "/logs")
     async def logs(request: Request) -> Response | StreamingResponse:
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {token()}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise HTTPError(
-                401, "missing or wrong bearer token; send 'Authorization: Bearer <J/token>'"
-            )
-        files = log_files()
-        name = request.query.get("name", "engine")
-        # Only names from this fixed map are served, so no request can reach outside J/logs.
-        if name not in files:
-            raise HTTPError(404, f"no log {name!r} here; known: {', '.join(sorted(files))}")
-        tail = _tail(request)
-        since = _since(request)
-        timestamps = _flag(request, "timestamps")
-        follow = _flag(request, "follow")
-        form = request.query.get("format", "text")
-        if form not in ("text", "json"):
-            raise HTTPError(400, f"query parameter format={form!r}: use text or json")
-        as_json = form == "json"
-        path = files[name]
-        if not follow and not await trio.to_thread.run_sync(_exists, path):
+        _authorize(request, token())
+        query = LogQuery.parse(request, log_files())
+        path = query.path
+        if not query.follow and not await trio.to_thread.run_sync(_exists, path):
             raise HTTPError(404, f"{path} does not exist yet")
-        reader = open_log(path, tail_lines=tail, since=since, timestamps=timestamps)
-
-        def wire_lines(lines: list[LogLine]) -> bytes:
-            return json_lines(lines) if as_json else text_lines(lines, timestamps)
-
-        async def chunks() -> AsyncIterator[bytes]:
-            # Streamed batch by batch, each read in a worker thread: J/logs is often NFS, where
-            # reading can stall for seconds, and the agent's probes and /status share this loop.
-            try:
-                past = history(reader, rotated=tail is None)
-                while (batch := await trio.to_thread.run_sync(next, past, None)) is not None:
-                    yield wire_lines(batch)
-                if not follow:
-                    if last := await trio.to_thread.run_sync(reader.finish):
-                        yield wire_lines(last)
-                    return
-                if as_json:
-                    yield LIVE
-                streams.opened()
-                try:
-                    async for batch in reader.batches(stop=streams.closing):
-                        yield wire_lines(batch)
-                finally:
-                    streams.ended()
-            finally:
-                reader.close()
-
-        return StreamingResponse(chunks())
+        reader = open_log(
+            path, tail_lines=query.tail, since=query.since, timestamps=query.timestamps
+        )
+        return StreamingResponse(_log_chunks(reader, query, streams))
 
     return app

@@ -19,6 +19,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from agent.http.reexport import registry_names
+from agent.job.records import EngineStatus
 from agent.job.vocab import JOB_STATES, EngineState, JobState, Role
 from agent.node.supervisor import EngineSupervisor
 
@@ -82,6 +83,142 @@ class _Trees:
         return found[2]
 
 
+def _tree_figures(tree: Iterable[psutil.Process]) -> tuple[float, float, float, float, float]:
+    """CPU seconds, RSS, threads, open files and processes of a process tree (gone ones skipped)."""
+    c = r = t = f = n = 0.0
+    for proc in tree:
+        try:
+            with proc.oneshot():
+                times = proc.cpu_times()
+                c += times.user + times.system
+                r += proc.memory_info().rss
+                t += proc.num_threads()
+                f += proc.num_fds()
+                n += 1
+        except psutil.Error:
+            continue
+    return c, r, t, f, n
+
+
+class _EngineFamilies:
+    """The per-engine series of one scrape, one sample per supervised component."""
+
+    def __init__(self) -> None:
+        names = [*BASE_LABELS, "component"]
+        self.state = GaugeMetricFamily(
+            "tilert_agent_engine_state",
+            "1 for the engine's current state",
+            labels=[*names, "state"],
+        )
+        self.up = GaugeMetricFamily(
+            "tilert_agent_engine_up", "1 when the engine is healthy", labels=names
+        )
+        self.restarts = CounterMetricFamily(
+            "tilert_agent_engine_restarts", "Engine restarts by the agent", labels=names
+        )
+        self.healthy_after = GaugeMetricFamily(
+            "tilert_agent_time_to_healthy_seconds",
+            "Launch to first healthy answer, last generation",
+            labels=names,
+        )
+        self.cpu = CounterMetricFamily(
+            "tilert_agent_engine_cpu_seconds", "CPU time of the engine's process tree", labels=names
+        )
+        self.rss = GaugeMetricFamily(
+            "tilert_agent_engine_resident_memory_bytes",
+            "RSS of the engine's process tree",
+            labels=names,
+        )
+        self.threads = GaugeMetricFamily(
+            "tilert_agent_engine_threads", "Threads in the engine's process tree", labels=names
+        )
+        self.files = GaugeMetricFamily(
+            "tilert_agent_engine_open_files",
+            "Open files in the engine's process tree",
+            labels=names,
+        )
+        self.procs = GaugeMetricFamily(
+            "tilert_agent_engine_processes", "Processes in the engine's process tree", labels=names
+        )
+        self.log_lines = CounterMetricFamily(
+            "tilert_agent_log_lines", "Engine log lines by outcome", labels=[*names, "outcome"]
+        )
+        self.log_bytes = CounterMetricFamily(
+            "tilert_agent_log_bytes", "Engine log bytes by outcome", labels=[*names, "outcome"]
+        )
+
+    def add(
+        self,
+        labels: list[str],
+        sup: EngineSupervisor,
+        status: EngineStatus,
+        tree: list[psutil.Process],
+    ) -> None:
+        """The samples of one engine: its state, restarts, process tree and log sink."""
+        for s in ENGINE_STATES:
+            self.state.add_metric([*labels, s], 1.0 if status.state == s else 0.0)
+        self.up.add_metric(labels, 1.0 if status.state == "healthy" else 0.0)
+        self.restarts.add_metric(labels, float(sup.restarts))
+        if sup.stats.time_to_healthy_s is not None:
+            self.healthy_after.add_metric(labels, sup.stats.time_to_healthy_s)
+        c, r, t, f, n = _tree_figures(tree)
+        self.cpu.add_metric(labels, c)
+        self.rss.add_metric(labels, r)
+        self.threads.add_metric(labels, t)
+        self.files.add_metric(labels, f)
+        self.procs.add_metric(labels, n)
+        sink = sup.sink
+        self.log_lines.add_metric([*labels, "written"], float(sink.lines_written))
+        self.log_lines.add_metric([*labels, "dropped"], float(sink.lines_dropped))
+        self.log_bytes.add_metric([*labels, "written"], float(sink.bytes_written))
+        self.log_bytes.add_metric([*labels, "dropped"], float(sink.bytes_dropped))
+
+    def families(self) -> Iterable[Metric]:
+        """The families, in the page's order."""
+        yield from (self.state, self.up, self.restarts, self.healthy_after, self.cpu, self.rss)
+        yield from (self.threads, self.files, self.procs, self.log_lines, self.log_bytes)
+
+
+def _gauge(name: str, documentation: str, base: list[str], value: float) -> GaugeMetricFamily:
+    """A one-sample gauge labelled with the page's base labels."""
+    family = GaugeMetricFamily(name, documentation, labels=list(BASE_LABELS))
+    family.add_metric(base, value)
+    return family
+
+
+def _head_families(head: HeadFigures, base: list[str]) -> Iterable[Metric]:
+    """The head agent's series: the job's state, then each figure once it has been measured."""
+    job = GaugeMetricFamily(
+        "tilert_agent_job_state",
+        "1 for the job's current state",
+        labels=[*BASE_LABELS, "state"],
+    )
+    for js in JOB_STATES:
+        job.add_metric([*base, js], 1.0 if head.job_state == js else 0.0)
+    yield job
+    if head.gate_s is not None:
+        yield _gauge(
+            GATE,
+            "Last worker's own healthy answer to the router's process running",
+            base,
+            head.gate_s,
+        )
+    if head.gate_latency_s is not None:
+        yield _gauge(
+            GATE_LATENCY,
+            "The head saw the last worker healthy to the head asked for the router",
+            base,
+            head.gate_latency_s,
+        )
+    if head.canary_latency_s:
+        yield _gauge(
+            CANARY_LATENCY,
+            "Latency of the last canary round, slowest request",
+            base,
+            max(head.canary_latency_s),
+        )
+
+
 class _StateCollector(Collector):
     def __init__(self, metrics: AgentMetrics) -> None:
         self.m = metrics
@@ -94,122 +231,21 @@ class _StateCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         m = self.m
         base = list(m.base.values())
-        names = [*BASE_LABELS, "component"]
-        state = GaugeMetricFamily(
-            "tilert_agent_engine_state",
-            "1 for the engine's current state",
-            labels=[*names, "state"],
-        )
-        up = GaugeMetricFamily(
-            "tilert_agent_engine_up", "1 when the engine is healthy", labels=names
-        )
-        restarts = CounterMetricFamily(
-            "tilert_agent_engine_restarts", "Engine restarts by the agent", labels=names
-        )
-        healthy_after = GaugeMetricFamily(
-            "tilert_agent_time_to_healthy_seconds",
-            "Launch to first healthy answer, last generation",
-            labels=names,
-        )
-        cpu = CounterMetricFamily(
-            "tilert_agent_engine_cpu_seconds", "CPU time of the engine's process tree", labels=names
-        )
-        rss = GaugeMetricFamily(
-            "tilert_agent_engine_resident_memory_bytes",
-            "RSS of the engine's process tree",
-            labels=names,
-        )
-        threads = GaugeMetricFamily(
-            "tilert_agent_engine_threads", "Threads in the engine's process tree", labels=names
-        )
-        files = GaugeMetricFamily(
-            "tilert_agent_engine_open_files",
-            "Open files in the engine's process tree",
-            labels=names,
-        )
-        procs = GaugeMetricFamily(
-            "tilert_agent_engine_processes", "Processes in the engine's process tree", labels=names
-        )
-        log_lines = CounterMetricFamily(
-            "tilert_agent_log_lines", "Engine log lines by outcome", labels=[*names, "outcome"]
-        )
-        log_bytes = CounterMetricFamily(
-            "tilert_agent_log_bytes", "Engine log bytes by outcome", labels=[*names, "outcome"]
-        )
+        engines = _EngineFamilies()
         for component, sup in m.supervisors().items():
-            labels = [*base, component]
             status = sup.status()
-            for s in ENGINE_STATES:
-                state.add_metric([*labels, s], 1.0 if status.state == s else 0.0)
-            up.add_metric(labels, 1.0 if status.state == "healthy" else 0.0)
-            restarts.add_metric(labels, float(sup.restarts))
-            if sup.stats.time_to_healthy_s is not None:
-                healthy_after.add_metric(labels, sup.stats.time_to_healthy_s)
-            c = r = t = f = n = 0.0
-            for proc in self.trees.of(component, status.pid, sup):
-                try:
-                    with proc.oneshot():
-                        times = proc.cpu_times()
-                        c += times.user + times.system
-                        r += proc.memory_info().rss
-                        t += proc.num_threads()
-                        f += proc.num_fds()
-                        n += 1
-                except psutil.Error:
-                    continue
-            cpu.add_metric(labels, c)
-            rss.add_metric(labels, r)
-            threads.add_metric(labels, t)
-            files.add_metric(labels, f)
-            procs.add_metric(labels, n)
-            sink = sup.sink
-            log_lines.add_metric([*labels, "written"], float(sink.lines_written))
-            log_lines.add_metric([*labels, "dropped"], float(sink.lines_dropped))
-            log_bytes.add_metric([*labels, "written"], float(sink.bytes_written))
-            log_bytes.add_metric([*labels, "dropped"], float(sink.bytes_dropped))
-        yield from (state, up, restarts, healthy_after, cpu, rss, threads, files, procs)
-        yield from (log_lines, log_bytes)
+            tree = self.trees.of(component, status.pid, sup)
+            engines.add([*base, component], sup, status, tree)
+        yield from engines.families()
         if m.upstream_up is not None:
-            upstream = GaugeMetricFamily(
+            yield _gauge(
                 "tilert_agent_upstream_up",
                 "1 when the engine's own /metrics was fetched and parsed at this scrape",
-                labels=list(BASE_LABELS),
+                base,
+                1.0 if m.upstream_up() else 0.0,
             )
-            upstream.add_metric(base, 1.0 if m.upstream_up() else 0.0)
-            yield upstream
         if m.head is not None:
-            job = GaugeMetricFamily(
-                "tilert_agent_job_state",
-                "1 for the job's current state",
-                labels=[*BASE_LABELS, "state"],
-            )
-            for js in JOB_STATES:
-                job.add_metric([*base, js], 1.0 if m.head.job_state == js else 0.0)
-            yield job
-            if m.head.gate_s is not None:
-                gate = GaugeMetricFamily(
-                    GATE,
-                    "Last worker's own healthy answer to the router's process running",
-                    labels=list(BASE_LABELS),
-                )
-                gate.add_metric(base, m.head.gate_s)
-                yield gate
-            if m.head.gate_latency_s is not None:
-                decision = GaugeMetricFamily(
-                    GATE_LATENCY,
-                    "The head saw the last worker healthy to the head asked for the router",
-                    labels=list(BASE_LABELS),
-                )
-                decision.add_metric(base, m.head.gate_latency_s)
-                yield decision
-            if m.head.canary_latency_s:
-                canary = GaugeMetricFamily(
-                    CANARY_LATENCY,
-                    "Latency of the last canary round, slowest request",
-                    labels=list(BASE_LABELS),
-                )
-                canary.add_metric(base, max(m.head.canary_latency_s))
-                yield canary
+            yield from _head_families(m.head, base)
 
 
 class AgentMetrics:

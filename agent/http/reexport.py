@@ -25,21 +25,15 @@ family that would collide with a name the agent's own registry serves.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import re
-import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
-import httpx
-import trio
 from prometheus_client.registry import Collector
 
 from agent.errors import RuntimeFailure
-
-log = logging.getLogger(__name__)
 
 ACCEPT = "text/plain; version=0.0.4"
 DROP_PREFIXES = ("process_", "python_", "http_")
@@ -53,8 +47,6 @@ TYPES = ("counter", "gauge", "histogram", "summary", "untyped")
 # and OpenMetrics adds _created/_info/_gsum/_gcount, so reserved names are widened by these.
 _SUFFIXES = ("_total", "_created", "_bucket", "_sum", "_count", "_info", "_gsum", "_gcount")
 _SERIES_LABELS = {"histogram": "le", "summary": "quantile"}
-# Up to this size a page of the last one's shape is relabelled on the event loop (~5 ms a MiB).
-_REUSE_ON_LOOP_BYTES = 1024 * 1024
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -88,10 +80,6 @@ _HELP_UNESCAPES = {"\\": "\\", "n": "\n"}
 
 class PageError(RuntimeFailure, ValueError):
     """A page that is not valid classic exposition text (the message names the line)."""
-
-
-class UpstreamError(RuntimeFailure):
-    """The upstream answer is unusable before parsing (status, type, size, time)."""
 
 
 @dataclass(slots=True)
@@ -471,12 +459,18 @@ def _parse_sample(line: str, lineno: int) -> _Sample:
     return _Sample(name, labels, value, stamp, lineno)
 
 
+def _skip_blanks(line: str, pos: int) -> int:
+    """The position of the first non-blank at or after ``pos``."""
+    while pos < len(line) and line[pos] in _BLANKS:
+        pos += 1
+    return pos
+
+
 def _parse_labels(line: str, pos: int, lineno: int, labels: list[tuple[str, str]]) -> int:
     """Labels from just after ``{`` to just after ``}``; returns the position after ``}``."""
     seen: set[str] = set()
     while True:
-        while pos < len(line) and line[pos] in _BLANKS:
-            pos += 1
+        pos = _skip_blanks(line, pos)
         if line.startswith("}", pos):
             return pos + 1
         match = _LABEL_NAME.match(line, pos)
@@ -486,23 +480,17 @@ def _parse_labels(line: str, pos: int, lineno: int, labels: list[tuple[str, str]
         if label == "__name__" or label in seen:
             raise PageError(f"line {lineno}: label {label!r} reserved or repeated")
         seen.add(label)
-        pos = match.end()
-        while pos < len(line) and line[pos] in _BLANKS:
-            pos += 1
+        pos = _skip_blanks(line, match.end())
         if not line.startswith("=", pos):
             raise PageError(f"line {lineno}: expected '=' after label {label}")
-        pos += 1
-        while pos < len(line) and line[pos] in _BLANKS:
-            pos += 1
+        pos = _skip_blanks(line, pos + 1)
         if not line.startswith('"', pos):
             raise PageError(f"line {lineno}: expected a quoted value for label {label}")
         value = _LABEL_VALUE.match(line, pos + 1)
         if not value:
             raise PageError(f"line {lineno}: unterminated value for label {label}")
         labels.append((label, _unescape(value.group(1), _LABEL_UNESCAPES, lineno, "a label value")))
-        pos = value.end()
-        while pos < len(line) and line[pos] in _BLANKS:
-            pos += 1
+        pos = _skip_blanks(line, value.end())
         if line.startswith(",", pos):
             pos += 1
         elif not line.startswith("}", pos):
@@ -549,121 +537,3 @@ def _check_families(families: list[_Family]) -> None:
                 raise PageError(
                     f"line {family.line}: histogram {family.name}{dict(rest)} has no +Inf bucket"
                 )
-
-
-class UpstreamMetrics:
-    """The prefill engine's vLLM /metrics, re-served with role/node/slurm_job_id added."""
-
-    def __init__(
-        self,
-        url: str,
-        labels: Mapping[str, str],
-        *,
-        timeout_s: float = 2.0,
-        max_bytes: int = 16 * 1024 * 1024,
-        cache_s: float = 1.0,
-        reserved_names: Collection[str] = (),
-    ) -> None:
-        check_labels(labels)
-        self.url = url
-        self.labels = dict(labels)
-        self.timeout_s = timeout_s
-        self.max_bytes = max_bytes
-        self.cache_s = cache_s
-        self.reserved_names = frozenset(reserved_names)
-        self.up = False
-        self.last_error: str | None = None
-        self.last_duration_s: float | None = None
-        self.last_bytes = 0
-        self._text = ""
-        self._fetched_at: float | None = None  # when the last refresh STARTED
-        self._lock = trio.Lock()  # one fetch at a time; scrapes that queue behind it reuse it
-        self._relabeller: Relabeller | None = None
-
-    async def render(self, client: httpx.AsyncClient, *, budget_s: float | None = None) -> str:
-        """The relabelled page (cached for ``cache_s``); "" when the fetch or parse failed.
-
-        ``budget_s`` shortens the fetch timeout for this call (the scraper's own deadline). The age
-        counts from the start of the refresh: counted from its end, scrapes a little more than
-        ``cache_s`` apart would alternate between a fetch and the cache.
-        """
-        async with self._lock:
-            now = time.monotonic()
-            if self._fetched_at is None or now - self._fetched_at >= self.cache_s:
-                self._text = await self._refresh(client, budget_s)
-                self._fetched_at = now
-            return self._text
-
-    def relabeller(self) -> Relabeller:
-        """The relabeller for the current ``labels`` and ``reserved_names``."""
-        current = self._relabeller
-        if (
-            current is None
-            or current.labels != self.labels
-            or current.reserved_names != self.reserved_names
-        ):
-            current = self._relabeller = Relabeller(self.labels, reserved_names=self.reserved_names)
-        return current
-
-    async def _refresh(self, client: httpx.AsyncClient, budget_s: float | None = None) -> str:
-        started = time.monotonic()
-        self.last_bytes = 0
-        timeout_s = self.timeout_s if budget_s is None else min(self.timeout_s, budget_s)
-        try:
-            with trio.move_on_after(timeout_s) as deadline:
-                body = await self._fetch(client)
-            if deadline.cancelled_caught:
-                raise UpstreamError(f"no complete answer within {timeout_s:g} s")
-            try:
-                page = body.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise PageError(f"the page is not UTF-8 (byte {exc.start})") from None
-            # The last page's shape is reused on the loop (a thread hop costs as much under load);
-            # a new one is parsed whole in a worker thread (~25 ms for 5,000 lines).
-            relabeller = self.relabeller()
-            text = relabeller.reuse(page) if len(body) <= _REUSE_ON_LOOP_BYTES else None
-            if text is None:
-                text = await trio.to_thread.run_sync(relabeller.parse, page)
-        except Exception as exc:  # whatever upstream does, the agent's own page stays up
-            if not isinstance(exc, UpstreamError | PageError | httpx.HTTPError | OSError):
-                log.exception("re-exporting %s failed unexpectedly", self.url)
-            self.up = False
-            self.last_error = f"{self.url}: {_describe(exc)}"
-            text = ""
-        else:
-            self.up = True
-            self.last_error = None
-        self.last_duration_s = time.monotonic() - started
-        return text
-
-    async def _fetch(self, client: httpx.AsyncClient) -> bytes:
-        """The body, read while streaming and refused as soon as it passes ``max_bytes``."""
-        headers = {"Accept": ACCEPT, "Accept-Encoding": "identity"}
-        async with client.stream("GET", self.url, headers=headers, timeout=self.timeout_s) as resp:
-            if resp.status_code != 200:
-                raise UpstreamError(f"HTTP {resp.status_code}")
-            ctype = resp.headers.get("content-type", "text/plain")
-            if not ctype.lower().startswith("text/plain"):
-                raise UpstreamError(f"content-type {ctype!r}, expected text/plain (classic text)")
-            encoding = resp.headers.get("content-encoding", "identity").lower()
-            if encoding not in ("", "identity"):
-                raise UpstreamError(f"content-encoding {encoding!r} although identity was asked")
-            length = resp.headers.get("content-length", "")
-            if length.isdigit() and int(length) > self.max_bytes:
-                raise UpstreamError(f"page of {length} bytes is over the {self.max_bytes} limit")
-            chunks = []
-            async for chunk in resp.aiter_raw():
-                self.last_bytes += len(chunk)
-                if self.last_bytes > self.max_bytes:
-                    raise UpstreamError(f"page is over the {self.max_bytes}-byte limit")
-                chunks.append(chunk)
-        return b"".join(chunks)
-
-
-def _describe(exc: BaseException) -> str:
-    """A one-line reason for ``last_error``."""
-    if isinstance(exc, UpstreamError | PageError):
-        return str(exc)
-    if isinstance(exc, httpx.ConnectError):
-        return f"cannot connect ({exc})" if str(exc) else "cannot connect"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

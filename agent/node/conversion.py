@@ -287,9 +287,6 @@ class WeightsGate:
                 self._accept(found)
                 return
             seen = await trio.to_thread.run_sync(observe, siblings.lock)
-            verdict = failed_verdict(seen, waited_on, str(self.job.root))
-            if seen is not None and verdict is not None:
-                raise WeightsError(self._holder_failed(paths, seen, found, verdict))
             if seen is None and waited_on is not None:
                 # The holder let go and the folder is still incomplete: its conversion failed or
                 # was stopped. Unless someone is just taking a stale lock over: a moment for them.
@@ -302,6 +299,7 @@ class WeightsGate:
                 if await self._convert_here(paths, siblings, found):
                     return
                 continue  # someone else created the lock first: wait for them
+            self._fail_on_verdict(paths, seen, waited_on, found)
             if waited_on is None:
                 self.log.info(
                     "%s: %s is incomplete and being converted by %s (lock %s): waiting",
@@ -332,6 +330,14 @@ class WeightsGate:
         if info is None:
             return "the converting agent's convert.log"
         return str(convert_log_path(JobDir(Path(info.job)), info.agent))
+
+    def _fail_on_verdict(
+        self, paths: WeightsPaths, seen: Observed, waited_on: Observed | None, found: Inspection
+    ) -> None:
+        """Fail with the verdict the holder left in its lock, if it failed (docs/weights.md)."""
+        verdict = failed_verdict(seen, waited_on, str(self.job.root))
+        if verdict is not None:
+            raise WeightsError(self._holder_failed(paths, seen, found, verdict))
 
     def _holder_failed(
         self, paths: WeightsPaths, seen: Observed, found: Inspection, why: str = ""

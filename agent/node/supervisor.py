@@ -359,47 +359,67 @@ class EngineSupervisor:
     async def _watch(
         self, client: httpx.AsyncClient, engine: ProcessHandle, exited: trio.Event, start: float
     ) -> str | None:
-        policy = self.policy
-        deadline = start + policy.startup_budget_s
-        # Startup probe: fast, so readiness is seen within ~50 ms.
-        while True:
-            if self._relaunch_reason is not None:
-                return "relaunch"
-            if exited.is_set():
-                if not self.ever_healthy and self._address_in_use() and self.on_address_in_use:
-                    self.on_address_in_use()
-                    self._relaunch_reason = "address in use before first healthy: new ports"
-                    return "relaunch"
-                return self._exit_reason(engine) + " before becoming healthy"
-            if await self._probe(client):
-                if self._answered_by_engine(engine):
-                    break
-                # A probed-free port can be taken by another process before a slow engine binds
-                # it: that process's 200 is not our engine's, and our engine will never bind.
-                self.log.warning(
-                    "%s: %s answered, but not from the engine's own process tree: the port was "
-                    "taken by another process",
-                    self.name,
-                    self.health_url(),
-                )
-                if not self.ever_healthy and self.on_address_in_use:
-                    self.on_address_in_use()
-                    self._relaunch_reason = "port taken by another process: new ports"
-                    return "relaunch"
-            if time.monotonic() > deadline:
-                self._fail(
-                    f"not healthy within the startup budget of {policy.startup_budget_s:g}s "
-                    f"({self.health_url()}); raise agent.startup_budget_s or health_check"
-                )
-                return None
-            await self._sleep_or_wake(policy.probe_startup_interval_s)
+        healthy, outcome = await self._until_healthy(client, engine, exited, start)
+        if not healthy:
+            return outcome
         elapsed = time.monotonic() - start
         self.healthy_at = time.time()
         self.ever_healthy = True
         self.stats.time_to_healthy_s = elapsed
         self.stats.healthy_count += 1
         self._set("healthy", f"{self.health_url()} answered 200 after {elapsed:.2f}s")
-        # Liveness: N consecutive failures -> unhealthy -> restart.
+        return await self._while_healthy(client, engine, exited)
+
+    async def _until_healthy(
+        self, client: httpx.AsyncClient, engine: ProcessHandle, exited: trio.Event, start: float
+    ) -> tuple[bool, str | None]:
+        """Startup probe: (True, None) once the engine answers, else (False, what ended it)."""
+        policy = self.policy
+        deadline = start + policy.startup_budget_s
+        # Fast, so readiness is seen within ~50 ms.
+        while True:
+            if self._relaunch_reason is not None:
+                return False, "relaunch"
+            if exited.is_set():
+                if not self.ever_healthy and self._address_in_use() and self.on_address_in_use:
+                    self.on_address_in_use()
+                    self._relaunch_reason = "address in use before first healthy: new ports"
+                    return False, "relaunch"
+                return False, self._exit_reason(engine) + " before becoming healthy"
+            if await self._probe(client):
+                if self._answered_by_engine(engine):
+                    return True, None
+                if self._port_taken():
+                    return False, "relaunch"
+            if time.monotonic() > deadline:
+                self._fail(
+                    f"not healthy within the startup budget of {policy.startup_budget_s:g}s "
+                    f"({self.health_url()}); raise agent.startup_budget_s or health_check"
+                )
+                return False, None
+            await self._sleep_or_wake(policy.probe_startup_interval_s)
+
+    def _port_taken(self) -> bool:
+        """Another process answered on the engine's port: whether that means new ports now."""
+        # A probed-free port can be taken by another process before a slow engine binds
+        # it: that process's 200 is not our engine's, and our engine will never bind.
+        self.log.warning(
+            "%s: %s answered, but not from the engine's own process tree: the port was "
+            "taken by another process",
+            self.name,
+            self.health_url(),
+        )
+        if not self.ever_healthy and self.on_address_in_use:
+            self.on_address_in_use()
+            self._relaunch_reason = "port taken by another process: new ports"
+            return True
+        return False
+
+    async def _while_healthy(
+        self, client: httpx.AsyncClient, engine: ProcessHandle, exited: trio.Event
+    ) -> str | None:
+        """Liveness: N consecutive failures -> unhealthy -> restart; what ended it."""
+        policy = self.policy
         failures = 0
         while True:
             await self._sleep_or_wake(policy.probe_interval_s)

@@ -226,78 +226,114 @@ def _image(
         return value
 
 
+def _cluster_defaults(
+    recipe: Recipe, cluster: ClusterConfig | None, out: list[Problem]
+) -> tuple[Slurm, Resources, Any]:
+    """The recipe's slurm section, resources and mounts with the cluster file's defaults."""
+    slurm, resources = recipe.slurm, recipe.resources
+    mounts = recipe.container_mounts
+    if cluster is None:
+        return slurm, resources, mounts
+    slurm = Slurm(
+        account=slurm.account or cluster.default_account,
+        partition=slurm.partition or cluster.default_partition,
+        time_limit=slurm.time_limit or cluster.default_time_limit,
+    )
+    if resources.gpu_type is None and cluster.default_gpu_type:
+        resources = msgspec.structs.replace(resources, gpu_type=cluster.default_gpu_type)
+    if resources.gpus_per_node is None:
+        resources = msgspec.structs.replace(resources, gpus_per_node=cluster.gpus_per_node)
+    elif cluster.gpus_per_node and cluster.gpus_per_node != resources.gpus_per_node:
+        out.append(
+            warning(
+                "resources.gpus_per_node",
+                f"the recipe says {resources.gpus_per_node} GPUs per node, the cluster file "
+                f"{cluster.gpus_per_node}; the recipe wins",
+                "remove resources.gpus_per_node to use the cluster's value",
+            )
+        )
+    return slurm, resources, merged_mounts(mounts, cluster)
+
+
+@dataclass
+class _Resolver:
+    """Resolves a recipe's aliases and local paths against a cluster file and the recipe's folder,
+    collecting the problems in ``out``."""
+
+    cluster: ClusterConfig | None
+    base_dir: Path
+    out: list[Problem]
+
+    def location(self, value: str, key: str) -> str:
+        """A model or tokenizer location (see ``_model_location``)."""
+        return _model_location(value, key, self.cluster, self.base_dir, self.out)
+
+    def image(self, value: str | None, key: str) -> str | None:
+        """A container image (see ``_image``)."""
+        return _image(value, key, self.cluster, self.out)
+
+    def mounts(self, mounts: Any) -> Any:
+        """Container mounts with their host paths made absolute."""
+        if isinstance(mounts, list):
+            return [_mount(m, self.base_dir) for m in mounts]
+        return {_local(h, self.base_dir): c for h, c in mounts.items()}
+
+    def model(self, model: Model) -> Model:
+        """``model.path`` and ``model.container``."""
+        if model.path:
+            model = msgspec.structs.replace(model, path=self.location(model.path, "model.path"))
+        return msgspec.structs.replace(
+            model, container=self.image(model.container, "model.container")
+        )
+
+    def frontend(self, frontend: Frontend) -> Frontend:
+        """The frontend's ``model-path`` argument and its image."""
+        found = find_arg(frontend.args, "model-path")
+        if found is not None:
+            key, value = found
+            if isinstance(value, str) and value:
+                resolved = self.location(value, f"frontend.args.{key}")
+                frontend = msgspec.structs.replace(frontend, args={**frontend.args, key: resolved})
+        image = self.image(frontend.container_image, "frontend.container_image")
+        return msgspec.structs.replace(frontend, container_image=image)
+
+    def benchmark(self, bench: Benchmark) -> Benchmark:
+        """The benchmark's tokenizer and image."""
+        if bench.tokenizer:
+            tokenizer = self.location(bench.tokenizer, "benchmark.tokenizer")
+            bench = msgspec.structs.replace(bench, tokenizer=tokenizer)
+        image = self.image(bench.container_image, "benchmark.container_image")
+        return msgspec.structs.replace(bench, container_image=image)
+
+    def role(self, name: str, role: Role, node_gpus: int) -> Role:
+        """A role with its layout defaults filled, its image and its conversion source."""
+        nodes, workers, gpus = role_layout(role, node_gpus)
+        role = msgspec.structs.replace(
+            role,
+            nodes=nodes,
+            workers=workers,
+            gpus=gpus,
+            container=self.image(role.container, f"roles.{name}.container"),
+        )
+        if role.convert is not None and role.convert.source:
+            source = self.location(role.convert.source, f"roles.{name}.convert.source")
+            role = msgspec.structs.replace(
+                role, convert=msgspec.structs.replace(role.convert, source=source)
+            )
+        return role
+
+
 def _resolve(
-    recipe: Recipe,
-    cluster: ClusterConfig | None,
-    base_dir: Path,
-    out: list[Problem],
-    on_submit_host: bool,
+    recipe: Recipe, cluster: ClusterConfig | None, base_dir: Path, out: list[Problem]
 ) -> Recipe:
     """Merge cluster defaults and resolve aliases and local paths; fill role layout defaults."""
     replace = msgspec.structs.replace
-    slurm, resources = recipe.slurm, recipe.resources
-    mounts = recipe.container_mounts
-    if cluster is not None:
-        slurm = Slurm(
-            account=slurm.account or cluster.default_account,
-            partition=slurm.partition or cluster.default_partition,
-            time_limit=slurm.time_limit or cluster.default_time_limit,
-        )
-        if resources.gpu_type is None and cluster.default_gpu_type:
-            resources = replace(resources, gpu_type=cluster.default_gpu_type)
-        if resources.gpus_per_node is None:
-            resources = replace(resources, gpus_per_node=cluster.gpus_per_node)
-        elif cluster.gpus_per_node and cluster.gpus_per_node != resources.gpus_per_node:
-            out.append(
-                warning(
-                    "resources.gpus_per_node",
-                    f"the recipe says {resources.gpus_per_node} GPUs per node, the cluster file "
-                    f"{cluster.gpus_per_node}; the recipe wins",
-                    "remove resources.gpus_per_node to use the cluster's value",
-                )
-            )
-        mounts = merged_mounts(mounts, cluster)
-    if recipe.resources.gpu_type and on_submit_host:
-        # The cluster's own default_gpu_type is checked with the cluster file.
-        out += devices_problems(recipe.resources.gpu_type, cluster, "resources.gpu_type")
-    if isinstance(mounts, list):
-        mounts = [_mount(m, base_dir) for m in mounts]
-    else:
-        mounts = {_local(h, base_dir): c for h, c in mounts.items()}
-    out += _mount_problems(recipe.container_mounts, base_dir)
-
-    model = recipe.model
-    if model.path:
-        model = replace(
-            model, path=_model_location(model.path, "model.path", cluster, base_dir, out)
-        )
-    model = replace(model, container=_image(model.container, "model.container", cluster, out))
-
-    frontend = recipe.frontend
-    found = find_arg(frontend.args, "model-path")
-    if found is not None:
-        key, value = found
-        if isinstance(value, str) and value:
-            resolved = _model_location(value, f"frontend.args.{key}", cluster, base_dir, out)
-            frontend = replace(frontend, args={**frontend.args, key: resolved})
-    frontend = replace(
-        frontend,
-        container_image=_image(frontend.container_image, "frontend.container_image", cluster, out),
-    )
-
-    bench = recipe.benchmark
-    if bench.tokenizer:
-        bench = replace(
-            bench,
-            tokenizer=_model_location(
-                bench.tokenizer, "benchmark.tokenizer", cluster, base_dir, out
-            ),
-        )
-    bench = replace(
-        bench,
-        container_image=_image(bench.container_image, "benchmark.container_image", cluster, out),
-    )
-
+    resolver = _Resolver(cluster, base_dir, out)
+    slurm, resources, mounts = _cluster_defaults(recipe, cluster, out)
+    mounts = resolver.mounts(mounts)
+    model = resolver.model(recipe.model)
+    frontend = resolver.frontend(recipe.frontend)
+    bench = resolver.benchmark(recipe.benchmark)
     recipe = replace(
         recipe, slurm=slurm, resources=resources, container_mounts=mounts, benchmark=bench
     )
@@ -305,25 +341,23 @@ def _resolve(
     roles = {}
     for name in ("prefill", "decode", "agg", "aggregated"):
         role: Role | None = getattr(recipe.roles, name)
-        if role is not None:
-            nodes, workers, gpus = role_layout(role, node_gpus)
-            role = replace(
-                role,
-                nodes=nodes,
-                workers=workers,
-                gpus=gpus,
-                container=_image(role.container, f"roles.{name}.container", cluster, out),
-            )
-            if role.convert is not None and role.convert.source:
-                key = f"roles.{name}.convert.source"
-                source = _model_location(role.convert.source, key, cluster, base_dir, out)
-                role = replace(role, convert=replace(role.convert, source=source))
-        roles[name] = role
+        roles[name] = None if role is None else resolver.role(name, role, node_gpus)
     if resources.gpus_per_node is None:
         resources = replace(resources, gpus_per_node=node_gpus)
     return replace(
         recipe, model=model, frontend=frontend, roles=Roles(**roles), resources=resources
     )
+
+
+def _submit_host_problems(
+    recipe: Recipe, resolved: Recipe, cluster: ClusterConfig | None, base_dir: Path
+) -> list[Problem]:
+    """What the submit host can check and a node re-reading J/recipe.yaml cannot: the cluster's
+    GPU variable for the recipe's GPU, the recipe's own mounts, the conversion source it sees."""
+    found = _mount_problems(recipe.container_mounts, base_dir)
+    if recipe.resources.gpu_type:  # the cluster's default_gpu_type is checked with its file
+        found += devices_problems(recipe.resources.gpu_type, cluster, "resources.gpu_type")
+    return found + _source_problems(resolved)
 
 
 def _mount_problems(mounts: list[str] | dict[str, str], base_dir: Path) -> list[Problem]:
@@ -394,50 +428,11 @@ def _under(path: str, prefixes: Sequence[str]) -> str | None:
     return None
 
 
-def _check(
-    raw: Any,
-    cluster: ClusterConfig | None,
-    base_dir: Path,
-    source: str,
-    before: list[Problem],
-    on_submit_host: bool,
-) -> tuple[list[Problem], Recipe]:
-    """Shape, conversion, resolution and the rules: (problems, recipe)."""
-    checker = ShapeChecker(_advice)
-    _, cleaned = checker.check(raw, msgspec.inspect.type_info(Recipe))
-    found = list(checker.problems)
-    try:
-        recipe = msgspec.convert(cleaned, Recipe)
-    except msgspec.ValidationError as exc:  # the walker should have caught it; never a traceback
-        raise InputError([*before, *found, convert_problem(exc)], source) from None
-    recipe = _resolve(recipe, cluster, base_dir, found, on_submit_host)
-    if on_submit_host:
-        found += _source_problems(recipe)
-    launcher = cluster.launcher if cluster is not None else None
-    found += [
-        p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, checker.pruned)
-    ]
-    return found, recipe
-
-
-def load_recipe_text(
-    text: str,
-    *,
-    source: str,
-    base_dir: Path,
-    overrides: Sequence[str] = (),
-    unsets: Sequence[str] = (),
-    cluster: ClusterConfig | None = None,
-    combination: Combination | None = None,
-    on_submit_host: bool = True,
-) -> LoadedRecipe:
-    """Parse, override, check, resolve and validate a recipe; InputError lists every error.
-
-    ``combination``: the values of one combination of the recipe's ``sweep:`` section.
-    ``on_submit_host``: False for an agent re-checking ``J/recipe.yaml`` on its node (without
-    the cluster file): what only the submit host can check (the cluster's GPU variable, folders
-    it sees) was checked there.
-    """
+def _raw_recipe(
+    text: str, source: str, combination: Combination | None
+) -> tuple[Any, dict[str, int], list[Problem]]:
+    """The recipe's YAML as a mapping (one sweep combination applied), its lines and the
+    problems parsing found; InputError when it is no recipe or an unexpanded sweep."""
     try:
         raw, lines, problems = parse(text)
     except YamlSyntaxError as exc:
@@ -473,21 +468,26 @@ def load_recipe_text(
             ],
             source,
         )
-    try:
-        raw = apply_unsets(apply_overrides(raw, overrides), unsets)
-    except InputError as exc:
-        raise InputError([*problems, *exc.problems], source) from None
-    overridden = [".".join(parse_override(item)[0]) for item in overrides]
-    origins = None
-    if schema1.is_schema1(raw):
-        # Read as schema 2; every later problem is told back in the file's own keys and lines.
-        raw, origins = schema1.translate(raw)
-    found, recipe = _check(raw, cluster, base_dir, source, problems, on_submit_host)
-    if origins is not None:
-        found = [*origins.problems, *(origins.relocate(p) for p in found)]
-    problems.extend(found)
-    recipe = _drop_unused(recipe)
+    return raw, lines, problems
 
+
+def _typed(raw: Any, problems: list[Problem], source: str) -> tuple[Recipe, Sequence[str]]:
+    """The ``Recipe`` from its checked shape, and the paths pruned as bad (their problems are in
+    ``problems``)."""
+    checker = ShapeChecker(_advice)
+    _, cleaned = checker.check(raw, msgspec.inspect.type_info(Recipe))
+    problems.extend(checker.problems)
+    try:
+        recipe = msgspec.convert(cleaned, Recipe)
+    except msgspec.ValidationError as exc:  # the walker should have caught it; never a traceback
+        raise InputError([*problems, convert_problem(exc)], source) from None
+    return recipe, checker.pruned
+
+
+def _located(
+    problems: list[Problem], overridden: Sequence[str], lines: dict[str, int]
+) -> list[Problem]:
+    """Each problem with its recipe line, or marked as coming from ``--set``."""
     located = []
     for p in problems:
         if _under(p.path, overridden):
@@ -495,6 +495,49 @@ def load_recipe_text(
         elif p.line is None:
             p = msgspec.structs.replace(p, line=line_of(p.path, lines))
         located.append(p)
+    return located
+
+
+def load_recipe_text(
+    text: str,
+    *,
+    source: str,
+    base_dir: Path,
+    overrides: Sequence[str] = (),
+    unsets: Sequence[str] = (),
+    cluster: ClusterConfig | None = None,
+    combination: Combination | None = None,
+    on_submit_host: bool = True,
+) -> LoadedRecipe:
+    """Parse, override, check, resolve and validate a recipe; InputError lists every error.
+
+    ``combination``: the values of one combination of the recipe's ``sweep:`` section.
+    ``on_submit_host``: False for an agent re-checking ``J/recipe.yaml`` on its node (without
+    the cluster file): what only the submit host can check (the cluster's GPU variable, folders
+    it sees) was checked there. A srtctl schema-1 recipe (``backend.type: tilert``) is read as
+    the schema 2 it means, its problems told in its own keys (agent.recipe.schema1).
+    """
+    raw, lines, problems = _raw_recipe(text, source, combination)
+    try:
+        raw = apply_unsets(apply_overrides(raw, overrides), unsets)
+    except InputError as exc:
+        raise InputError([*problems, *exc.problems], source) from None
+    overridden = [".".join(parse_override(item)[0]) for item in overrides]
+    origins = None
+    if schema1.is_schema1(raw):
+        raw, origins = schema1.translate(raw)
+    found: list[Problem] = []
+    typed, pruned = _typed(raw, found, source)
+    recipe = _resolve(typed, cluster, base_dir, found)
+    launcher = cluster.launcher if cluster is not None else None
+    found.extend(p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, pruned))
+    if on_submit_host:
+        found += _submit_host_problems(typed, recipe, cluster, base_dir)
+    if origins is not None:
+        found = [*origins.problems, *(origins.relocate(p) for p in found)]
+    problems.extend(found)
+    recipe = _drop_unused(recipe)
+    located = _located(problems, overridden, lines)
     if errors_of(located):
         raise InputError(located, source)
     return LoadedRecipe(

@@ -465,30 +465,42 @@ class ShapeChecker:
                 return False, None
             return True, self._struct(value, t, path)
         if isinstance(t, mi.DictType):
-            if not isinstance(value, dict):
-                self._bad(path, f"expected a mapping, got {_what(value)}", _type_hint(t, path))
-                return False, None
-            cleaned: dict[Any, Any] = {}
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    self._bad((*path, str(key)), "keys must be strings", f'quote it: "{key}"')
-                    continue
-                if not self._key_ok(key, (*path, key)):
-                    continue
-                keep, item = self.check(item, t.value_type, (*path, key))
-                if keep:
-                    cleaned[key] = item
-            return True, cleaned
+            return self._dict(value, t, path)
         if isinstance(t, mi.ListType):
-            if not isinstance(value, list):
-                self._bad(path, f"expected a list, got {_what(value)}", _type_hint(t, path))
-                return False, None
-            items = []
-            for index, item in enumerate(value):
-                keep, item = self.check(item, t.item_type, (*path, index))
-                if keep:
-                    items.append(item)
-            return True, items
+            return self._list(value, t, path)
+        return self._scalar(value, t, path, default)
+
+    def _dict(self, value: Any, t: mi.DictType, path: KeyPath) -> tuple[bool, Any]:
+        """A mapping of free keys: each key checked, each value against the value type."""
+        if not isinstance(value, dict):
+            self._bad(path, f"expected a mapping, got {_what(value)}", _type_hint(t, path))
+            return False, None
+        cleaned: dict[Any, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                self._bad((*path, str(key)), "keys must be strings", f'quote it: "{key}"')
+                continue
+            if not self._key_ok(key, (*path, key)):
+                continue
+            keep, item = self.check(item, t.value_type, (*path, key))
+            if keep:
+                cleaned[key] = item
+        return True, cleaned
+
+    def _list(self, value: Any, t: mi.ListType, path: KeyPath) -> tuple[bool, Any]:
+        """A list: each item against the item type, wrong ones pruned."""
+        if not isinstance(value, list):
+            self._bad(path, f"expected a list, got {_what(value)}", _type_hint(t, path))
+            return False, None
+        items = []
+        for index, item in enumerate(value):
+            keep, item = self.check(item, t.item_type, (*path, index))
+            if keep:
+                items.append(item)
+        return True, items
+
+    def _scalar(self, value: Any, t: mi.Type, path: KeyPath, default: Any) -> tuple[bool, Any]:
+        """A string, number or flag: its kind, then its text or range."""
         if not _kind_ok(value, t):
             self._bad(path, f"expected {describe(t)}, got {_what(value)}", _type_hint(t, path))
             return False, None

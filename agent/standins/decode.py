@@ -17,7 +17,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,185 +144,252 @@ def _unsupported(sampling: dict[str, Any], kind: EngineKind) -> str | None:
     return None
 
 
-def build_app(
-    receiver: Receiver, kind: EngineKind, profile: str, faults: Faults, crasher: Crasher
-) -> App:
-    """The decode server's HTTP app."""
-    app = App()
-    state = DecodeState()
+def _refusal(body: DecodeBody, kind: EngineKind) -> Response | None:
+    """The 501 for what this engine cannot do (logprobs, sampling), or None."""
+    if body.top_logprobs is not None and not kind.logprobs:
+        log.info("logprobs requested but unsupported by %s (rid=%s)", kind.name, body.rid)
+        return json_response(
+            {
+                "error": f"{kind.name} does not produce logprobs",
+                "error_type": "logprobs_unavailable",
+            },
+            501,
+        )
+    why = _unsupported(body.sampling or {}, kind)
+    if why is not None:
+        log.info("sampling rejected for %s: %s", body.rid, why)
+        return json_response({"error": why, "error_type": "capability_unavailable"}, 501)
+    return None
 
-    @app.route("GET", "/health")
-    async def health(_request: Request) -> Response:
-        await faults.hold_health()
+
+@dataclass
+class _Answer:
+    """One admitted request's reply: its tokens, timings and the two shapes it is sent in."""
+
+    body: DecodeBody
+    ids: list[int]
+    finish: str
+    seq_len: int
+    cancel: trio.Event
+    faults: Faults
+    pre: dict[str, float]
+    t_inj: float
+
+    def timing(self, reason: str) -> dict[str, Any]:
+        """``timing_ms`` as TileRT reports it."""
+        return {
+            **self.pre,
+            "decode": round(1000 * (time.time() - self.t_inj), 1),
+            "finish_reason": reason,
+        }
+
+    def finish_reason(self) -> str:
+        """Why the reply ended: the plan's reason, or ``cancelled``."""
+        return "cancelled" if self.cancel.is_set() else self.finish
+
+    def reqstat(self, n: int, timing_ms: dict[str, Any]) -> None:
+        """TileRT's REQSTAT log line."""
+        stats = " ".join(f"{k}={v}" for k, v in timing_ms.items())
+        log.info("REQSTAT rid=%s seq=%d completion=%d %s", self.body.rid, self.seq_len, n, stats)
+
+    def line(self, batch: list[int]) -> dict[str, Any]:
+        """One streamed line (token ids, and logprobs when asked)."""
+        out: dict[str, Any] = {"t": batch}
+        top = self.body.top_logprobs
+        if top is not None:
+            out["lp"] = [_fake_logprob(t) for t in batch]
+            out["tp"] = [[[t + k, _fake_logprob(t) - 0.5 * k] for k in range(top)] for t in batch]
+        return out
+
+    async def emit(self) -> AsyncIterator[int]:
+        """The tokens, paced by the fault's delay, until cancelled."""
+        for token in self.ids:
+            if self.faults.token_delay_s:
+                await trio.sleep(self.faults.token_delay_s)
+            if self.cancel.is_set():
+                return
+            yield token
+
+    async def whole(self) -> Response:
+        """The non-streamed reply."""
+        out = [t async for t in self.emit()]
+        timing_ms = self.timing(self.finish_reason())
+        self.reqstat(len(out), timing_ms)
+        reply: dict[str, Any] = {
+            "rid": self.body.rid,
+            "token_ids": out,
+            "seq_len": self.seq_len,
+            "timing_ms": timing_ms,
+        }
+        if self.body.top_logprobs is not None:
+            lines = self.line(out)
+            reply["logprobs"] = {"lp": lines["lp"], "tp": lines["tp"]}
+        return json_response(reply)
+
+    async def stream(self) -> AsyncGenerator[bytes, None]:
+        """The streamed reply: one NDJSON line per token, then the ``done`` line."""
+        n = 0
+        async for token in self.emit():
+            n += 1
+            yield msgspec.json.encode(self.line([token])) + b"\n"
+        reason = self.finish_reason()
+        timing_ms = self.timing(reason)
+        self.reqstat(n, timing_ms)
+        done = {
+            "done": True,
+            "n": n,
+            "seq_len": self.seq_len,
+            "finish_reason": reason,
+            "timing_ms": timing_ms,
+        }
+        yield msgspec.json.encode(done) + b"\n"
+
+
+@dataclass
+class DecodeService:
+    """The decode server's handlers around its one in-flight request."""
+
+    receiver: Receiver
+    kind: EngineKind
+    profile: str
+    faults: Faults
+    crasher: Crasher
+    state: DecodeState
+
+    async def health(self, _request: Request) -> Response:
+        """``GET /health``: ok (held while the fault says so)."""
+        await self.faults.hold_health()
         return json_response({"status": "ok"})
 
-    @app.route("GET", "/capabilities")
-    async def capabilities(_request: Request) -> Response:
+    async def capabilities(self, _request: Request) -> Response:
+        """``GET /capabilities``: the profile, the engine and what it can do."""
+        kind = self.kind
         caps = {
             "penalties": kind.penalties,
             "ignore_eos": kind.ignore_eos,
             "logprobs": kind.logprobs,
         }
-        return json_response({"profile": profile, "engine": kind.name, "capabilities": caps})
+        return json_response({"profile": self.profile, "engine": kind.name, "capabilities": caps})
 
-    @app.route("GET", "/decode_status")
-    async def decode_status(_request: Request) -> Response:
-        busy = state.current_rid is not None
-        return json_response(
-            {"status": "busy" if busy else "idle", "current_rid": state.current_rid}
-        )
+    async def decode_status(self, _request: Request) -> Response:
+        """``GET /decode_status``: busy or idle, and the request in flight."""
+        rid = self.state.current_rid
+        return json_response({"status": "busy" if rid is not None else "idle", "current_rid": rid})
 
-    @app.route("POST", "/pd/cancel")
-    async def pd_cancel(request: Request) -> Response:
+    async def pd_cancel(self, request: Request) -> Response:
+        """``POST /pd/cancel``: cancel the request in flight if the rid matches."""
+        state = self.state
         body = await request.json()
         rid = body.get("rid") if isinstance(body, dict) else None
         if rid and rid == state.current_rid and state.cancel is not None:
             state.cancel.set()
-            receiver.notify()
+            self.receiver.notify()
             log.info("cancel requested for %s", rid)
             return json_response({"cancelled": rid})
         return json_response(
             {"error": "no matching in-flight request", "current_rid": state.current_rid}, 404
         )
 
-    def cleanup(rid: str) -> None:
+    def cleanup(self, rid: str) -> None:
+        """Free the node for the next request once ``rid`` is done."""
+        state = self.state
         if state.current_rid == rid:
-            receiver.release(rid)
+            self.receiver.release(rid)
             state.current_rid = None
             state.cancel = None
-            crasher.request_answered()
+            self.crasher.request_answered()
 
-    @app.route("POST", "/pd/decode")
-    async def pd_decode(request: Request) -> Response | StreamingResponse:
+    async def _receive_kv(self, rid: str, timeout_s: float, cancel: trio.Event) -> int | Response:
+        """The sequence length of the KV that arrived for ``rid``, or the error reply."""
+        if self.faults.no_kv:
+            return 0
+        got = await self.receiver.wait_complete(rid, timeout_s, cancel)
+        if cancel.is_set():
+            log.info("cancelled during KV transfer for %s", rid)
+            return json_response(
+                {
+                    "error": "cancelled during KV transfer",
+                    "error_type": "request_cancelled",
+                    "rid": rid,
+                },
+                499,
+            )
+        if got is None:
+            return json_response({"error": "kv_transfer_timeout", "rid": rid}, 504)
+        return got.seq_len
+
+    async def _prepare(self, body: DecodeBody, cancel: trio.Event) -> int | Response:
+        """Refuse what the engine cannot do, then wait for the KV: its sequence length or the
+        error reply (after which the node is free again)."""
+        rid = body.rid
+        try:
+            refusal = _refusal(body, self.kind)
+            got = refusal or await self._receive_kv(rid, body.timeout_s, cancel)
+        except BaseException:
+            self.cleanup(rid)
+            raise
+        if isinstance(got, Response):
+            self.cleanup(rid)
+        return got
+
+    def _answer(self, body: DecodeBody, seq_len: int, cancel: trio.Event, t0: float) -> _Answer:
+        """What to answer once the KV is in (the fault may make it nothing)."""
+        ids, finish = _plan(
+            body.first_token_id, body.max_tokens, bool((body.sampling or {}).get("ignore_eos"))
+        )
+        limit = self.faults.no_tokens_after_requests
+        if limit is not None and self.crasher.answered >= limit:
+            ids, finish = [], "stop"  # the fault: a decode that answers with nothing
+        pre = {"wire_wait": round(1000 * (time.time() - t0), 1), "convert": 0.0, "inject": 0.0}
+        return _Answer(body, ids, finish, seq_len, cancel, self.faults, pre, time.time())
+
+    async def pd_decode(self, request: Request) -> Response | StreamingResponse:
+        """``POST /pd/decode``: wait for the request's KV, then answer whole or streamed."""
         try:
             body = msgspec.convert(await request.json(), DecodeBody)
         except msgspec.ValidationError as exc:
             return json_response({"detail": str(exc)}, 422)
+        state = self.state
         if state.current_rid is not None:
             return json_response({"error": "busy", "current_rid": state.current_rid}, 429)
         rid = body.rid
         cancel = trio.Event()
         state.current_rid, state.cancel = rid, cancel
-        receiver.expect(rid)
+        self.receiver.expect(rid)
         t0 = time.time()
-        try:
-            if body.top_logprobs is not None and not kind.logprobs:
-                log.info("logprobs requested but unsupported by %s (rid=%s)", kind.name, rid)
-                cleanup(rid)
-                return json_response(
-                    {
-                        "error": f"{kind.name} does not produce logprobs",
-                        "error_type": "logprobs_unavailable",
-                    },
-                    501,
-                )
-            why = _unsupported(body.sampling or {}, kind)
-            if why is not None:
-                log.info("sampling rejected for %s: %s", rid, why)
-                cleanup(rid)
-                return json_response({"error": why, "error_type": "capability_unavailable"}, 501)
-            seq_len = 0
-            if not faults.no_kv:
-                got = await receiver.wait_complete(rid, body.timeout_s, cancel)
-                if cancel.is_set():
-                    log.info("cancelled during KV transfer for %s", rid)
-                    cleanup(rid)
-                    return json_response(
-                        {
-                            "error": "cancelled during KV transfer",
-                            "error_type": "request_cancelled",
-                            "rid": rid,
-                        },
-                        499,
-                    )
-                if got is None:
-                    cleanup(rid)
-                    return json_response({"error": "kv_transfer_timeout", "rid": rid}, 504)
-                seq_len = got.seq_len
-        except BaseException:
-            cleanup(rid)
-            raise
-        ids, finish = _plan(
-            body.first_token_id, body.max_tokens, bool((body.sampling or {}).get("ignore_eos"))
-        )
-        limit = faults.no_tokens_after_requests
-        if limit is not None and crasher.answered >= limit:
-            ids, finish = [], "stop"  # the fault: a decode that answers with nothing
-        pre = {"wire_wait": round(1000 * (time.time() - t0), 1), "convert": 0.0, "inject": 0.0}
-        t_inj = time.time()
-
-        def timing(reason: str) -> dict[str, Any]:
-            return {
-                **pre,
-                "decode": round(1000 * (time.time() - t_inj), 1),
-                "finish_reason": reason,
-            }
-
-        def reqstat(n: int, timing_ms: dict[str, Any]) -> None:
-            stats = " ".join(f"{k}={v}" for k, v in timing_ms.items())
-            log.info("REQSTAT rid=%s seq=%d completion=%d %s", rid, seq_len, n, stats)
-
-        def line(batch: list[int]) -> dict[str, Any]:
-            out: dict[str, Any] = {"t": batch}
-            if body.top_logprobs is not None:
-                out["lp"] = [_fake_logprob(t) for t in batch]
-                out["tp"] = [
-                    [[t + k, _fake_logprob(t) - 0.5 * k] for k in range(body.top_logprobs)]
-                    for t in batch
-                ]
-            return out
-
-        async def emit() -> AsyncIterator[int]:
-            for token in ids:
-                if faults.token_delay_s:
-                    await trio.sleep(faults.token_delay_s)
-                if cancel.is_set():
-                    return
-                yield token
-
+        seq_len = await self._prepare(body, cancel)
+        if isinstance(seq_len, Response):
+            return seq_len
+        answer = self._answer(body, seq_len, cancel, t0)
         if not body.stream:
             try:
-                out = [t async for t in emit()]
-                reason = "cancelled" if cancel.is_set() else finish
-                timing_ms = timing(reason)
-                reqstat(len(out), timing_ms)
-                reply: dict[str, Any] = {
-                    "rid": rid,
-                    "token_ids": out,
-                    "seq_len": seq_len,
-                    "timing_ms": timing_ms,
-                }
-                if body.top_logprobs is not None:
-                    lines = line(out)
-                    reply["logprobs"] = {"lp": lines["lp"], "tp": lines["tp"]}
-                return json_response(reply)
+                return await answer.whole()
             finally:
-                cleanup(rid)
+                self.cleanup(rid)
+        return StreamingResponse(self._stream(answer), content_type="application/x-ndjson")
 
-        async def stream() -> AsyncIterator[bytes]:
-            # An async generator, so that a client hang-up runs this finally and frees the node.
-            n = 0
-            try:
-                async for token in emit():
-                    n += 1
-                    yield msgspec.json.encode(line([token])) + b"\n"
-                reason = "cancelled" if cancel.is_set() else finish
-                timing_ms = timing(reason)
-                reqstat(n, timing_ms)
-                done = {
-                    "done": True,
-                    "n": n,
-                    "seq_len": seq_len,
-                    "finish_reason": reason,
-                    "timing_ms": timing_ms,
-                }
-                yield msgspec.json.encode(done) + b"\n"
-            finally:
-                cancel.set()
-                cleanup(rid)
+    async def _stream(self, answer: _Answer) -> AsyncIterator[bytes]:
+        # An async generator, so that a client hang-up runs this finally and frees the node.
+        try:
+            async with aclosing(answer.stream()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            answer.cancel.set()
+            self.cleanup(answer.body.rid)
 
-        return StreamingResponse(stream(), content_type="application/x-ndjson")
 
+def build_app(
+    receiver: Receiver, kind: EngineKind, profile: str, faults: Faults, crasher: Crasher
+) -> App:
+    """The decode server's HTTP app."""
+    app = App()
+    svc = DecodeService(receiver, kind, profile, faults, crasher, DecodeState())
+    app.route("GET", "/health")(svc.health)
+    app.route("GET", "/capabilities")(svc.capabilities)
+    app.route("GET", "/decode_status")(svc.decode_status)
+    app.route("POST", "/pd/cancel")(svc.pd_cancel)
+    app.route("POST", "/pd/decode")(svc.pd_decode)
     return app
 
 

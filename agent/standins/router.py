@@ -262,15 +262,7 @@ class Router:
             except httpx.HTTPError as exc:
                 return json_response({"error": str(exc)}, 502)
             if resp.status_code != 200:
-                await resp.aread()
-                await resp.aclose()
-                if resp.status_code == 429:
-                    return json_response(
-                        {"error": "decode node busy", "error_type": "decode_busy", "rid": rid}, 429
-                    )
-                return json_response(
-                    {"error": "decode call failed", "status": resp.status_code, "rid": rid}, 502
-                )
+                return await _decode_refusal(resp, rid)
             usage_prompt = int((prefill.get("usage") or {}).get("prompt_tokens") or 0)
             if is_chat and body.get("stream"):
                 handed_off = True
@@ -278,29 +270,40 @@ class Router:
                     self.sse(node, rid, resp, prefill, body, usage_prompt),
                     content_type="text/event-stream",
                 )
-            ids, finish, error = await self.collect(resp)
-            if error is not None:
-                return json_response(error, 502)
-            text = self.detok(ids)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-            if is_chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            return json_response(
-                {
-                    "id": prefill["id"],
-                    "object": openai_api.object_name(is_chat),
-                    "created": int(time.time()),
-                    "model": prefill.get("model"),
-                    "choices": [choice],
-                    "usage": _usage(usage_prompt, len(ids)),
-                    "timing_ms": {"total": round(1000 * (time.monotonic() - t0), 1)},
-                }
-            )
+            return await self.whole(resp, prefill, is_chat, usage_prompt, t0)
         finally:
             if not handed_off:
                 self.pool.release(node)
+
+    async def whole(
+        self,
+        resp: httpx.Response,
+        prefill: dict[str, Any],
+        is_chat: bool,
+        usage_prompt: int,
+        t0: float,
+    ) -> Response:
+        """The non-streamed OpenAI reply from the whole decode stream."""
+        ids, finish, error = await self.collect(resp)
+        if error is not None:
+            return json_response(error, 502)
+        text = self.detok(ids)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return json_response(
+            {
+                "id": prefill["id"],
+                "object": openai_api.object_name(is_chat),
+                "created": int(time.time()),
+                "model": prefill.get("model"),
+                "choices": [choice],
+                "usage": _usage(usage_prompt, len(ids)),
+                "timing_ms": {"total": round(1000 * (time.monotonic() - t0), 1)},
+            }
+        )
 
     @staticmethod
     async def lines(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
@@ -406,6 +409,19 @@ def _refused(body: dict[str, Any]) -> str | None:
         "its stop set for a minimum length. The vLLM prefill instance would apply it to the "
         "first token and the decode node would ignore it for the rest of the reply, so the "
         "request is refused instead of served incorrectly."
+    )
+
+
+async def _decode_refusal(resp: httpx.Response, rid: str) -> Response:
+    """The router's answer when the decode node refused ``rid`` (busy: 429, else 502)."""
+    await resp.aread()
+    await resp.aclose()
+    if resp.status_code == 429:
+        return json_response(
+            {"error": "decode node busy", "error_type": "decode_busy", "rid": rid}, 429
+        )
+    return json_response(
+        {"error": "decode call failed", "status": resp.status_code, "rid": rid}, 502
     )
 
 

@@ -6,7 +6,9 @@ placed with ``--relative`` so no node list is parsed in shell, each running ``ti
 --job-dir J``; then it waits, and when a step fails it cancels the job. Only the job directory path
 and fixed flags reach the shell: every recipe value (name, args, env) is read by the agents from
 ``J/plan.json``. The few header values that must be written (job name, account, partition, time)
-are sanitized or refused, never quoted into shell code.
+are sanitized or refused, never quoted into shell code. The static part of the script is
+``sbatch.sh.tmpl`` beside this module (bash that shellcheck reads as it is); the rendered header,
+variables and steps replace its marker lines.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import shlex
 import sys
+from importlib import resources
 from pathlib import Path
 
 from agent.job.paths import JobDir
@@ -24,6 +27,13 @@ from agent.recipe.cluster import ClusterConfig
 
 AGENT_SCRIPT = "tilert-agent"
 SBATCH_LOG = "sbatch.out"
+# The static part of the script, and the marker lines where the rendered parts go (whole lines,
+# comments to bash, so shellcheck reads the template as the script it becomes).
+TEMPLATE = "sbatch.sh.tmpl"
+HEADER_MARK = "#@SBATCH_HEADER@"
+VARIABLES_MARK = "#@VARIABLES@"
+STEPS_MARK = "#@STEPS@"
+JOB_NAME_MARK = "@JOB_NAME@"
 
 _JOB_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 # Account, partition (a comma-separated list) and time (e.g. 1-00:00:00, UNLIMITED) as sbatch
@@ -114,9 +124,8 @@ def _step(role: RolePlan) -> list[str]:
     ]
 
 
-def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
-    """The batch script text for ``plan`` in job directory ``job`` (InputError on unsafe input)."""
-    root = str(job.root)
+def _check_inputs(root: str, agent_command: list[str]) -> None:
+    """Refuse a job directory or agent command that cannot be written into the script."""
     check_shell_path(root, "--job-dir")
     if not os.path.isabs(root):
         raise ValueError(f"the job directory must be absolute, got {root!r}")
@@ -124,8 +133,11 @@ def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
         raise InputError([error("agent_command", "the command is empty", "remove it")])
     for word in agent_command:
         check_shell_path(word, "agent_command")
-    slurm = plan.slurm
 
+
+def _header(plan: Plan, root: str) -> list[str]:
+    """The ``#SBATCH`` lines: the allocation, the signal lead and where sbatch writes."""
+    slurm = plan.slurm
     header = [
         f"--job-name={job_name(plan.name)}",
         f"--nodes={slurm.nodes}",
@@ -144,64 +156,43 @@ def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
             header.append(f"--{flag}={_header_value(value, key)}")
     header.append(f"--signal=TERM@{int(slurm.signal_lead_s)}")
     header.append(f"--output={_sbatch_quoted(str(Path(root) / 'logs' / SBATCH_LOG))}")
+    return [f"#SBATCH {item}" for item in header]
 
-    lines = [
-        "#!/bin/bash",
-        f"# Rendered by tilert-submit for {job_name(plan.name)}. Only the job directory and fixed",
-        "# flags are in this script; the agents read everything else from $JOB_DIR/plan.json.",
-        *(f"#SBATCH {item}" for item in header),
-        "",
-        "set -u",
+
+def _variables(root: str, agent_command: list[str]) -> list[str]:
+    """``JOB_DIR`` and ``AGENT``: the only values of the submission the script holds."""
+    return [
         *_literal(f"JOB_DIR={shlex.quote(root)}"),
         *_literal("AGENT=(" + " ".join(shlex.quote(word) for word in agent_command) + ")"),
-        "",
-        "# No --cpus-per-task on the steps: a step without it is given every CPU the job holds on",
-        "# its nodes (all of them with --exclusive), so process-launched engines inherit them;",
-        "# -c would imply --exact and shrink the step. Stale values from the submitting shell",
-        "# would do the same.",
-        "unset SLURM_CPUS_PER_TASK SRUN_CPUS_PER_TASK SLURM_EXACT",
-        "",
     ]
-    lines += [
-        "# Each step in its own process group (job control): a SIGTERM meant for this shell",
-        "# (scancel --full, --batch) must not reach the srun clients, which would abort their",
-        "# steps with SIGKILL instead of letting the agents drain.",
-        "set -m",
-        "pids=()",
-        "",
-    ]
+
+
+def _steps(plan: Plan) -> list[str]:
+    """One backgrounded srun step per role group, each pid kept for the wait loop."""
+    lines: list[str] = []
     # A convert job (tilert-submit convert) has no prefill node.
     for role in (r for r in (plan.prefill, plan.decode) if r.nodes > 0):
         lines += [*_step(role), 'pids+=("$!")', ""]
-    lines += [
-        "# From here on SIGTERM is the agents' to handle (tilert-submit stop, the time limit):",
-        "# they drain their engines and exit, the steps end, and this shell waits for them.",
-        "trap '' TERM",
-        "failed=0",
-        'while [ "${#pids[@]}" -gt 0 ]; do',
-        "  # wait -n wakes when a running step ends; a step that ended before it was called is",
-        "  # not reported by it, so every step no longer running is collected by its pid.",
-        "  wait -n || true",
-        "  running=\" $(jobs -pr | tr '\\n' ' ') \"",
-        "  left=()",
-        '  for pid in "${pids[@]}"; do',
-        '    case "$running" in',
-        '      *" $pid "*) left+=("$pid") ;;',
-        "      *)",
-        "        rc=0",
-        '        wait "$pid" || rc=$?',
-        '        if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then',
-        "          # A step failed (its agents could not run their role): end the job.",
-        "          failed=1",
-        '          scancel "$SLURM_JOB_ID" || true',
-        "        fi",
-        "        ;;",
-        "    esac",
-        "  done",
-        "  # (the +-form keeps bash < 4.4 happy under set -u with an empty array)",
-        '  pids=(${left[@]+"${left[@]}"})',
-        "done",
-        'exit "$failed"',
-        "",
-    ]
+    return lines
+
+
+def sbatch_template() -> str:
+    """The script's static part (``sbatch.sh.tmpl`` beside this module, shipped with it)."""
+    return resources.files(__package__).joinpath(TEMPLATE).read_text(encoding="utf-8")
+
+
+def render_sbatch(plan: Plan, job: JobDir, agent_command: list[str]) -> str:
+    """The batch script text for ``plan`` in job directory ``job`` (InputError on unsafe input)."""
+    root = str(job.root)
+    _check_inputs(root, agent_command)
+    sections = {
+        HEADER_MARK: _header(plan, root),
+        VARIABLES_MARK: _variables(root, agent_command),
+        STEPS_MARK: _steps(plan),
+    }
+    lines: list[str] = []
+    # The job name goes into template lines only: a generated line (the job directory) may hold
+    # any text, the marker's included.
+    for line in sbatch_template().split("\n"):
+        lines += sections.get(line, [line.replace(JOB_NAME_MARK, job_name(plan.name))])
     return "\n".join(lines)

@@ -8,10 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 Labels = frozenset[tuple[str, str]]
+
+# vLLM's page as captured (tests/infra/capture_vllm_metrics.py), its OpenMetrics twin and the
+# hostile pages (bad-*), shared by the re-export's tests and the upstream fetch's.
+PAGES = Path(__file__).resolve().parents[1] / "data" / "metrics"
+VLLM_PAGE = PAGES / "vllm-0.32-cpu.txt"
+OPENMETRICS_PAGE = PAGES / "vllm-0.32-cpu-openmetrics.txt"
+BAD_PAGES = sorted(PAGES.glob("bad-*"))
+VLLM_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"  # what vLLM 0.32 answers
+# The labels the prefill agent adds in these tests.
+PREFILL_LABELS = {"role": "prefill", "node": "gpu-node-01", "slurm_job_id": "4242"}
 
 
 # ---- pages ------------------------------------------------------------------------------------
