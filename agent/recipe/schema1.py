@@ -31,6 +31,7 @@ from agent.facts import (
     TILERT_MODELS,
 )
 from agent.problems import Problem, error, warning
+from agent.recipe.model import DEFAULT_GPUS_PER_NODE
 
 HF_PREFIX = "hf:"
 BACKEND_TYPE = "tilert"
@@ -365,10 +366,16 @@ def _prefill(
         # The fork passes the hub id as the served name; vLLM's default for a folder is its path.
         args["served-model-name"] = hub
         origins.derive("roles.prefill.args.served-model-name", "model.path")
-    gpus = _mapping(raw, "resources").get("gpus_per_prefill")
-    if gpus is not None:
-        args["tensor-parallel-size"] = gpus
-        origins.derive("roles.prefill.args.tensor-parallel-size", "resources.gpus_per_prefill")
+    # The fork's TP is the prefill worker's GPU count: gpus_per_prefill, else a whole node.
+    resources = _mapping(raw, "resources")
+    for key in ("gpus_per_prefill", "gpus_per_node"):
+        if resources.get(key) is not None:
+            args["tensor-parallel-size"] = resources[key]
+            origins.derive("roles.prefill.args.tensor-parallel-size", f"resources.{key}")
+            break
+    else:
+        args["tensor-parallel-size"] = DEFAULT_GPUS_PER_NODE
+        origins.derive("roles.prefill.args.tensor-parallel-size", "resources")
     args["max-model-len"] = value["max_seq_len"]
     args["return-tokens-as-token-ids"] = True
     args["kv-cache-dtype"] = value["prefill_kv_cache_dtype"]
