@@ -1,8 +1,9 @@
 """``tilert-submit migrate RECIPE [-o FILE]``: a schema-1 TileRT recipe written as schema 2.
 
-The recipe is loaded first (with the cluster file found as for a submission), so only a recipe
-that loads is migrated; the schema-2 text (agent.recipe.migrate, comments kept) goes to stdout or,
-with ``-o``, atomically to FILE. Warnings go to stderr. Bad input exits 2 (docs/cli.md).
+The schema-2 text (agent.recipe.migrate, comments kept) goes to stdout or, with ``-o``,
+atomically to FILE; a file that is not schema 1, or a key whose meaning cannot be kept, exits 2
+and writes nothing. The recipe is also loaded here (with the cluster file found as for a
+submission) and what that finds is said on stderr: the schema-2 file inherits it (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -36,19 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Load, translate and write; 2 with every problem when the recipe does not load."""
+    """Translate and write; 2 when it is no schema-1 recipe or a key cannot be kept."""
     path = Path(args.recipe)
     try:
-        cluster_file = find_cluster_file(args.cluster, os.environ, Path.cwd())
-        cluster = read_cluster(cluster_file)[0] if cluster_file is not None else None
         text = read_text(path, "recipe")
         migrated = migrate_text(text, str(path))
-        loaded = load_recipe(path, cluster=cluster)
     except InputError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
-    if loaded.warnings:
-        print(render_problems(loaded.warnings, loaded.source), file=sys.stderr)
+    _check(path, args.cluster)
     if args.output is None:
         sys.stdout.write(migrated)
         return 0
@@ -60,3 +57,20 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     print(f"{out}: schema 2, from {path}", file=sys.stderr)
     return 0
+
+
+def _check(path: Path, cluster_flag: str | None) -> None:
+    """Say on stderr what loading the recipe here finds: the migrated file inherits it."""
+    try:
+        cluster_file = find_cluster_file(cluster_flag, os.environ, Path.cwd())
+        cluster = read_cluster(cluster_file)[0] if cluster_file is not None else None
+        loaded = load_recipe(path, cluster=cluster)
+    except InputError as exc:
+        print(
+            f"{PROG} migrate: migrated as it is; loading it here finds what the schema-2 file "
+            f"will too:\n{exc}",
+            file=sys.stderr,
+        )
+        return
+    if loaded.warnings:
+        print(render_problems(loaded.warnings, loaded.source), file=sys.stderr)

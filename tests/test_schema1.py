@@ -250,6 +250,19 @@ def test_migrate_refuses_what_is_not_schema1_and_what_cannot_be_kept(tmp_path: P
     assert not (tmp_path / "o").exists()
 
 
+def test_migrate_without_the_sites_cluster_file_writes_and_says_what_loading_finds(
+    tmp_path: Path,
+) -> None:
+    """Migration is about keys: image aliases the site defines do not stop it; what a dry run
+    here would refuse is said on stderr, the schema-2 file inheriting it."""
+    out = tmp_path / "out.yaml"
+    done = kit.submit_cmd("migrate", str(SCHEMA1), "-o", str(out), env=kit.clean_env())
+    assert done.returncode == 0, done.stderr
+    assert "migrated as it is; loading it here finds" in done.stderr
+    assert "model.container: 'tilert-decode' is neither a cluster image alias" in done.stderr
+    assert plan_json(plan_of(out, NVIDIA_SITE)) == plan_json(plan_of(SCHEMA1, NVIDIA_SITE))
+
+
 # ---- refused, in the user's own keys and lines -------------------------------------------------
 
 BAD = [
