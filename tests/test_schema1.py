@@ -104,7 +104,18 @@ CASES = {
     "srtctl2-b200": Case(B200, NVIDIA_SITE, schema1=False, converts=False),
     "srtctl2-rocm": Case(ROCM, AMD_SITE, schema1=False, converts=False),
 }
-SCHEMA1_CASES = [name for name, case in CASES.items() if case.schema1]
+# More schema-1 shapes for migrate: the later fork's engine: spelling, and a commented file.
+MIGRATED = {
+    **{name: case for name, case in CASES.items() if case.schema1},
+    "inferencex-engine": Case(
+        SCHEMA1, NVIDIA_SITE, lambda t: edited(t, ("\nbackend:\n", "\nengine:\n"))
+    ),
+    "inferencex-commented": Case(
+        SCHEMA1,
+        NVIDIA_SITE,
+        lambda t: "# a B200 point\n" + edited(t, ("  with_mtp: true", "  with_mtp: true  # MTP")),
+    ),
+}
 
 
 def plan_of(path: Path, site: Path, **kw: object) -> Plan:
@@ -205,11 +216,11 @@ def test_each_recipe_loads_plans_and_renders_a_script_shellcheck_accepts(
 # ---- migrate -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", SCHEMA1_CASES)
+@pytest.mark.parametrize("name", sorted(MIGRATED))
 def test_each_schema1_recipe_migrates_to_a_schema2_with_the_same_plan(
     name: str, tmp_path: Path
 ) -> None:
-    case = CASES[name]
+    case = MIGRATED[name]
     source = case.write(tmp_path, name)
     migrated = tmp_path / "migrated.yaml"
     done = kit.submit_cmd("migrate", str(source), "--cluster", str(case.site), "-o", str(migrated))
