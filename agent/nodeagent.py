@@ -39,6 +39,13 @@ from agent.launch.enginechecks import (
 from agent.launch.jobspecs import JobSpecs
 from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
+from agent.node.decodestats import (
+    DecodeStats,
+    PoolFigures,
+    decode_namer,
+    poll_decode_status,
+    poll_pool_status,
+)
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
 from agent.node.logpump import LogSink
@@ -87,6 +94,10 @@ class NodeAgent:
         self.engine: EngineSupervisor | None = None
         self.head: Head | None = None  # prefill-0 only
         self.head_figures = HeadFigures() if identity.is_head else None
+        # The decode's figures from its REQSTAT lines and /decode_status (tilert_decode_*); the
+        # head's: the router's pool and the refusals it logs.
+        self.decode_stats = DecodeStats() if identity.role == "decode" else None
+        self.pool = PoolFigures() if identity.is_head else None
         self.metrics = AgentMetrics(
             role=identity.role,
             node=identity.node,
@@ -94,6 +105,8 @@ class NodeAgent:
             supervisors=self._supervisors,
             upstream_up=(lambda: self.upstream.up) if identity.role == "prefill" else None,
             head=self.head_figures,
+            decode=self.decode_stats,
+            pool=(self.pool, decode_namer(job, plan)) if self.pool is not None else None,
         )
         make_log_dir(job, identity.name, plan)  # node-local with agent.logs.location: node
         self.sink = LogSink(
@@ -197,6 +210,7 @@ class NodeAgent:
             writes=self.writes,
             client=self.client,
             scratch_folder=self.scratch.folder,
+            pool=self.pool,
         )
 
     # ---- the engine ------------------------------------------------------------------------
@@ -288,7 +302,7 @@ class NodeAgent:
         if self.start_failure or self.preflight_failure:
             return self.start_failure or self.preflight_failure or ""
         if self.engine is not None and self.engine.state == "failed":
-            return f"engine failed: {self.engine.reason}"
+            return f"engine failed: {self.engine.explained_reason()}"
         return "see its agent.log"
 
     async def _run(self) -> int:
@@ -311,6 +325,7 @@ class NodeAgent:
             nursery.start_soon(self.writes.retry)
             if self.head_figures is not None:  # prefill-0, the head agent
                 self.head = Head(self._head_context(self.head_figures))
+            self._start_figures(nursery)
             if await self.run_preflight() and (self.weights is None or await self.weights.ready()):
                 self._start_engine(nursery)
             if self.head is not None:
@@ -393,9 +408,32 @@ class NodeAgent:
             on_address_in_use=self.record.move_engine_ports,
             observe_probe=self.metrics.observer("engine"),
             client=self.client,
+            where=self.id.role,
         )
         nursery.start_soon(self.engine.run)
         self.changed()
+
+    def _start_figures(self, nursery: trio.Nursery) -> None:
+        """The decode figures: its engine's lines as they pass, and what TileRT gives besides its
+        log: the decode's /decode_status (decode agents), the router's /pool_status (the head),
+        each polled only while its process is healthy."""
+        if self.decode_stats is not None:
+            self.sink.watchers.append(self.decode_stats.feed)  # its REQSTAT lines as they pass
+            nursery.start_soon(
+                poll_decode_status,
+                self.decode_stats,
+                self.client,
+                lambda: self.engine_url("/decode_status"),  # its port may move
+                lambda: self.engine is not None and self.engine.state == "healthy",
+            )
+        if self.pool is not None:
+            router = f"http://{self.id.address}:{self.plan.router.port}/pool_status"
+
+            def pool_url() -> str | None:
+                sup = self.head.router_supervisor if self.head is not None else None
+                return router if sup is not None and sup.state == "healthy" else None
+
+            nursery.start_soon(poll_pool_status, self.pool, self.client, pool_url)
 
     async def stop_all(self) -> None:
         """Stop the router (head) first, then the engine; each within its grace."""

@@ -4,7 +4,7 @@
 [--job-dir DIR]``, ``tilert-submit convert RECIPE [same flags]`` (a one-node job converting the
 decode's weights, docs/weights.md), ``tilert-submit migrate RECIPE [-o FILE]`` (schema 1 to
 schema 2, docs/recipe.md), and the job commands ``status J [--json]``, ``logs J [NAME]
-[-f]``, ``stop J``.
+[-f]``, ``stop J``, ``diagnose J [--json]``.
 RECIPE is positional, so the job commands are recognised by the first word; a recipe file with
 such a name is given as ``./status``. Bad input exits 2 with a message naming the key or flag,
 a runtime failure 1; never a traceback for either.
@@ -55,6 +55,7 @@ JOB_COMMANDS = {
     "logs": ("submit.logview", "print (or follow) a job's logs"),
     "stop": ("submit.stop", "stop a job: agents drain, then the job ends"),
     "bench": ("submit.bench", "benchmark a ready job from here, show or compare results"),
+    "diagnose": ("submit.diagnose", "name what failed in a job: log lines, cause and fix"),
 }
 # ``tilert-submit convert RECIPE ...``: the same flags as a submission, for a convert-only job.
 CONVERT_COMMAND = "convert"

@@ -147,7 +147,37 @@ def render_table(status: JobStatus, stale: str | None) -> str:
     for r in rows:
         cells = [c.ljust(w) for c, w in zip(r[:5], widths, strict=True)]
         lines.append("  ".join([*cells, r[5]]).rstrip())
+    lines.extend(progress_lines(status.agents, time.time()))
+    lines.extend(trouble_lines([*status.agents, *([status.router] if status.router else [])]))
     return "\n".join(lines)
+
+
+def trouble_lines(agents: list[JobAgent]) -> list[str]:
+    """The whole reason of each agent in trouble whose REASON cell was cut (its cause and fix)."""
+    out = [
+        f"{a.name} {a.state}: {printable(a.reason)}"
+        for a in agents
+        if a.state in ("failed", "unhealthy", "restarting") and len(a.reason) > REASON_WIDTH
+    ]
+    return ["", *out] if out else []
+
+
+def progress_lines(agents: list[JobAgent], now: float) -> list[str]:
+    """For each starting engine, its log's last progress line and how long ago it came."""
+    out = []
+    for a in agents:
+        if isinstance(a.progress, str) and isinstance(a.progress_at, float):
+            ago = max(0.0, now - a.progress_at)
+            out.append(f"{a.name} progress ({_ago(ago)} ago): {printable(a.progress)}")
+    return ["", *out] if out else []
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from agent.job.plan import Plan
 from agent.job.records import AgentStatus
 from agent.launch import Launcher
 from agent.launch.jobspecs import SpecBuilder
+from agent.node.decodestats import PoolFigures
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
 
@@ -50,3 +51,5 @@ class HeadContext:
     client: httpx.AsyncClient
     # process name -> its scratch folder (temp and caches; agent.launch.scratch), or None.
     scratch_folder: Callable[[str], str] | None = None
+    # The router's decode pool and the refusals it logs (tilert_decode_*): fed by its log.
+    pool: PoolFigures | None = None

@@ -219,6 +219,8 @@ class Peers:
             metrics_url=peer.record.metrics_url if peer.record else None,
             status_url=peer.record.status_url if peer.record else None,
             convert=status.convert if status and status.convert else msgspec.UNSET,
+            progress=status.progress if status and status.progress else msgspec.UNSET,
+            progress_at=status.progress_at if status and status.progress_at else msgspec.UNSET,
         )
 
     # ---- following -------------------------------------------------------------------------

@@ -107,6 +107,8 @@ class Router:
             max_bytes=plan.agent.log_max_bytes,
             backups=plan.agent.log_backups,
         )
+        if ctx.pool is not None:
+            sink.watchers.append(ctx.pool.feed)  # the refusals it logs per decode
         self.supervisor = EngineSupervisor(
             name=ROUTER_NAME,
             launcher=ctx.launcher,
@@ -123,6 +125,7 @@ class Router:
             on_change=ctx.on_change,
             observe_probe=ctx.probe_observer("router"),
             client=ctx.client,
+            where="router",
         )
         nursery.start_soon(self.supervisor.run)
         return self.supervisor

@@ -2,9 +2,9 @@
 
 ``endpoint`` (served with the ASGI toolkit ``agent.web.asgi``) is the agent's ``/healthz``,
 ``/status`` (long-poll), ``/metrics`` and ``/logs``; ``metrics`` is the agent's own Prometheus
-registry; ``reexport`` relabels vLLM's page with our labels and ``upstream`` fetches it for the
-re-export; ``client`` is the agent's one HTTP client (probes, long polls, canaries, the vLLM
-scrape).
+registry; ``decodemetrics`` its ``tilert_decode_*`` series; ``reexport`` relabels vLLM's page
+with our labels and ``upstream`` fetches it for the re-export; ``client`` is the agent's one HTTP
+client (probes, long polls, canaries, the vLLM scrape).
 
 May import: the standard library, trio, httpx, psutil, msgspec, prometheus_client,
 ``agent.problems``, ``agent.errors``, ``agent.web``, ``agent.job`` and ``agent.node``. Never

@@ -18,9 +18,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from agent.http.decodemetrics import FAMILIES as DECODE_FAMILIES
+from agent.http.decodemetrics import DecodeCollector, PoolCollector
 from agent.http.reexport import registry_names
 from agent.job.records import EngineStatus
 from agent.job.vocab import JOB_STATES, EngineState, JobState, Role
+from agent.node.decodestats import DecodeStats, PoolFigures
 from agent.node.supervisor import EngineSupervisor
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -260,6 +263,8 @@ class AgentMetrics:
         supervisors: Callable[[], dict[str, EngineSupervisor]],
         upstream_up: Callable[[], bool] | None = None,
         head: HeadFigures | None = None,
+        decode: DecodeStats | None = None,
+        pool: tuple[PoolFigures, Callable[[str], str]] | None = None,
     ) -> None:
         # Outside Slurm the label still exists, so queries need no special case.
         self.base = {"role": role, "node": node, "slurm_job_id": slurm_job_id or "local"}
@@ -275,6 +280,11 @@ class AgentMetrics:
             registry=self.registry,
         )
         self.registry.register(_StateCollector(self))
+        if decode is not None:  # a decode agent: its engine's figures (tilert_decode_*)
+            self.registry.register(DecodeCollector(decode, self.base))
+        if pool is not None:  # the head: the router's decode pool and refusals
+            self.registry.register(PoolCollector(pool[0], self.base, pool[1]))
+        self.serves_decode = decode is not None or pool is not None
 
     def observer(self, component: str) -> Callable[[float], None]:
         """A callback that records one probe latency for ``component``."""
@@ -288,6 +298,12 @@ class AgentMetrics:
         are added here: an upstream family of the same name would otherwise appear twice.
         """
         later = {GATE, GATE_LATENCY, CANARY_LATENCY} if self.head is not None else set()
+        if self.serves_decode:
+            later |= {
+                f"{name}{suffix}"
+                for name in DECODE_FAMILIES
+                for suffix in ("", "_total", "_created", "_bucket", "_sum", "_count")
+            }
         return registry_names(self.registry) | later
 
     def render(self) -> str:

@@ -126,6 +126,9 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     # agent.logs.location: node -> the node-local folder (None: engine logs in J/logs). Last and
     # omitted when None, so plans of jobs with logs in the job directory read as before.
     log_node_dir: str | None = None
+    # agent.startup_silence_s / startup_max_s: startup deadlines that watch progress.
+    startup_silence_s: float = 900.0
+    startup_max_s: float = 14400.0
 
 
 class ConvertPlan(msgspec.Struct, kw_only=True):

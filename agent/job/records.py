@@ -82,6 +82,10 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     # Wall clock (this node's) of the health answer that made the engine healthy; None unless
     # healthy. The head's gate figure starts at the last worker's.
     healthy_at: float | None = None
+    # While starting: the engine log's last progress line (weights, shards, compile, graph
+    # capture) and when it came (wall clock); None otherwise.
+    progress: str | None = None
+    progress_at: float | None = None
 
 
 class AgentStatus(EngineStatus, kw_only=True):
@@ -116,6 +120,9 @@ class JobAgent(msgspec.Struct, kw_only=True):
     status_url: str | None
     # While the agent is ``converting``: the conversion's progress; absent otherwise.
     convert: ConvertProgress | msgspec.UnsetType = msgspec.UNSET
+    # While starting: the engine log's last progress line and when it came; absent otherwise.
+    progress: str | msgspec.UnsetType = msgspec.UNSET
+    progress_at: float | msgspec.UnsetType = msgspec.UNSET
 
 
 class Gate(msgspec.Struct, kw_only=True):

@@ -5,15 +5,18 @@ record, read and watch the others', trusting no file), ``ownrecord`` (this agent
 and last word, published in its record), ``statuswriter`` (status.json and targets.json, for the
 head and a convert job), ``jobwrites`` (writes into the job directory that may fail: retried,
 shown, never fatal), ``supervisor`` (one engine's state machine: probe, restart, give up),
-``logpump`` (engine output to rotated files, never blocking the engine), ``agentlog`` (the
-agent's own log), the decode's weights: ``weightsfolder`` (complete or not, the marker, its path
-through the mounts), ``folderlock`` (a lock on a shared file system), ``mounts`` (engine paths
-through the container mounts), ``hubcache`` (a hub id's snapshot in the Hugging Face cache),
-``converter`` (TileRT's converter: its preflight, its run, its marker) and ``conversion`` (the
-gate before the engine: check, wait, or convert once), and ``jobend`` (the head ends the whole
-job). ``agent.nodeagent`` puts them together; ``agent.head`` uses them too.
+``logpump`` (engine output to rotated files, never blocking the engine; watchers see the lines
+as they pass), ``enginewatch`` (startup progress and failure signatures in those lines),
+``decodestats`` (a TileRT decode's figures from its REQSTAT lines and ``/decode_status``, the
+router's pool), ``agentlog`` (the agent's own log), the decode's weights: ``weightsfolder``
+(complete or not, the marker, its path through the mounts), ``folderlock`` (a lock on a shared
+file system), ``mounts`` (engine paths through the container mounts), ``hubcache`` (a hub id's
+snapshot in the Hugging Face cache), ``converter`` (TileRT's converter: its preflight, its run,
+its marker) and ``conversion`` (the gate before the engine: check, wait, or convert once), and
+``jobend`` (the head ends the whole job). ``agent.nodeagent`` puts them together; ``agent.head``
+uses them too.
 
-May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``, ``agent.problems``,
-``agent.errors``, ``agent.job`` and ``agent.launch``. Never ``agent.http``, ``agent.head`` or
-``agent.nodeagent``.
+May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``,
+``agent.signatures``, ``agent.problems``, ``agent.errors``, ``agent.job`` and ``agent.launch``.
+Never ``agent.http``, ``agent.head`` or ``agent.nodeagent``.
 """

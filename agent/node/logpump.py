@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import trio
@@ -45,6 +45,8 @@ DEFAULT_QUEUE_BYTES = 8 * 1024 * 1024
 _READ_CHUNK = 1024 * 1024
 _BATCH_BYTES = 8 * 1024 * 1024
 _IOV_MAX = 1024  # buffers per writev (Linux's limit)
+# How much of an unfinished line partial watchers see (its newest redraws).
+_PARTIAL_TAIL = 4096
 # How long the reader waits for the file to take a batch before it drops lines instead.
 _STALL_S = 0.1
 # How long a cancelled pump keeps trying to get its queue into the file (shutdown must stay short).
@@ -153,6 +155,11 @@ class LogSink:
         self._times = TimesWriter()
         self._size = 0
         self._failing = False
+        # Called with every block of whole engine lines as it is read (REQSTAT figures, failure
+        # signatures, startup progress): the lines pass by once, the file is never read again.
+        self.watchers: list[Callable[[bytes], None]] = []
+        # Called with the end of an unfinished line that a carriage return redrew (a progress bar).
+        self.partial_watchers: list[Callable[[bytes], None]] = []
 
     # ---- reading side (trio loop) ----
 
@@ -211,6 +218,10 @@ class LogSink:
             if block:
                 await self._room_for(len(block))
                 self._accept(block)
+            if partial and self.partial_watchers and b"\r" in data:
+                # A progress bar (tqdm) redraws its line with CR and ends it only when done.
+                for watcher in self.partial_watchers:
+                    watcher(partial[-_PARTIAL_TAIL:])
 
     async def _room_for(self, size: int) -> None:
         """Wait while the queue is full and the file is taking batches, at most ``_STALL_S``.
@@ -253,6 +264,7 @@ class LogSink:
         """Ring and queue for complete engine lines; what does not fit the queue is dropped."""
         lines = block.count(b"\n")
         self._remember(block, lines)
+        self._watch(block)
         room = self.queue_bytes - self._queued_bytes
         if len(block) <= room or not self._queued_bytes:  # one read may exceed a small queue
             self._push(block, lines, len(block))
@@ -265,6 +277,18 @@ class LogSink:
         self.bytes_dropped += len(block) - cut
         self._unnoted_lines += lines - kept
         self._unnoted_bytes += len(block) - cut
+
+    def _watch(self, block: bytes) -> None:
+        """Hand ``block`` to every watcher; a watcher's bug costs its figures, never the log."""
+        for watcher in list(self.watchers):
+            try:
+                watcher(block)
+            except Exception:
+                # Once: a watcher that fails on one block would fail on the next ones too.
+                self.watchers.remove(watcher)
+                _log.exception(
+                    "log watcher %r failed on %s; it is switched off", watcher, self.path
+                )
 
     def _remember(self, block: bytes, lines: int) -> None:
         """Keep the newest blocks holding the last ``ring_lines`` lines (``recent`` splits them)."""

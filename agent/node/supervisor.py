@@ -39,10 +39,14 @@ from agent.job.plan import Plan
 from agent.job.records import EngineStatus
 from agent.job.vocab import EngineState
 from agent.launch import Launcher, LaunchSpec, ProcessHandle
+from agent.node.enginewatch import EngineWatch
 from agent.node.logpump import LogSink
+from agent.signatures import Where
 
 ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
 FAILURE_LOG_LINES = 50
+# How long an engine that exited while starting may take to get its last lines to the log pump.
+_LAST_LINES_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,10 @@ class Policy:
     # The role's (plan.prefill / plan.decode / plan.router).
     startup_budget_s: float
     stop_grace_s: float
+    # A progress line in the engine's log keeps its startup going this much longer (past the
+    # budget), up to ``startup_max_s`` since launch (docs/agent.md "Startup deadlines").
+    startup_silence_s: float = 900.0
+    startup_max_s: float = 14400.0
 
 
 def policy_for(plan: Plan, *, startup_budget_s: float, stop_grace_s: float) -> Policy:
@@ -81,6 +89,8 @@ def policy_for(plan: Plan, *, startup_budget_s: float, stop_grace_s: float) -> P
         restart_window_s=a.restart_window_s,
         startup_budget_s=startup_budget_s,
         stop_grace_s=stop_grace_s,
+        startup_silence_s=a.startup_silence_s,
+        startup_max_s=max(a.startup_max_s, startup_budget_s),
     )
 
 
@@ -111,6 +121,7 @@ class EngineSupervisor:
         on_address_in_use: Callable[[], None] | None = None,
         observe_probe: Callable[[float], None] | None = None,
         client: httpx.AsyncClient | None = None,
+        where: Where | None = None,
     ) -> None:
         self.name = name
         self.launcher = launcher
@@ -142,22 +153,49 @@ class EngineSupervisor:
         self._cancel = trio.CancelScope()
         self._probe_wakeup = trio.Event()
         self.done = trio.Event()
+        # What the engine's log says (progress while starting, failure signatures); ``where``
+        # names whose signatures apply: prefill, decode or router.
+        self.watch: EngineWatch | None = None
+        if where is not None:
+            self.watch = EngineWatch(where, on_fatal=self._wake)
+            sink.watchers.append(self.watch.feed)
+            sink.partial_watchers.append(self.watch.feed_partial)
 
     # ---- what others read ------------------------------------------------------------------
 
     def status(self) -> EngineStatus:
         """The ``/status`` view of this engine."""
         alive = self.process is not None and self.process.returncode is None
+        watch = self.watch
+        starting = watch is not None and watch.starting and self.state == "starting"
         return EngineStatus(
             state=self.state,
             pid=self.process.pid if alive and self.process else None,
             ports=self.ports(),
             restarts=self.restarts,
-            reason=self.reason,
+            reason=self.explained_reason(),
             since=self.since,
             uptime_s=(time.time() - self.started_at) if alive and self.started_at else None,
             healthy_at=self.healthy_at if self.state == "healthy" else None,
+            progress=watch.progress if starting and watch else None,
+            progress_at=watch.progress_at if starting and watch else None,
         )
+
+    def explained_reason(self) -> str:
+        """``reason`` with the cause and fix of the failure signature the log showed, if any."""
+        if self.watch is None or self.state in ("stopping", "stopped"):
+            return self.reason
+        healthy = self.state == "healthy"
+        found = self.watch.diagnosis(recent_only=healthy)
+        if found is None:
+            return self.reason
+        if healthy:
+            return f"{self.reason}; but its log shows: {found.reason()}"
+        return f"{found.reason()} ({self.reason})"
+
+    def _wake(self) -> None:
+        """Wake the probe loop now (a fatal line in the log)."""
+        self._probe_wakeup.set()
 
     def _mark(self, text: str) -> None:
         """One marker line in the engine's log, where ``tilert-submit logs -f`` shows it."""
@@ -270,6 +308,7 @@ class EngineSupervisor:
 
     def _fail(self, reason: str) -> None:
         self._set("failed", reason)
+        reason = self.explained_reason()
         self._mark(f"failed: {reason}")
         lines = self.sink.recent(FAILURE_LOG_LINES)
         self.log.error(
@@ -286,6 +325,8 @@ class EngineSupervisor:
         spec = self.build()
         self.generation += 1
         self._probe_wakeup = trio.Event()
+        if self.watch is not None:
+            self.watch.new_generation()
         if self.state != "restarting":
             self._set("starting", f"launching (generation {self.generation})")
         start = time.monotonic()
@@ -317,7 +358,7 @@ class EngineSupervisor:
 
             nursery.start_soon(wait_exit)
             try:
-                result = await self._watch(client, engine, exited, start)
+                result = await self._watch(client, engine, exited, start, pumped)
             finally:
                 with trio.CancelScope(shield=True):
                     await self._stop_engine(engine)
@@ -357,9 +398,16 @@ class EngineSupervisor:
         return f"engine pid {engine.pid} exited with code {code}"
 
     async def _watch(
-        self, client: httpx.AsyncClient, engine: ProcessHandle, exited: trio.Event, start: float
+        self,
+        client: httpx.AsyncClient,
+        engine: ProcessHandle,
+        exited: trio.Event,
+        start: float,
+        pumped: trio.Event,
     ) -> str | None:
-        healthy, outcome = await self._until_healthy(client, engine, exited, start)
+        healthy, outcome = await self._until_healthy(client, engine, exited, start, pumped)
+        if self.watch is not None:
+            self.watch.starting = False
         if not healthy:
             return outcome
         elapsed = time.monotonic() - start
@@ -371,16 +419,30 @@ class EngineSupervisor:
         return await self._while_healthy(client, engine, exited)
 
     async def _until_healthy(
-        self, client: httpx.AsyncClient, engine: ProcessHandle, exited: trio.Event, start: float
+        self,
+        client: httpx.AsyncClient,
+        engine: ProcessHandle,
+        exited: trio.Event,
+        start: float,
+        pumped: trio.Event,
     ) -> tuple[bool, str | None]:
-        """Startup probe: (True, None) once the engine answers, else (False, what ended it)."""
+        """Startup probe: (True, None) once the engine answers, else (False, what ended it).
+
+        It ends at once on a fatal line in the log, and at a deadline that progress lines move
+        (``_startup_over``).
+        """
         policy = self.policy
-        deadline = start + policy.startup_budget_s
         # Fast, so readiness is seen within ~50 ms.
         while True:
             if self._relaunch_reason is not None:
                 return False, "relaunch"
             if exited.is_set():
+                # Its last lines may still be in the pipe: a fatal one decides, not the exit.
+                with trio.move_on_after(_LAST_LINES_S if self.watch is not None else 0):
+                    await pumped.wait()
+                if self.watch is not None and self.watch.fatal is not None:
+                    self._fail(self._startup_over(start) or "a fatal line in its log")
+                    return False, None
                 if not self.ever_healthy and self._address_in_use() and self.on_address_in_use:
                     self.on_address_in_use()
                     self._relaunch_reason = "address in use before first healthy: new ports"
@@ -391,13 +453,46 @@ class EngineSupervisor:
                     return True, None
                 if self._port_taken():
                     return False, "relaunch"
-            if time.monotonic() > deadline:
-                self._fail(
-                    f"not healthy within the startup budget of {policy.startup_budget_s:g}s "
-                    f"({self.health_url()}); raise agent.startup_budget_s or health_check"
-                )
+            over = self._startup_over(start)
+            if over is not None:
+                self._fail(over)
                 return False, None
             await self._sleep_or_wake(policy.probe_startup_interval_s)
+
+    def _startup_over(self, start: float) -> str | None:
+        """Why the startup wait ends now (a fatal log line, or past its deadline), or None.
+
+        The deadline is the budget, moved on by ``startup_silence_s`` from each progress line,
+        never past ``startup_max_s`` (docs/agent.md "Startup deadlines that watch progress").
+        """
+        policy, watch, now = self.policy, self.watch, time.monotonic()
+        if watch is not None and watch.fatal is not None:
+            return f"its log shows a fatal error: {watch.fatal.line.strip()[:200]}"
+        deadline = start + policy.startup_budget_s
+        last = watch.progress_mono if watch is not None else None
+        if last is not None:
+            deadline = min(
+                max(deadline, last + policy.startup_silence_s), start + policy.startup_max_s
+            )
+        if now <= deadline:
+            return None
+        if last is None:
+            return (
+                f"not healthy within the startup budget of {policy.startup_budget_s:g}s "
+                f"({self.health_url()}), and no progress line in its log; raise "
+                "agent.startup_budget_s or health_check"
+            )
+        text = watch.progress if watch is not None else None
+        if now > start + policy.startup_max_s:
+            return (
+                f"still starting after agent.startup_max_s ({policy.startup_max_s:g}s); last "
+                f"progress {now - last:.0f}s ago: {text!r}"
+            )
+        return (
+            f"no progress line for {now - last:.0f}s (agent.startup_silence_s "
+            f"{policy.startup_silence_s:g}) after the startup budget of "
+            f"{policy.startup_budget_s:g}s; last progress: {text!r}"
+        )
 
     def _port_taken(self) -> bool:
         """Another process answered on the engine's port: whether that means new ports now."""

@@ -244,6 +244,10 @@ class AgentSection(_Strict):
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
     # None for a role means srtctl's health_check budget (max_attempts x interval_seconds).
     startup_budget_s: Budgets = msgspec.field(default_factory=lambda: Budgets(router=300.0))
+    # Startup deadlines that watch progress (docs/agent.md): a progress line in the engine's log
+    # keeps its startup going this long past the budget; never past ``startup_max_s``.
+    startup_silence_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] = 900.0
+    startup_max_s: Annotated[float, msgspec.Meta(gt=0, le=7 * _DAY_S)] = 14400.0
     stop_grace_s: Graces = msgspec.field(
         default_factory=lambda: Graces(prefill=20.0, decode=20.0, router=5.0)
     )

@@ -329,6 +329,8 @@ def _agent_plan(agent: AgentSection) -> AgentPlan:
         canary_attempt_timeout_s=agent.canary.attempt_timeout_s,
         scratch_dir=agent.scratch_dir,
         log_node_dir=agent.logs.node_dir if agent.logs.location == "node" else None,
+        startup_silence_s=agent.startup_silence_s,
+        startup_max_s=agent.startup_max_s,
     )
 
 

@@ -29,7 +29,9 @@ What they share:
 - ``openai_api``: the OpenAI request fields and streamed-reply framing of prefill and router;
 - ``tokens``: the token ids they emit and their text without a tokenizer; ``bpe``: the model's
   own byte-level BPE, for the prefill's ``/tokenize``;
-- ``faults``: the ``TILERT_MOCK_*`` fault switches; ``lifecycle``: parse, load, serve, stop.
+- ``faults``: the ``TILERT_MOCK_*`` fault switches; ``failmodes``: ``TILERT_MOCK_FAILURE``, each
+  known failure's real message in its program's log; ``lifecycle``: parse, load, serve, stop;
+- ``tilertlog``: TileRT's log format (``decode_server.py:106 [INFO]: REQSTAT ...``) for the decode.
 
 May import: the standard library, third-party packages, ``agent.facts`` (what TileRT and vLLM are),
 ``agent.errors`` (the error tree) and ``agent.web`` (the HTTP toolkit); nothing else of ``agent``,

@@ -37,6 +37,7 @@ from agent.facts import (
 from agent.standins import lifecycle, tokens, wire
 from agent.standins.faults import Crasher, Faults
 from agent.standins.kvlink import Receiver
+from agent.standins.tilertlog import FORMAT, TileRTFormatter
 from agent.web.asgi import (
     App,
     Request,
@@ -157,7 +158,7 @@ def _refusal(body: DecodeBody, kind: EngineKind) -> Response | None:
         )
     why = _unsupported(body.sampling or {}, kind)
     if why is not None:
-        log.info("sampling rejected for %s: %s", body.rid, why)
+        log.info("sampling rejected for %s: %s (%s)", body.rid, why, "capability_unavailable")
         return json_response({"error": why, "error_type": "capability_unavailable"}, 501)
     return None
 
@@ -403,7 +404,7 @@ def _probe_local_ip() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: ``python -m agent.standins.decode [decode_server flags]``."""
-    lifecycle.setup_logging("%(asctime)s %(name)s %(message)s")
+    lifecycle.setup_logging(FORMAT, formatter=TileRTFormatter())
     args = lifecycle.parse_known(build_parser(), argv)
     faults = lifecycle.load_faults()
     kind = ENGINES[args.engine]
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
             log.info(
                 "loading TileRT engine (profile=%s, weights=%s)...", profile, args.model_weights_dir
             )
-        if not await lifecycle.loading(faults, shutdown):
+        if not await lifecycle.loading(faults, shutdown, "decode"):
             return
         if args.engine == "tilert":
             num_mtp = args.num_mtp if args.with_mtp else 0

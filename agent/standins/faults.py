@@ -18,6 +18,11 @@ Every switch is off when unset or empty:
   job that turns ready, then "serves" nothing; a benchmark must fail on it.
 - ``TILERT_MOCK_METRICS_FILE``: the prefill's ``/metrics`` serves this file verbatim (re-read on
   every scrape, 500 while it is missing) instead of its live registry.
+- ``TILERT_MOCK_PROGRESS_EVERY_S=S``: while "loading" (``TILERT_MOCK_STARTUP_DELAY_S``), print a
+  progress bar line every S seconds (vLLM's ``Loading safetensors checkpoint shards``, redrawn
+  with a carriage return as tqdm does), so the agent's startup deadline sees progress.
+- ``TILERT_MOCK_FAILURE=NAME``: print the real message of failure signature NAME
+  (``agent.standins.failmodes``) in the program whose log shows it; a startup failure then exits.
 - ``TILERT_MOCK_FAULT_TARGET=NAME``: every switch above applies only to the engine whose
   ``TILERT_AGENT_NAME`` (set by the agent: ``prefill-0``, ``decode-1``, ...) equals NAME, so one
   decode of a job can be made to crash-loop while the others serve.
@@ -46,6 +51,7 @@ from pathlib import Path
 import trio
 
 from agent.errors import BadInput
+from agent.standins.failmodes import MODES
 
 log = logging.getLogger("standin.faults")
 
@@ -71,6 +77,8 @@ class Faults:
     token_delay_s: float = 0.0
     no_tokens_after_requests: int | None = None
     metrics_file: Path | None = None
+    progress_every_s: float | None = None
+    failure: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Faults:
@@ -80,6 +88,11 @@ class Faults:
         if target and target != env.get(AGENT_NAME_ENV, "").strip():
             return cls()
         metrics = _text(env, "METRICS_FILE")
+        failure = _text(env, "FAILURE") or None
+        if failure is not None and failure not in MODES:
+            raise FaultConfigError(
+                f"{PREFIX}FAILURE={failure!r} names no known failure; one of: {', '.join(MODES)}"
+            )
         return cls(
             startup_delay_s=_number(env, "STARTUP_DELAY_S") or 0.0,
             crash_after_requests=_integer(env, "CRASH_AFTER_REQUESTS"),
@@ -90,6 +103,8 @@ class Faults:
             token_delay_s=_number(env, "TOKEN_DELAY_S") or 0.0,
             no_tokens_after_requests=_integer(env, "NO_TOKENS_AFTER_REQUESTS"),
             metrics_file=Path(metrics) if metrics else None,
+            progress_every_s=_number(env, "PROGRESS_EVERY_S") or None,
+            failure=failure,
         )
 
     async def hold_health(self) -> None:

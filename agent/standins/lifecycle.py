@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from agent.standins.failmodes import Program, print_failure
 from agent.standins.faults import Crasher, FaultConfigError, Faults
 
 log = logging.getLogger("standin")
@@ -30,9 +31,14 @@ def parse_known(parser: argparse.ArgumentParser, argv: list[str] | None) -> argp
     return args
 
 
-def setup_logging(fmt: str, datefmt: str | None = None) -> None:
-    """Log to stderr in the real engine's format."""
+def setup_logging(
+    fmt: str, datefmt: str | None = None, formatter: logging.Formatter | None = None
+) -> None:
+    """Log to stderr in the real engine's format (``formatter``: one of its own making)."""
     logging.basicConfig(level=logging.INFO, format=fmt, datefmt=datefmt, stream=sys.stderr)
+    if formatter is not None:
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(formatter)
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
 
 
@@ -45,11 +51,34 @@ def load_faults() -> Faults:
         raise SystemExit(exc.exit_code) from None
 
 
-async def loading(faults: Faults, shutdown: trio.Event) -> bool:
-    """Sleep through the startup delay (ports still unbound); False when stopped meanwhile."""
+async def loading(faults: Faults, shutdown: trio.Event, program: Program) -> bool:
+    """Sleep through the startup delay (ports still unbound), showing progress if asked; then
+    print the failure asked for (a startup one ends the process). False when stopped meanwhile."""
     with trio.move_on_after(faults.startup_delay_s):
+        if faults.progress_every_s:
+            await _show_progress(faults.progress_every_s, faults.startup_delay_s)
         await shutdown.wait()
-    return not shutdown.is_set()
+    if shutdown.is_set():
+        return False
+    print_failure(faults.failure, program, "start")
+    print_failure(faults.failure, program, "serve")
+    return True
+
+
+async def _show_progress(every_s: float, total_s: float) -> None:
+    """vLLM's weight loading bar, redrawn with a carriage return (tqdm), one shard per step."""
+    shards = max(1, int(total_s / every_s))
+    t0 = trio.current_time()
+    for done in range(shards + 1):
+        elapsed = trio.current_time() - t0
+        end = "\n" if done == shards else "\r"
+        sys.stderr.write(
+            f"Loading safetensors checkpoint shards: {100 * done // shards:3d}% Completed | "
+            f"{done}/{shards} [{int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}<?, ?it/s]{end}"
+        )
+        sys.stderr.flush()
+        if done < shards:
+            await trio.sleep(every_s)
 
 
 async def _live(name: str, faults: Faults, body: Body) -> None:

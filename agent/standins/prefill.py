@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def body(nursery: trio.Nursery, crasher: Crasher, shutdown: trio.Event) -> None:
         server = PrefillServer(args, model, faults, crasher, _sender(args, nursery, faults))
-        if not await lifecycle.loading(faults, shutdown):
+        if not await lifecycle.loading(faults, shutdown, "prefill"):
             return
         host = args.host or "0.0.0.0"
         sock = bound_socket(host, args.port)

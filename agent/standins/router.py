@@ -28,6 +28,7 @@ import trio
 
 from agent.facts import ROUTER_PARSERS
 from agent.standins import lifecycle, openai_api, tokens, wire
+from agent.standins.failmodes import print_failure
 from agent.standins.faults import Crasher, Faults
 from agent.web.asgi import (
     App,
@@ -454,7 +455,12 @@ def main(argv: list[str] | None = None) -> None:
         log.error("cannot bind %s:%d: %s", args.host, args.port, exc)
         raise SystemExit(PORT_IN_USE_EXIT_CODE) from None
 
+    # Of the switches only TILERT_MOCK_FAILURE: the router is not a GPU engine.
+    failure = lifecycle.load_faults().failure
+
     async def body(_nursery: trio.Nursery, _crasher: Crasher, shutdown: trio.Event) -> None:
+        print_failure(failure, "router", "start")
+        print_failure(failure, "router", "serve")
         router = Router(args, Pool(nodes, args.queue_timeout), detok)
         log.info(
             "router on :%d -> vllm=%s, %d decode node(s), parser=%s (stand-in)",
@@ -469,7 +475,6 @@ def main(argv: list[str] | None = None) -> None:
             with trio.CancelScope(shield=True):
                 await router.client.aclose()
 
-    # No fault switches: the router is not a GPU engine, and the real one ignores them.
     lifecycle.run("router", Faults(), body, term_exit_code=TERM_EXIT_CODE)
 
 

@@ -91,10 +91,17 @@ def pump(total: int, folder: Path) -> None:
     import trio
 
     from agent.launch import LaunchSpec, ProcessLauncher
+    from agent.node.decodestats import DecodeStats
+    from agent.node.enginewatch import EngineWatch
     from agent.node.logpump import LogSink
 
     async def run() -> dict[str, float]:
         sink = LogSink(folder / "engine.log", max_bytes=1 << 40, backups=1)
+        # What a decode agent watches in its engine's lines (REQSTAT, signatures, progress).
+        watch = EngineWatch("decode")
+        watch.starting = False  # a serving engine
+        sink.watchers += [DecodeStats().feed, watch.feed]
+        sink.partial_watchers.append(watch.feed_partial)
         argv = [sys.executable, "-c", ENGINE_64K, str(total)]
         start = time.perf_counter()
         engine = await ProcessLauncher().start(

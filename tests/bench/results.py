@@ -25,6 +25,7 @@ FIGURES: dict[str, tuple[str, float, Literal["lower", "higher"], str]] = {
     "reexport_ratio": ("x", 3, "lower", "... against the raw page from a plain HTTP server"),
     "log_pump_ratio_64k": ("x", 0.5, "higher", "64 KiB writes through the agent / to a file"),
     "log_pump_drop_pct": ("%", 0, "lower", "lines the agent dropped (the worst run)"),
+    "reqstat_us": ("us", 100, "lower", "a decode agent's cost per request: its REQSTAT line"),
     "head_follow_1024_ms": ("ms", 1000, "lower", "1,024 peers' records appear -> all followed"),
     "cli_help_ms": ("ms", 100, "lower", "tilert-submit --help"),
     "cli_status_ms": ("ms", 100, "lower", "tilert-submit status J"),
