@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     # How to see where it is stuck: kill -USR1 <pid> prints every thread's stack on stderr
     # (docs/agent.md).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # And as it dies of SIGABRT (systemd's watchdog: docs/systemd.md), SIGSEGV or the like: the
+    # stacks show where its loop was wedged.
+    faulthandler.enable(all_threads=True)
     args = _parser().parse_args(argv)
     try:
         job = JobDir(Path(args.job_dir).resolve())

@@ -51,6 +51,8 @@ from agent.node.jobwrites import JobWrites
 from agent.node.logpump import LogSink
 from agent.node.ownrecord import OwnRecord
 from agent.node.ports import choose_port, is_bindable
+from agent.node.sdnotify import Notifier
+from agent.node.servicenotes import ServiceNotes, Standing, wedge_on_sigusr2, wedge_seconds
 from agent.node.supervisor import EngineSupervisor, policy_for
 from agent.problems import printable
 from agent.web.asgi import bound_socket, serve
@@ -144,6 +146,8 @@ class NodeAgent:
             else None
         )
         self.connector_standin = False
+        # systemd's readiness, status, watchdog and stop notes (no-ops without NOTIFY_SOCKET).
+        self.notes = ServiceNotes(Notifier.from_environ(log), self._standing, log)
 
     # ---- state for /status and metrics ---------------------------------------------------
 
@@ -188,10 +192,23 @@ class NodeAgent:
         )
 
     def changed(self) -> None:
-        """A supervised state changed: wake long-pollers and the head."""
+        """A supervised state changed: wake long-pollers, the head and systemd's notes."""
         self.feed.bump()
         if self.head is not None:
             self.head.poke()
+        self.notes.poke()
+
+    def _standing(self) -> Standing:
+        """Where this agent stands, for systemd: the head's is the job's, a worker's its
+        engine's (ready once healthy; loading while preflight, conversion or load go on)."""
+        if self.head is not None:
+            return self.head.standing()
+        status = self._snapshot()
+        return Standing(
+            status=f"{self.id.name} {status.state}: {status.reason}",
+            ready=status.state == "healthy",
+            loading=status.state in ("starting", "converting", "restarting"),
+        )
 
     def _head_context(self, figures: HeadFigures) -> HeadContext:
         return HeadContext(
@@ -210,6 +227,7 @@ class NodeAgent:
             writes=self.writes,
             client=self.client,
             scratch_folder=self.scratch.folder,
+            on_state=self.notes.poke,
             pool=self.pool,
         )
 
@@ -287,6 +305,7 @@ class NodeAgent:
             reason = self._exit_reason(code)
         finally:
             self.scratch.remove()
+            self.notes.notifier.close()
         # The last word: one attempt (the agent is leaving).
         self.record.exited = AgentExit(
             state="failed" if code else "stopped", reason=reason, code=code
@@ -325,6 +344,10 @@ class NodeAgent:
             nursery.start_soon(self.writes.retry)
             if self.head_figures is not None:  # prefill-0, the head agent
                 self.head = Head(self._head_context(self.head_figures))
+            nursery.start_soon(self.notes.run)
+            wedge_s = wedge_seconds()
+            if wedge_s is not None:  # a test switch (docs/systemd.md)
+                nursery.start_soon(wedge_on_sigusr2, wedge_s, self.log)
             self._start_figures(nursery)
             if await self.run_preflight() and (self.weights is None or await self.weights.ready()):
                 self._start_engine(nursery)
@@ -437,6 +460,9 @@ class NodeAgent:
 
     async def stop_all(self) -> None:
         """Stop the router (head) first, then the engine; each within its grace."""
+        self.notes.stopping(
+            "the router, then the engine" if self.head is not None else "the engine"
+        )
         if self.head is not None:
             await self.head.stop()
         if self.engine is not None:
@@ -460,6 +486,7 @@ class NodeAgent:
                         continue
                     self.stop_requested = True
                     self.log.info("%s: %s received; stopping", self.id.name, name)
+                    self.notes.stopping(f"{name} received; stopping the engines")
                     if self.head is not None:
                         self.head.request_stop()  # the head drains and returns from run()
                     else:

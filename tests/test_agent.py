@@ -61,6 +61,8 @@ STATUS_FIELDS = {
     "uptime_s",
     "version",
     "healthy_at",
+    "progress",
+    "progress_at",
 }
 RECORD_FIELDS = {
     "schema",

@@ -51,5 +51,7 @@ class HeadContext:
     client: httpx.AsyncClient
     # process name -> its scratch folder (temp and caches; agent.launch.scratch), or None.
     scratch_folder: Callable[[str], str] | None = None
+    # The job's state or its reason changed (systemd hears of it: agent.node.servicenotes).
+    on_state: Callable[[], None] | None = None
     # The router's decode pool and the refusals it logs (tilert_decode_*): fed by its log.
     pool: PoolFigures | None = None

@@ -46,8 +46,9 @@ from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
 from agent.job.records import EngineStatus, Gate, JobStatus
-from agent.job.vocab import JobState
+from agent.job.vocab import SERVING_STATES, JobState
 from agent.node.jobend import end_job
+from agent.node.servicenotes import Standing
 from agent.node.statuswriter import StatusWriter, read_local_supervisor
 from agent.node.supervisor import EngineSupervisor
 
@@ -80,6 +81,7 @@ class Head:
         # Decodes the router no longer uses, with the failure that dropped each.
         self.dropped: dict[str, str] = {}
         self.state: JobState = "starting"
+        self.why = "the head's own engine first (preflight, load)"  # the reason of ``state``
         self.error: str | None = None
         self.router_url: str | None = None  # shown while the router is ours to serve
         self.gate: Gate | None = None  # once the router's process runs after the gate
@@ -170,11 +172,24 @@ class Head:
         self.poke()
 
     def _set_state(self, state: JobState, why: str) -> None:
+        changed = (state, why) != (self.state, self.why)
         if state != self.state:
             self.log.info("head: job %s -> %s: %s", self.state, state, why)
-            self.state = state
+        self.state, self.why = state, why
         self.status_file.write()
         self.ctx.figures.job_state = self.state
+        if changed and self.ctx.on_state is not None:
+            self.ctx.on_state()
+
+    def standing(self) -> Standing:
+        """Where the job stands, for systemd: ready once canaries proved it (``ready``, or
+        ``degraded`` when a decode was dropped on the way: it serves), loading until then."""
+        proven = self.proven is not None
+        return Standing(
+            status=f"job {self.state}: {self.why}",
+            ready=proven and self.state in SERVING_STATES,
+            loading=not proven and self.state in ("starting", "waiting"),
+        )
 
     @staticmethod
     def _check_fatal(view: JobView) -> None:
@@ -274,7 +289,9 @@ class Head:
             decision_s * 1000,
             ", ".join(decodes),
         )
-        self._set_state("waiting", waiting_for(view))
+        self._set_state(
+            "waiting", waiting_for(view) or "every worker healthy; the router starts, then canaries"
+        )
 
     async def _canaries(self, count: int) -> list[float]:
         return await run_canaries(

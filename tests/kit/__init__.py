@@ -25,6 +25,8 @@ the /metrics page readers, which are imported from ``tests.kit.metrics``. One co
 - ``metrics``: reading a /metrics page (samples, families, one series).
 - ``logs``: `tilert-submit logs` as a user runs it (followers, per-source lines); imported from
   ``tests.kit.logs``.
+- ``notifysocket``: a datagram socket in systemd's place, receiving an agent's ``sd_notify``
+  notes with the kernel's receive times; imported from ``tests.kit.notifysocket``.
 - ``fakelauncher``: an in-memory ``Launcher`` whose engines follow a script (exit, lines,
   ``/health`` answers through an ``httpx.MockTransport``), for supervisor and head tests that
   start no process; imported from ``tests.kit.fakelauncher``.
