@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import signal
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import trio
 
 from agent.errors import EXIT_BAD_INPUT
 from agent.job.logfiles import log_path
-from agent.job.paths import JobDir
+from agent.job.paths import JOB_DIR_ENV, JobDir
 from agent.job.plan import load_plan
 from agent.job.vocab import ROLES, as_role
 from agent.node.agentlog import setup_agent_logging
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             "worker(s); check --index / SLURM_PROCID"
         )
     log = setup_agent_logging(log_path(job, identity.name, agent=True), name=identity.name)
+    # Everything this agent starts carries its job: the node check of a later job finds what an
+    # ended one left behind (agent.node.hygiene).
+    os.environ[JOB_DIR_ENV] = str(job.root)
     if not isinstance(plan.convert, msgspec.UnsetType) and plan.convert.only:
         from agent.convertjob import ConvertJob
 

@@ -7,6 +7,7 @@ agent works without Slurm (systemd, ``--local``): Slurm is one way to start it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import time
@@ -28,14 +29,16 @@ from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentExit, AgentStatus, EngineStatus
 from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
-from agent.launch.commands import Command, engine_command
+from agent.launch.commands import Command, arg_value, engine_command
 from agent.launch.enginechecks import (
     connector_choice,
     engine_checks,
+    flag_question,
     pin_problems,
     pinned,
     with_standin_connector,
 )
+from agent.launch.engineflags import flag_refusals
 from agent.launch.jobspecs import JobSpecs
 from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
 from agent.node.conversion import WeightsGate
@@ -46,6 +49,7 @@ from agent.node.decodestats import (
     poll_decode_status,
     poll_pool_status,
 )
+from agent.node.hygiene import NodeScene, check_node
 from agent.node.identity import Identity
 from agent.node.jobwrites import JobWrites
 from agent.node.logpump import LogSink
@@ -252,10 +256,48 @@ class NodeAgent:
         env = with_standin_connector(cmd.env) if self.connector_standin else cmd.env
         return self.specs(self.id.name, cmd.argv, env, self.role.image)
 
+    def _fail_preflight(self, check: str, problems: list[str]) -> bool:
+        """Record a final preflight failure naming the node, the check and each fix."""
+        self.preflight_failure = f"preflight failed on {self.id.node} ({check}): " + "; ".join(
+            problems
+        )
+        self.log.error("%s: %s", self.id.name, self.preflight_failure)
+        self.changed()
+        return False
+
+    async def _node_clean(self) -> bool:
+        """The node checks (docs/preflight.md): each finding logged, failures refuse the load."""
+        report = await check_node(self._scene(), self.plan.agent.preflight, self.log, self.id.name)
+        if report.failures:
+            checks = ", ".join(sorted({f.check for f in report.failures}))
+            lines = [f.line() for f in report.failures]
+            return self._fail_preflight(f"node checks {checks}", lines)
+        return True
+
+    def _scene(self) -> NodeScene:
+        folders = {"scratch (agent.scratch_dir)": str(self.scratch.root)}
+        weights = arg_value(self.role.args, "--model-weights-dir")
+        if weights:
+            folders["weights (roles.decode.args.model-weights-dir)"] = weights
+        visible = os.environ.get(self.plan.visible_devices_env)
+        return NodeScene(
+            job_root=self.job.root,
+            node=self.id.node,
+            agent_pid=os.getpid(),
+            started=self.started,
+            env=os.environ,
+            folders=folders,
+            visible_gpus=frozenset(visible.split(",")) if visible else None,
+            uses_gpus=self.role.gpus_per_worker > 0,
+        )
+
     async def run_preflight(self) -> bool:
         """The seconds-long checks before the long load; a failure is final and explained."""
+        if not await self._node_clean():
+            return False
         # The engine's own environment (role env, PATH, PYTHONPATH), as it will run.
-        env = self._engine_command().env
+        command = self._engine_command()
+        env = command.env
         checks = engine_checks(self.plan, self.id.role, env)
         base = self.specs(f"{self.id.name}-preflight", [], env, self.role.image)
         t0 = time.monotonic()
@@ -269,12 +311,22 @@ class NodeAgent:
                 pinned(self.plan), result.versions, image=self.role.image, engine=self.id.role
             )
         if problems:
-            self.preflight_failure = "preflight failed: " + "; ".join(problems)
-            self.log.error("%s: %s", self.id.name, self.preflight_failure)
-            self.changed()
-            return False
+            return self._fail_preflight("the engine's environment", problems)
         self.record.versions = dict(result.versions)
         self.specs.setup_script = Path(result.setup_script) if result.setup_script else None
+        role = self.role.role
+        question = flag_question(self.plan, role, command.argv, standin=self.plan.standin(role))
+        refused = await flag_refusals(
+            self.launcher,
+            self.specs(f"{self.id.name}-preflight", [], env, self.role.image),
+            question,
+            versions=self.record.versions,
+            policy=self.plan.agent.preflight,
+            log=self.log,
+            who=self.id.name,
+        )
+        if refused:
+            return self._fail_preflight("engine flags (agent.preflight.engine_flags)", refused)
         self.connector_standin = connector.use_standin
         if connector.note:
             self.log.warning("%s: %s", self.id.name, connector.note)

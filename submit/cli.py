@@ -57,6 +57,10 @@ JOB_COMMANDS = {
     "bench": ("submit.bench", "benchmark a ready job from here, show or compare results"),
     "diagnose": ("submit.diagnose", "name what failed in a job: log lines, cause and fix"),
 }
+# Commands about the cluster rather than a job: first word -> (module, one-line help).
+SETUP_COMMANDS = {
+    "init": ("submit.init", "ask Slurm and this node, write a commented cluster file"),
+}
 # ``tilert-submit convert RECIPE ...``: the same flags as a submission, for a convert-only job.
 CONVERT_COMMAND = "convert"
 # ``tilert-submit migrate RECIPE [-o FILE]``: a schema-1 TileRT recipe written as schema 2.
@@ -71,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Job commands: "
         + "; ".join(f"{PROG} {name} J ... ({text})" for name, (_, text) in JOB_COMMANDS.items())
         + f". Weights ahead of a job: {PROG} {CONVERT_COMMAND} RECIPE ... (a one-node job). "
+        + f"A new cluster: {PROG} init [-o FILE] (writes a commented cluster file). "
         f"Schema 1 to schema 2: {PROG} {MIGRATE_COMMAND} RECIPE [-o FILE]. See docs/cli.md.",
     )
     # Optional for argparse only: `--mock RECIPE` (the old spelling) hands the recipe to --mock.
@@ -127,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _job_command(name: str, argv: Sequence[str]) -> int:
-    module_name, text = JOB_COMMANDS[name]
+    module_name, text = {**JOB_COMMANDS, **SETUP_COMMANDS}[name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=text)
     add_arguments = getattr(module, "add_arguments", None)
@@ -425,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     """A job command, ``convert RECIPE``, or ``RECIPE``."""
-    if argv and argv[0] in JOB_COMMANDS:
+    if argv and (argv[0] in JOB_COMMANDS or argv[0] in SETUP_COMMANDS):
         return _job_command(argv[0], argv[1:])
     if argv and argv[0] == MIGRATE_COMMAND:
         return _migrate(argv[1:])

@@ -149,6 +149,10 @@ def render_table(status: JobStatus, stale: str | None) -> str:
         lines.append("  ".join([*cells, r[5]]).rstrip())
     lines.extend(progress_lines(status.agents, time.time()))
     lines.extend(trouble_lines([*status.agents, *([status.router] if status.router else [])]))
+    rejoined = [a for a in status.agents if a.rejoin_reason]
+    if rejoined:
+        lines.append("")
+        lines += [f"{a.name}: taken back {a.rejoins} time(s); {a.rejoin_reason}" for a in rejoined]
     return "\n".join(lines)
 
 

@@ -46,6 +46,7 @@ UNIT_MODULES = frozenset(
         "test_errors",
         "test_head",
         "test_head_gate",
+        "test_init",
         "test_jobspecs",
         "test_jobwrites",
         "test_layers",

@@ -267,7 +267,7 @@ BAD_NUMBERS = [
     ("agent.logs.backups", "-1"),
     ("health_check.max_attempts", "0"),
     ("health_check.interval_seconds", ".nan"),
-    ("resources.gpus_per_node", "0"),
+    ("resources.gpus_per_node", "-1"),
     ("roles.decode.nodes", "1000000000"),
     ("roles.decode.workers", "-2"),
     ("roles.prefill.gpus", "-1"),
@@ -317,7 +317,7 @@ def test_every_numeric_setting_declares_a_range(cls: type) -> None:
         ("kill_wait_s", "0"),
         ("kill_wait_s", ".nan"),
         ("signal_lead_s", "-1"),
-        ("gpus_per_node", "0"),
+        ("gpus_per_node", "-1"),
     ],
 )
 def test_cluster_numbers_have_ranges(tmp_path: Path, key: str, value: str) -> None:

@@ -30,6 +30,7 @@ from agent.head.decisions import (
     waiting_for,
 )
 from agent.head.peers import UNREACHABLE_FAIL_S, Peer, Peers
+from agent.http.longpoll import ClientFetch
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names, parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.records import (
@@ -375,7 +376,6 @@ def test_peers_rows_feed_the_decisions(tmp_path: Path) -> None:
         own_status=lambda: status("healthy", HEAD_NAME),
         log=LOG,
         on_change=lambda: None,
-        client=httpx.AsyncClient(),
     )
     peers.by_name["decode-0"] = Peer(record=record("decode-0", "0.2"), reachable=True)
     peers.by_name["decode-0"].observe(status("failed", reason="exit 1"), now=1.0)
@@ -431,7 +431,7 @@ def test_a_last_word_in_the_record_fails_the_peer_at_once() -> None:
     assert state_of(peer) == "stopped"
 
 
-def test_an_unreachable_peer_is_failed_after_the_bound_and_stays_failed() -> None:
+def test_an_unreachable_peer_is_failed_after_the_bound_until_it_answers_again() -> None:
     peer = Peer(record=record("decode-1"))
     peer.observe(status("healthy", "decode-1"), now=0.0)
     assert peer.unanswered("connection refused", now=10.0) is False  # asked again at once
@@ -447,8 +447,10 @@ def test_an_unreachable_peer_is_failed_after_the_bound_and_stays_failed() -> Non
         f"agent not answering for {UNREACHABLE_FAIL_S:g}s at http://10.0.0.1:9200/status "
         "(connection refused); it last said healthy: taken as failed"
     )
-    peer.observe(status("healthy", "decode-1"), now=20.0)  # back: it was dropped, for good
-    assert state_of(peer) == "failed"
+    # Back (thawed, its network healed): what it says again; the head decides whether a dropped
+    # decode comes back (decisions.to_rejoin, bounded by agent.max_rejoins).
+    assert peer.observe(status("healthy", "decode-1"), now=20.0) is True
+    assert (state_of(peer), peer.lost) == ("healthy", None)
 
 
 def test_one_failed_poll_alone_shows_nothing() -> None:
@@ -504,7 +506,6 @@ async def test_peers_take_bad_files_and_strays_logging_each_once(
         own_status=lambda: status("healthy", HEAD_NAME),
         log=LOG,
         on_change=lambda: None,
-        client=httpx.AsyncClient(),
     )
     problem = "J/rendezvous/decode-1.json: empty"
     found = Records(
@@ -558,7 +559,7 @@ async def test_peers_follow_every_peer_over_the_agents_one_client(
         own_status=lambda: status("healthy", HEAD_NAME),
         log=LOG,
         on_change=lambda: None,
-        client=client,
+        fetch=lambda: ClientFetch(client),
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(peers.follow, lambda: None)
@@ -596,7 +597,7 @@ async def test_a_peer_answering_an_unknown_state_is_unreachable_alone(tmp_path: 
         own_status=lambda: status("healthy", HEAD_NAME),
         log=LOG,
         on_change=lambda: None,
-        client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+        fetch=lambda: ClientFetch(httpx.AsyncClient(transport=httpx.MockTransport(handler))),
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(peers.follow, lambda: None)

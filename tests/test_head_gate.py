@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from agent.head import Head, HeadContext
+from agent.http.longpoll import ClientFetch
 from agent.http.metrics import HeadFigures
 from agent.job.names import HEAD_NAME
 from agent.job.paths import JobDir
@@ -118,6 +119,7 @@ async def head_of(tmp_path: Path, peers: Peers, launcher: FakeLauncher) -> Async
             stop_node=stop_node,
             writes=JobWrites(LOG, lambda: None),
             client=client,
+            peer_fetch=lambda: ClientFetch(client),
         )
         head = Head(ctx)
         async with trio.open_nursery() as nursery:

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from agent.job.plan import load_plan
+from agent.problems import InputError
 from agent.recipe.cluster import ClusterConfig, load_cluster
 from agent.recipe.loader import LoadedRecipe, load_recipe
 from agent.recipe.planner import make_plan, render_args, secret_values, stop_graces
@@ -264,3 +265,19 @@ def test_node_local_logs_in_the_plan() -> None:
     plan = load_plan(plan_json(loaded).encode())
     assert plan.agent.log_node_dir == "/local/x"
     assert load_plan(plan_json(load(DEMO)).encode()).agent.log_node_dir is None
+
+
+def test_a_cpu_only_cluster_takes_stand_ins_or_roles_that_say_gpus_0() -> None:
+    cpu_only = ClusterConfig(gpus_per_node=0, launcher="process")
+    demo = DEMO
+    # The demo's roles say gpus: 0: real engines on CPUs are fine, and so are stand-ins.
+    assert make_plan(load_recipe(demo, cluster=cpu_only)).slurm.gpus_per_node == 0
+    unset = ["roles.prefill.gpus", "roles.decode.gpus"]
+    loaded = load_recipe(demo, unsets=unset, cluster=cpu_only)
+    assert make_plan(loaded, mock=True).decode.gpus_per_worker == 0
+    # A real engine without a GPU count of its own is asked to say it.
+    with pytest.raises(InputError) as info:
+        make_plan(loaded, mock=["decode"])
+    assert [p.path for p in info.value.problems] == ["roles.prefill.gpus"]
+    assert "set roles.prefill.gpus: 0 to run it on CPUs" in str(info.value)
+    assert "--mock prefill" in str(info.value)

@@ -34,6 +34,7 @@ from agent.head.decisions import (
     waiting_for,
 )
 from agent.head.peers import Peers
+from agent.http.longpoll import ClientFetch
 from agent.job.names import HEAD_NAME, agent_name, agent_names, parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.records import AgentStatus, JobAgent, RendezvousRecord
@@ -210,7 +211,7 @@ def test_the_heads_long_poll_survives_any_status_answer(scratch: Path, data: st.
         own_status=lambda: msgspec.convert(_status(HEAD_NAME), AgentStatus),
         log=LOG,
         on_change=lambda: changes.append(peers.state(name)),
-        client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+        fetch=lambda: ClientFetch(httpx.AsyncClient(transport=httpx.MockTransport(handler))),
     )
     peers.by_name[name].record = msgspec.convert(_record(name), RendezvousRecord)
 

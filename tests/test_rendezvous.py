@@ -4,6 +4,7 @@ its agent only (never a crash, never another agent's record), retried before it 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import msgspec
@@ -12,9 +13,14 @@ import trio
 
 from agent.job.paths import JobDir
 from agent.job.records import AgentExit, RendezvousRecord
+from agent.node import rendezvous
 from agent.node.rendezvous import (
+    FULL_PASS_S,
     MAX_RECORD_BYTES,
+    RECENT_S,
     RECORD_RETRY_S,
+    STAT_PASS_S,
+    RecordReader,
     RecordRetry,
     Records,
     read_records,
@@ -297,3 +303,97 @@ async def test_the_watcher_reports_a_lasting_problem_once_after_the_retry(
     assert RECORD_RETRY_S <= t1 - start <= RECORD_RETRY_S + 0.3
     assert "not JSON" in second.problems["decode-1"]
     assert list(second.by_name) == ["decode-1"]
+
+
+# ---- reading only what changed ----------------------------------------------------------------
+
+
+def counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the records read from now on (each ``read_record`` call)."""
+    reads: list[str] = []
+    real = rendezvous.read_record
+
+    def counted(path: Path, name: str) -> RendezvousRecord:
+        reads.append(name)
+        return real(path, name)
+
+    monkeypatch.setattr(rendezvous, "read_record", counted)
+    return reads
+
+
+def settle(job: JobDir) -> None:
+    """Make the folder's last change look old (its time stamps are coarse: a fresh change is
+    looked at again on every pass)."""
+    old = time.time() - 2 * RECENT_S
+    os.utime(job.rendezvous, (old, old))
+
+
+def test_unchanged_records_are_not_read_again(job: JobDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("decode-0", "decode-1"):
+        write_record(job, record(name))
+    settle(job)
+    reads = counting_reads(monkeypatch)
+    reader = RecordReader(job, NAMES)
+    found, changed = reader.read(0.0)
+    assert (sorted(found.by_name), changed) == (["decode-0", "decode-1"], True)
+    assert sorted(reads) == ["decode-0", "decode-1"]
+    reads.clear()
+    for now in (0.1, 0.2, STAT_PASS_S + 0.1, FULL_PASS_S - 0.1):
+        assert reader.read(now)[1] is False
+    assert reads == []  # the folder and every file unchanged: nothing read
+
+
+def test_a_rewritten_record_is_read_alone_at_once(
+    job: JobDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("decode-0", "decode-1"):
+        write_record(job, record(name))
+    settle(job)
+    reader = RecordReader(job, NAMES)
+    reader.read(0.0)
+    reads = counting_reads(monkeypatch)
+    write_record(job, record("decode-1", http=6200))  # by rename, as agents write
+    found, changed = reader.read(0.1)
+    assert (changed, reads) == (True, ["decode-1"])
+    assert found.by_name["decode-1"].ports["http"] == 6200
+
+
+def test_a_record_changed_in_place_is_seen_by_the_next_stat_pass(
+    job: JobDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_record(job, record("decode-1"))
+    settle(job)
+    reader = RecordReader(job, NAMES)
+    reader.read(0.0)
+    reads = counting_reads(monkeypatch)
+    path = job.record("decode-1")
+    path.write_text("garbage")  # in place: the folder does not change, the file's stat does
+    assert reader.read(0.1)[1] is False  # between stat passes: not looked at yet
+    found, changed = reader.read(STAT_PASS_S)
+    assert (changed, reads) == (True, ["decode-1"])
+    assert "not JSON" in found.problems["decode-1"]
+
+
+def test_every_record_is_read_again_on_the_full_pass(
+    job: JobDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An NFS client may show a changed file with its old size and mtime (attribute cache): the
+    # full pass reads every record whatever the stats say.
+    for name in ("decode-0", "decode-1"):
+        write_record(job, record(name))
+    settle(job)
+    reader = RecordReader(job, NAMES)
+    reader.read(0.0)
+    reads = counting_reads(monkeypatch)
+    assert reader.read(FULL_PASS_S)[1] is False  # read again, found the same: no change
+    assert sorted(reads) == ["decode-0", "decode-1"]
+
+
+def test_a_removed_record_and_a_new_stray_are_changes(job: JobDir) -> None:
+    write_record(job, record("decode-1"))
+    reader = RecordReader(job, NAMES)
+    reader.read(0.0)
+    job.record("decode-1").unlink()
+    (job.rendezvous / "notes.json").write_text("{}")
+    found, changed = reader.read(0.1)
+    assert (changed, found.by_name, found.strays) == (True, {}, ["notes.json"])

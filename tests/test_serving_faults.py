@@ -9,7 +9,6 @@ SIGSTOPped. The non-destructive scenarios share one job; every other fault runs 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import shutil
@@ -52,51 +51,10 @@ def own_ports(*sets: str) -> tuple[str, ...]:
     return tuple(flags[1::2])
 
 
-def agent_process(job: Path, name: str) -> psutil.Process:
-    """The ``tilert-agent`` process of agent ``name`` of ``job``."""
-    role, index = name.rsplit("-", 1)
-    for proc in kit.job_processes(job):
-        with contextlib.suppress(psutil.Error):
-            cmd = proc.cmdline()
-            is_agent = "agent.main" in cmd or any(c.endswith("tilert-agent") for c in cmd)
-            if (
-                is_agent
-                and cmd[cmd.index("--role") + 1] == role
-                and cmd[cmd.index("--index") + 1] == index
-            ):
-                return proc
-    raise AssertionError(f"no agent process {name} for {job}")
-
-
-def head_status(status: dict[str, Any]) -> dict[str, Any]:
-    """The head agent's live ``/status``."""
-    return kit.agent_status(kit.agent_entry(status, "prefill-0")["status_url"])
-
-
-def router_decodes(job: Path, status: dict[str, Any]) -> list[str] | None:
-    """The ``--decode`` specs of the router's running generation, once it is healthy."""
-    head = head_status(status).get("router")
-    if head is None or head["state"] != "healthy":
-        return None
-    log = job / "logs" / "prefill-0" / "router.log"
-    starts = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("=== router")]
-    if not starts or f"pid {head['pid']}:" not in starts[-1]:
-        return None
-    argv = starts[-1].split()
-    specs = argv[argv.index("--decode") + 1 :]
-    return [spec for spec in itertools.takewhile(lambda a: not a.startswith("--"), specs)]
-
-
-def decode_spec(job: Path, name: str) -> str:
-    """``host:ctrl:http`` of decode ``name``, as the router is given it."""
-    record = kit.record(job, name)
-    return f"{record['address']}:{record['ports']['ctrl']}:{record['ports']['http']}"
-
-
 def wait_dropped(job: Path, name: str, timeout: float, why: str) -> dict[str, Any]:
     """``name`` failed with ``why`` in its reason, dropped, the router healthy through decode-0
     alone."""
-    only = [decode_spec(job, "decode-0")]
+    only = [kit.decode_spec(job, "decode-0")]
     return kit.wait_status(
         job,
         lambda s: (
@@ -104,7 +62,7 @@ def wait_dropped(job: Path, name: str, timeout: float, why: str) -> dict[str, An
             and kit.agent_entry(s, name)["state"] == "failed"
             and why in kit.agent_entry(s, name)["reason"]
             and "dropped from the router" in kit.agent_entry(s, name)["reason"]
-            and router_decodes(job, s) == only
+            and kit.router_decodes(job, s) == only
         ),
         f"degraded with {name} dropped ({why})",
         timeout,
@@ -280,21 +238,26 @@ def test_a_killed_decode_agent_is_dropped_within_seconds(tmp_path: Path) -> None
     dropped, the router restarted without it; the job serves degraded through decode-0."""
     with local_job(tmp_path / "job") as job:
         job.wait_state("ready", timeout=READY_S)
-        agent_process(job.job, "decode-1").kill()
+        kit.agent_process(job.job, "decode-1").kill()
         killed = time.monotonic()
         status = wait_dropped(job.job, "decode-1", UNREACHABLE_FAIL_S + 15, "not answering")
         assert time.monotonic() - killed < UNREACHABLE_FAIL_S + 10
         assert kit.chat(status["router_url"], kit.MODEL) == kit.ANSWER
-        assert "decode-1 dropped" in head_status(status)["reason"] or status["state"] == "degraded"
+        assert (
+            "decode-1 dropped" in kit.head_status(status)["reason"] or status["state"] == "degraded"
+        )
         no_traceback(job.job)
 
 
-def test_a_frozen_decode_agent_is_failed_after_the_bound(tmp_path: Path) -> None:
+def test_a_frozen_decode_agent_is_failed_after_the_bound_and_rejoins_thawed(
+    tmp_path: Path,
+) -> None:
     """SIGSTOP to decode-1's agent: it answers nothing; within the long poll, its margin and the
-    unreachable bound it is failed and dropped; thawed later, it stays dropped."""
+    unreachable bound it is failed and dropped; thawed, it answers healthy again and is taken
+    back (the router restarted with it, proven again): ``ready`` with both decodes."""
     with local_job(tmp_path / "job") as job:
         job.wait_state("ready", timeout=READY_S)
-        agent = agent_process(job.job, "decode-1")
+        agent = kit.agent_process(job.job, "decode-1")
         agent.suspend()
         try:
             bound = LONG_POLL_S + ANSWER_MARGIN_S + UNREACHABLE_FAIL_S
@@ -302,9 +265,16 @@ def test_a_frozen_decode_agent_is_failed_after_the_bound(tmp_path: Path) -> None
             assert kit.chat(status["router_url"], kit.MODEL) == kit.ANSWER
         finally:
             agent.resume()
-        time.sleep(2)  # thawed for a while: it must stay dropped (nothing to wait for)
-        status = kit.wait_state(job.job, "degraded", 5)
-        assert kit.agent_entry(status, "decode-1")["state"] == "failed"
+        both = [kit.decode_spec(job.job, "decode-0"), kit.decode_spec(job.job, "decode-1")]
+        status = kit.wait_status(
+            job.job,
+            lambda s: s["state"] == "ready" and kit.router_decodes(job.job, s) == both,
+            "ready again with decode-1 back in the router",
+            READY_S,
+        )
+        d1 = kit.agent_entry(status, "decode-1")
+        assert (d1["state"], d1["rejoins"]) == ("healthy", 1), d1
+        assert "not answering" in d1["rejoin_reason"], d1
 
 
 def test_a_decode_agents_last_word_fails_it_at_once(tmp_path: Path, agents: Agents) -> None:
@@ -336,7 +306,7 @@ def test_a_frozen_head_leaves_the_job_serving(serving: kit.LocalJob) -> None:
     stale (``tilert-submit status`` says so); thawed, the head catches up and nothing was lost."""
     job = serving.job
     status = kit.wait_state(job, "ready", 10)
-    head = agent_process(job, "prefill-0")
+    head = kit.agent_process(job, "prefill-0")
     head.suspend()
     try:
         assert kit.chat(status["router_url"], kit.MODEL) == kit.ANSWER
@@ -370,21 +340,21 @@ def test_a_killed_router_is_restarted_on_its_port(serving: kit.LocalJob) -> None
     rely on it); the job is ``degraded`` meanwhile, then ``ready``, and serves."""
     job = serving.job
     status = kit.wait_state(job, "ready", 10)
-    before = head_status(status)["router"]
+    before = kit.head_status(status)["router"]
     seen: list[str] = []
     psutil.Process(before["pid"]).kill()
     kit.wait_status(
         job,
         lambda s: (
             s["state"] == "ready"
-            and (router := head_status(s)["router"])["state"] == "healthy"
+            and (router := kit.head_status(s)["router"])["state"] == "healthy"
             and router["pid"] not in (None, before["pid"])
         ),
         "ready with a new router",
         30,
         seen=seen,
     )
-    after = head_status(status)["router"]
+    after = kit.head_status(status)["router"]
     assert after["ports"] == before["ports"]
     assert after["restarts"] == before["restarts"] + 1
     assert "degraded" in seen, seen
@@ -410,8 +380,8 @@ def test_a_late_decode_is_waited_for(tmp_path: Path, agents: Agents) -> None:
     agents.start(job, "decode", 1)
     status = kit.wait_state(job, "ready", READY_S)
     assert all(a["state"] == "healthy" for a in status["agents"]), status
-    assert sorted(router_decodes(job, status) or []) == sorted(
-        decode_spec(job, name) for name in ("decode-0", "decode-1")
+    assert sorted(kit.router_decodes(job, status) or []) == sorted(
+        kit.decode_spec(job, name) for name in ("decode-0", "decode-1")
     )
 
 
@@ -420,7 +390,7 @@ def test_a_killed_head_is_reported_as_killed(tmp_path: Path) -> None:
     log line), status.json is failed with the head's row failed too, and nothing is left."""
     with local_job(tmp_path / "job") as job:
         job.wait_state("ready", timeout=READY_S)
-        agent_process(job.job, "prefill-0").kill()
+        kit.agent_process(job.job, "prefill-0").kill()
         assert job.wait_exit(30) == 1, job.output()
         status = job.status()
         why = "the head agent prefill-0 was killed by SIGKILL before it could say why"

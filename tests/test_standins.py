@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.facts import DECODE_KV_LAYOUT, PREFILL_KV_LAYOUT, TILERT_MODELS
 from agent.node.ports import is_bindable
 from agent.standins import kvlink, tokens, wire
-from agent.standins.faults import Faults
+from agent.standins.faults import FaultConfigError, Faults
 from tests.infra.ports import free_port
 from tests.infra.standin_stack import (
     DEMO_MODEL,
@@ -478,6 +478,20 @@ def test_fault_target_selects_one_engine() -> None:
     assert Faults.from_env({**env, "TILERT_AGENT_NAME": "decode-1"}).crash_after_s == 3.0
     assert Faults.from_env({"TILERT_MOCK_EXIT_CODE": "0"}).exit_code == 0
     assert Faults.from_env({}).exit_code == 1
+
+
+def test_fault_starts_limit_the_switches_to_the_first_starts(tmp_path: Path) -> None:
+    # A decode that crash-loops, then heals: the count outlives the engine and its agent.
+    env = {
+        "TILERT_MOCK_CRASH_AFTER_REQUESTS": "1",
+        "TILERT_MOCK_FAULT_STARTS": "2",
+        "TILERT_MOCK_FAULT_STARTS_FILE": str(tmp_path / "starts"),
+    }
+    seen = [Faults.from_env(env).crash_after_requests for _ in range(4)]
+    assert seen == [1, 1, None, None]
+    assert (tmp_path / "starts").read_bytes() == b"...."
+    with pytest.raises(FaultConfigError, match="TILERT_MOCK_FAULT_STARTS_FILE"):
+        Faults.from_env({"TILERT_MOCK_FAULT_STARTS": "1"})
 
 
 def test_startup_delay_keeps_port_free(spawn: Spawn) -> None:

@@ -385,7 +385,13 @@ def test_a_too_small_tmpfs_fails_clearly_with_nothing_half_written(
     tmp_path: Path, tiny_tmpfs: Path, agents: Agents
 ) -> None:
     weights = tiny_tmpfs / "glm5"
-    job = weights_job(tmp_path / "a", weights)
+    # By default the node check refuses the load first (docs/preflight.md, disk) ...
+    job = weights_job(tmp_path / "b", weights)
+    reason = agents.start(job, "decode", 0).wait_state("failed", timeout=30)["reason"]
+    assert "(node checks disk): disk: " in reason, reason
+    assert "below agent.preflight.min_free_disk_gib 1" in reason, reason
+    # ... and without it, the conversion runs out of space and says so.
+    job = weights_job(tmp_path / "a", weights, "agent.preflight.disk=ignore")
     _small_disk_checks(agents.start(job, "decode", 0), job, weights)
     assert list(tiny_tmpfs.iterdir()) == []
 
@@ -396,7 +402,9 @@ def test_a_local_job_converting_then_serving_ends_ready(tmp_path: Path) -> None:
         None,
         f"roles.decode.args.model-weights-dir={weights}",
         f"roles.decode.convert={{source: {checkpoint(tmp_path / 'hf')}}}",
-        f"roles.decode.env.TILERT_MOCK_CONVERT_DELAY_S={SLOW}",
+        # About 4 s of converting: seen in status.json even while the agents' preflights (their
+        # engines' --help) keep two cores busy.
+        "roles.decode.env.TILERT_MOCK_CONVERT_DELAY_S=1",
     )
     job = tmp_path / "job"
     with LocalJob(job, sets) as local:

@@ -122,7 +122,10 @@ class BenchmarkStage:
         probe = self._make_run(self.ctx.launcher, {})
         problem = await probe.preflight()
         if problem is not None:
-            raise JobFailed(f"benchmark preflight failed: {problem}")
+            node = self.ctx.identity.node
+            raise JobFailed(
+                f"benchmark preflight failed on {node} (the benchmark client): {problem}"
+            )
         self.ctx.log.info("head: the benchmark client answers (%s)", " ".join(self.plan.program))
 
     async def run_when_ready(self, records: Mapping[str, RendezvousRecord]) -> None:

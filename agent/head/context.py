@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from agent.http.longpoll import BarePoll, Fetch
 from agent.http.metrics import HeadFigures
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
@@ -47,7 +48,7 @@ class HeadContext:
     stop_node: Callable[[], Awaitable[None]]
     # The node agent's writes into J/ (retried while they fail; the agent's /status shows them).
     writes: JobWrites
-    # The agent's one HTTP client (agent.http.client): long polls, router probes, canaries.
+    # The agent's one HTTP client (agent.http.client): router probes, canaries.
     client: httpx.AsyncClient
     # process name -> its scratch folder (temp and caches; agent.launch.scratch), or None.
     scratch_folder: Callable[[str], str] | None = None
@@ -55,3 +56,6 @@ class HeadContext:
     on_state: Callable[[], None] | None = None
     # The router's decode pool and the refusals it logs (tilert_decode_*): fed by its log.
     pool: PoolFigures | None = None
+    # Makes the fetcher of one peer's /status long polls: a bare connection per peer
+    # (agent.http.longpoll); tests pass one through a mock client.
+    peer_fetch: Callable[[], Fetch] = BarePoll

@@ -1,9 +1,11 @@
 """The head's decisions, as plain functions over what it knows at one moment (a ``JobView``).
 
-May the router start (``gate``), which decode to drop (``to_drop``), can the job still serve
-(``fatal``), must a canary prove it again (``proof_due``: after any restart), which state to show
-while serving (``serving_state``: ``ready`` only once proven). No processes, sockets or clocks
-here (the caller passes ``now``), so tests/test_head.py drives every decision with data.
+May the router start (``gate``), which decode to drop (``to_drop``) or take back once healthy
+again (``to_rejoin``, bounded per decode: one that flaps stays out, ``held_out``), can the job
+still serve (``fatal``), must a canary prove it again (``proof_due``: after any restart), which
+state to show while serving (``serving_state``: ``ready`` only once proven). No processes,
+sockets or clocks here (the caller passes ``now``), so tests/test_head.py drives every decision
+with data.
 
 "Degrade, don't die": a failed decode is dropped and the job goes on without it; the job fails only
 when the prefill, the router or every decode has failed, or when the agents cannot work together
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from agent.errors import RuntimeFailure
 from agent.job.names import HEAD_NAME, ROUTER_NAME, parse_agent_name
@@ -46,9 +49,9 @@ class JobView:
         """The state of agent ``name`` as the head sees it (``missing``, ``unreachable``, ...)."""
         return self.agents[name].state
 
-    @property
+    @cached_property
     def decodes(self) -> list[str]:
-        """The decode agents, in listing order."""
+        """The decode agents, in listing order (found once per view: decisions ask often)."""
         return [n for n in self.agents if (p := parse_agent_name(n)) and p[0] == "decode"]
 
 
@@ -105,6 +108,34 @@ def startup_overrun(view: JobView, budget_s: float) -> str:
 def to_drop(view: JobView, dropped: Collection[str]) -> list[str]:
     """The decodes that failed and are not dropped yet (never the prefill: its failure is fatal)."""
     return [n for n in view.decodes if view.state(n) == "failed" and n not in dropped]
+
+
+def to_rejoin(
+    view: JobView, dropped: Collection[str], rejoins: Mapping[str, int], max_rejoins: int
+) -> list[str]:
+    """The dropped decodes healthy again that may come back: each within ``max_rejoins``
+    (``agent.max_rejoins``; ``rejoins`` counts how often each came back already)."""
+    return [
+        n
+        for n in view.decodes
+        if n in dropped and view.state(n) == "healthy" and rejoins.get(n, 0) < max_rejoins
+    ]
+
+
+def held_out(
+    view: JobView, dropped: Collection[str], rejoins: Mapping[str, int], max_rejoins: int
+) -> dict[str, str]:
+    """The dropped decodes healthy again that stay out (they flapped past ``max_rejoins``), with
+    why."""
+    return {
+        n: (
+            f"healthy again but kept out of the router: it was taken back {rejoins.get(n, 0)} "
+            f"time(s) and failed again, the limit of agent.max_rejoins ({max_rejoins}); restart "
+            "the job to use it again"
+        )
+        for n in view.decodes
+        if n in dropped and view.state(n) == "healthy" and rejoins.get(n, 0) >= max_rejoins
+    }
 
 
 def version_mismatch(versions: Mapping[str, str]) -> str | None:

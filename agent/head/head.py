@@ -4,9 +4,11 @@ Flow: every record present and every worker healthy (seen over each peer's long-
 not through the shared file system) -> router started at once -> router ``/health`` -> one canary
 streaming chat per decode node at once (the router's ``/health`` proves nothing) -> ``ready``.
 Then "degrade, don't die": a restarting engine makes the job ``degraded``; a decode that ends
-``failed`` is dropped and the router restarted without it; the job fails only when the prefill,
-the router, or every decode has failed. Ready means proven, every time: after any engine or
-router restart the job stays ``degraded`` until canaries through the router pass again.
+``failed`` is dropped and the router restarted without it, and taken back (the router restarted
+with it, proven again) once its agent reports it healthy again, at most ``agent.max_rejoins``
+times; the job fails only when the prefill, the router, or every decode has failed. Ready means
+proven, every time: after any engine or router restart the job stays ``degraded`` until canaries
+through the router pass again.
 
 ``Head`` runs the parts in that order and owns the job's state; what it knows is gathered into a
 ``JobView`` each round and the decisions are taken on it (``agent.head.decisions``). A recipe with
@@ -32,12 +34,14 @@ from agent.head.decisions import (
     failure_of,
     fatal,
     gate,
+    held_out,
     last_healthy,
     proof_due,
     restart_marks,
     serving_state,
     startup_overrun,
     to_drop,
+    to_rejoin,
     waiting_for,
 )
 from agent.head.peers import Peers
@@ -45,7 +49,7 @@ from agent.head.router import Router
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
-from agent.job.records import EngineStatus, Gate, JobStatus
+from agent.job.records import EngineStatus, Gate, JobAgent, JobStatus
 from agent.job.vocab import SERVING_STATES, JobState
 from agent.node.jobend import end_job
 from agent.node.servicenotes import Standing
@@ -75,11 +79,15 @@ class Head:
             own_status=ctx.own_status,
             log=ctx.log,
             on_change=self.poke,
-            client=ctx.client,
+            fetch=ctx.peer_fetch,
         )
         self.router = Router(ctx, self.peers.records)
         # Decodes the router no longer uses, with the failure that dropped each.
         self.dropped: dict[str, str] = {}
+        # How often each decode was taken back once healthy again (bounded by agent.max_rejoins),
+        # and the last word on it (taken back after what, or why it stays out).
+        self.rejoins: dict[str, int] = {}
+        self.rejoin_reason: dict[str, str] = {}
         self.state: JobState = "starting"
         self.why = "the head's own engine first (preflight, load)"  # the reason of ``state``
         self.error: str | None = None
@@ -99,6 +107,9 @@ class Head:
         self.ended_by: BenchmarkSummary | None = None
         self._poke = trio.Event()
         self._stop = trio.Event()
+        # Changes seen (pokes, and the head's own decisions), and the view built at that count.
+        self._changes = 0
+        self._viewed: tuple[tuple[int, object], JobView] | None = None
         # The restart marks (decisions.restart_marks) when a canary last passed: any restart
         # since then keeps the job degraded until a canary passes again.
         self.proven: dict[str, int] | None = None
@@ -119,6 +130,7 @@ class Head:
 
     def poke(self) -> None:
         """Something changed: re-evaluate now."""
+        self._changes += 1
         self._poke.set()
 
     def request_stop(self) -> None:
@@ -138,13 +150,32 @@ class Head:
     # ---- what the head knows -----------------------------------------------------------------
 
     def _view(self) -> JobView:
+        """What the head knows now; built again only after a change (a poke, the head's own
+        engine or the router changing, a decision of the head's own): with 1,024 agents a view
+        costs milliseconds, and the gate loop and status.json each want one per pass."""
+        mark = (self._changes, self.router.mark())
+        if self._viewed is not None and self._viewed[0] == mark:
+            return self._viewed[1]
+        view = self._build_view()
+        self._viewed = (mark, view)
+        return view
+
+    def _build_view(self) -> JobView:
         return JobView(
-            agents={n: self.peers.entry(n, self.dropped.get(n)) for n in self.expected},
+            agents={n: self._row(n) for n in self.expected},
             healthy_since=self.peers.healthy_since(),
             healthy_at={n: self._healthy_at(n) for n in self.expected},
             versions=self.peers.versions(),
             router=self.router.entry(self.peers.by_name[HEAD_NAME].record),
         )
+
+    def _row(self, name: str) -> JobAgent:
+        """The status.json row of ``name``, with its rejoins once it was dropped."""
+        row = self.peers.entry(name, self.dropped.get(name))
+        if name in self.rejoin_reason:
+            row.rejoins = self.rejoins.get(name, 0)
+            row.rejoin_reason = self.rejoin_reason[name]
+        return row
 
     def _healthy_at(self, name: str) -> float | None:
         status = self.ctx.own_status() if name == HEAD_NAME else self.peers.by_name[name].status
@@ -209,7 +240,8 @@ class Head:
         while True:
             if self._stop.is_set():
                 return False
-            self.peers.refresh_own()
+            if self.peers.refresh_own():
+                self._changes += 1
             view = self._view()
             self._check_fatal(view)
             last = gate(view, time.monotonic())
@@ -227,6 +259,7 @@ class Head:
             self.dropped[name] = failure_of(view.agents[name])
         decodes = [n for n in view.decodes if n not in self.dropped]
         router = self.router.start(nursery, decodes)
+        self._changes += 1  # the dropped decodes and the router's row
         decision_s = time.monotonic() - last
         self.ctx.figures.gate_latency_s = decision_s
         self.router_url = self.router.url
@@ -325,20 +358,56 @@ class Head:
             self._proving = False
             self.poke()
 
+    def _change_pool(self, view: JobView, newly: list[str], back: list[str]) -> None:
+        """Drop the decodes that failed, take back those healthy again, restart the router."""
+        limit = self.plan.agent.max_rejoins
+        for name in newly:
+            self.dropped[name] = failure_of(view.agents[name])
+            self.log.warning("head: dropping %s from the router", self.dropped[name])
+        for name in back:
+            failure = self.dropped.pop(name)
+            count = self.rejoins[name] = self.rejoins.get(name, 0) + 1
+            self.rejoin_reason[name] = (
+                f"taken back into the router (rejoin {count} of at most {limit}, "
+                f"agent.max_rejoins) after: {failure}"
+            )
+            self.log.warning(
+                "head: %s is healthy again: taking it back into the router (rejoin %d of at most "
+                "%d); it had been dropped after: %s",
+                name,
+                count,
+                limit,
+                failure,
+            )
+        self._changes += 1  # the rows of the decodes dropped or taken back
+        why = [f"without {', '.join(newly)}"] if newly else []
+        why += [f"with {', '.join(back)} back"] if back else []
+        self.router.use([n for n in view.decodes if n not in self.dropped], " and ".join(why))
+
+    def _hold_out(self, view: JobView) -> None:
+        """Say once why a dropped decode healthy again stays out (it flapped past its bound)."""
+        for name, why in held_out(
+            view, self.dropped, self.rejoins, self.plan.agent.max_rejoins
+        ).items():
+            if self.rejoin_reason.get(name) != why:
+                self.rejoin_reason[name] = why
+                self._changes += 1
+                self.log.warning("head: %s: %s", name, why)
+
     async def _serve(self, nursery: trio.Nursery) -> None:
         """While serving: degrade, drop failed decodes, re-prove after restarts, fail only when
         nothing can serve."""
         while not self._stop.is_set():
-            self.peers.refresh_own()
+            if self.peers.refresh_own():
+                self._changes += 1
             view = self._view()
             self._check_fatal(view)
             newly = to_drop(view, self.dropped)
-            if newly:
-                for name in newly:
-                    self.dropped[name] = failure_of(view.agents[name])
-                    self.log.warning("head: dropping %s from the router", self.dropped[name])
-                self.router.drop(newly)
+            back = to_rejoin(view, self.dropped, self.rejoins, self.plan.agent.max_rejoins)
+            if newly or back:
+                self._change_pool(view, newly, back)
                 view = self._view()  # the router is restarting now
+            self._hold_out(view)
             if (
                 proof_due(view, self.dropped, self.proven)
                 and not self._proving

@@ -2,32 +2,34 @@
 is).
 
 Records come from the rendezvous folder; states travel over each peer's long-polled ``/status``,
-not through the shared file system (which caches attributes for seconds). Every answer wakes the
-head at once. The head's own state is read from its own agent, never over HTTP.
+not through the shared file system (which caches attributes for seconds). Every answer that
+changes what the head shows wakes it at once; a long poll that timed out on an unchanged peer
+does not. The head's own state is read from its own agent, never over HTTP.
 
 A peer is failed without its own word when its record stays unreadable past the retry (it never
 had a good one), when its record carries its last word (``exited``), or when it has not answered
 for ``UNREACHABLE_FAIL_S`` (killed, frozen, its node gone) while it had not said it was stopping.
+A lost peer is still asked (every ``IDLE_POLL_S``), and a new record after a last word is a new
+agent under the same name: either may report healthy again, and the head may take it back.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
 import msgspec
 import trio
 
+from agent.http.longpoll import BarePoll, Fetch, PollFailed
 from agent.job.logfiles import log_path
 from agent.job.names import HEAD_NAME, parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentStatus, JobAgent, RendezvousRecord
-from agent.job.vocab import AgentState
+from agent.job.vocab import AgentState, Role
 from agent.node.rendezvous import Records, watch_records
 from agent.problems import printable
 
@@ -43,6 +45,17 @@ UNREACHABLE_FAIL_S = 5.0
 # (a long poll cut short when the head was frozen or starved), and is asked again at once.
 UNREACHABLE_AFTER_POLLS = 2
 IDLE_POLL_S = 1.0  # a peer that exited or was lost: look again only for a new record
+
+
+def _steady(status: AgentStatus | None) -> AgentStatus | None:
+    """An answer without what moves by itself (the engine's and the head's router's uptime): two
+    answers of a peer where nothing happened compare equal."""
+    if status is None:
+        return None
+    router = status.router
+    if router is not None:
+        router = msgspec.structs.replace(router, uptime_s=None)
+    return msgspec.structs.replace(status, uptime_s=None, router=router)
 
 
 @dataclass
@@ -103,14 +116,33 @@ class Peer:
             reason += f"; {self.record_problem} (its last good record is used)"
         return reason
 
-    def observe(self, status: AgentStatus, now: float) -> None:
-        """Take a new ``/status``; note when it turned healthy."""
-        if status.state == "healthy" and (self.status is None or self.status.state != "healthy"):
+    def observe(self, status: AgentStatus, now: float) -> bool:
+        """Take a ``/status`` answer; note when it turned healthy. True when it changed what the
+        head shows (a long poll that timed out on a peer where nothing changed returns False)."""
+        was = (_steady(self.status), self.reachable, self.lost, self.failed_polls)
+        back = self.lost is not None or self.status is None or self.status.state != "healthy"
+        if status.state == "healthy" and back:
             self.healthy_seen_at = now
         self.status = status
         self.reachable = True
         self.unreachable_since = None
         self.failed_polls = 0
+        # A peer taken as failed that answers again is what it says it is: the head decides
+        # whether a dropped decode healthy again comes back (decisions.to_rejoin).
+        self.lost = None
+        return was != (_steady(status), True, None, 0)
+
+    def reborn(self, record: RendezvousRecord) -> bool:
+        """A new record after its last word, or after it was lost: a new agent under the same
+        name (restarted by systemd, Slurm or by hand). True when the peer starts afresh."""
+        old = self.record
+        if old is None or old.updated_at == record.updated_at or record.exited is not None:
+            return False
+        if old.exited is None and self.lost is None:
+            return False
+        self.status, self.reachable, self.lost = None, False, None
+        self.unreachable_since, self.failed_polls = None, 0
+        return True
 
     def unanswered(self, error: str, now: float) -> bool:
         """A poll failed with ``error``; True when this changes what the head shows."""
@@ -149,17 +181,21 @@ class Peers:
         own_status: Callable[[], AgentStatus],
         log: logging.Logger,
         on_change: Callable[[], None],
-        client: httpx.AsyncClient,
+        fetch: Callable[[], Fetch] = BarePoll,
     ) -> None:
         self.by_name: dict[str, Peer] = {name: Peer() for name in names}
+        # Makes each peer's long-poll fetcher: a bare connection per peer (agent.http.longpoll);
+        # tests pass one over a mock httpx client.
+        self.fetch = fetch
         self.job = job
         # Engine logs may live on each node's disk (agent.logs.location: node): the plan says.
         self.plan = plan
         self.own_status = own_status
         self.log = log
         self.on_change = on_change
-        self.client = client  # the agent's one client (agent.http.client)
         self._followed: set[str] = set()
+        self._logs: dict[str, str] = {}
+        self._parsed: dict[str, tuple[Role, int]] = {}
         self._strays: set[str] = set()
 
     # ---- what the head reads ---------------------------------------------------------------
@@ -170,11 +206,11 @@ class Peers:
             return self.own_status().state
         return self.by_name[name].state
 
-    def refresh_own(self) -> None:
-        """Take the head's own status into its peer (for the gate's healthy times)."""
+    def refresh_own(self) -> bool:
+        """Take the head's own status into its peer (for the gate's healthy times); True when it
+        changed."""
         me = self.by_name[HEAD_NAME]
-        me.observe(self.own_status(), time.monotonic())
-        me.reachable = True
+        return me.observe(self.own_status(), time.monotonic())
 
     def records(self) -> dict[str, RendezvousRecord]:
         """The records published so far, in listing order."""
@@ -200,9 +236,10 @@ class Peers:
         """The status.json row of ``name``; ``dropped`` is why the router no longer uses it."""
         peer = self.by_name[name]
         status = self.own_status() if name == HEAD_NAME else peer.status
-        parsed = parse_agent_name(name)
+        parsed = self._parsed.get(name) or parse_agent_name(name)
         if parsed is None:
             raise ValueError(f"not an agent name: {name!r}")
+        self._parsed[name] = parsed
         # The head knows itself first hand: its record's fate does not change its state.
         reason = status.reason if status and name == HEAD_NAME else peer.reason
         if dropped is not None:
@@ -215,13 +252,21 @@ class Peers:
             state=self.state(name),
             restarts=status.restarts if status else 0,
             reason=reason,
-            log=str(log_path(self.job, name, plan=self.plan)),
+            log=self._log(name),
             metrics_url=peer.record.metrics_url if peer.record else None,
             status_url=peer.record.status_url if peer.record else None,
             convert=status.convert if status and status.convert else msgspec.UNSET,
             progress=status.progress if status and status.progress else msgspec.UNSET,
             progress_at=status.progress_at if status and status.progress_at else msgspec.UNSET,
         )
+
+    def _log(self, name: str) -> str:
+        """Where ``name``'s engine log is (fixed for the job; found once: a view of 1,024 agents
+        is built on every wake of the head)."""
+        found = self._logs.get(name)
+        if found is None:
+            found = self._logs[name] = str(log_path(self.job, name, plan=self.plan))
+        return found
 
     # ---- following -------------------------------------------------------------------------
 
@@ -261,6 +306,8 @@ class Peers:
             changed_ports = peer.record is not None and peer.record.ports != record.ports
             if record.exited is not None and (peer.record is None or peer.record.exited is None):
                 self.log.warning("head: %s exited: %s", name, Peer(record=record).reason)
+            if peer.reborn(record):
+                self.log.info("head: %s published a new record: a new agent under its name", name)
             peer.record = record
             if changed_ports:
                 self.log.info("head: %s republished its ports: %s", name, record.ports)
@@ -270,39 +317,45 @@ class Peers:
 
     async def _poll(self, name: str) -> None:
         """Long-poll a peer's /status forever; each answer is pushed into the gate at once."""
+        fetch = self.fetch()
+        try:
+            await self._poll_with(name, fetch)
+        finally:
+            fetch.close()
+
+    async def _poll_with(self, name: str, fetch: Fetch) -> None:
         peer = self.by_name[name]
         version = -1
-        async with contextlib.nullcontext(self.client) as client:
-            while True:
-                # Read each time: every republish replaces the record.
-                record = self.record(name)
-                if record.exited is not None or peer.lost is not None:
-                    await trio.sleep(IDLE_POLL_S)  # its word is said; a new record may follow
-                    continue
-                url = record.status_url
-                # A fresh poll (version -1) is answered at once by a live agent.
-                wait_s = LONG_POLL_S if version >= 0 else 0.0
-                try:
-                    response = await client.get(
-                        url,
-                        params={"after": version, "timeout": LONG_POLL_S},
-                        timeout=wait_s + ANSWER_MARGIN_S,
-                    )
-                    response.raise_for_status()
-                    status = msgspec.json.decode(response.content, type=AgentStatus)
-                except (httpx.HTTPError, msgspec.DecodeError, OSError) as exc:
-                    error = printable(str(exc) or type(exc).__name__)[:200]
-                    if peer.unanswered(error, time.monotonic()):
-                        if peer.lost is not None:
-                            self.log.warning("head: %s: %s", name, peer.lost)
-                        else:
-                            self.log.warning("head: %s unreachable at %s: %s", name, url, error)
-                        self.on_change()
-                    version = -1
-                    await trio.sleep(RETRY_S)
-                    continue
-                if peer.failed_polls >= UNREACHABLE_AFTER_POLLS:
-                    self.log.info("head: %s answers again at %s", name, url)
-                version = status.version
-                peer.observe(status, time.monotonic())
-                self.on_change()
+        polled: RendezvousRecord | None = None
+        while True:
+            # Read each time: every republish replaces the record.
+            record = self.record(name)
+            if record.exited is not None:
+                await trio.sleep(IDLE_POLL_S)  # its word is said; a new record may follow
+                continue
+            if record != polled:
+                # A new record may be a new agent, whose versions start again.
+                polled, version = record, -1
+            url = record.status_url
+            # A fresh poll (version -1) is answered at once by a live agent.
+            wait_s = LONG_POLL_S if version >= 0 else 0.0
+            try:
+                body = await fetch(url, version, LONG_POLL_S, wait_s + ANSWER_MARGIN_S)
+                status = msgspec.json.decode(body, type=AgentStatus)
+            except (PollFailed, msgspec.DecodeError) as exc:
+                error = printable(str(exc) or type(exc).__name__)[:200]
+                if peer.unanswered(error, time.monotonic()):
+                    if peer.lost is not None:
+                        self.log.warning("head: %s: %s", name, peer.lost)
+                    else:
+                        self.log.warning("head: %s unreachable at %s: %s", name, url, error)
+                    self.on_change()
+                version = -1
+                # A lost peer is still asked, less often: it may come back (a rejoin).
+                await trio.sleep(IDLE_POLL_S if peer.lost is not None else RETRY_S)
+                continue
+            if peer.failed_polls >= UNREACHABLE_AFTER_POLLS:
+                self.log.info("head: %s answers again at %s", name, url)
+            version = status.version
+            if peer.observe(status, time.monotonic()):
+                self.on_change()  # an answer that changed nothing does not wake the head

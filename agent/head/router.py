@@ -1,5 +1,5 @@
 """The job's router: checked before the gate, started once every live worker is healthy, restarted
-without a dropped decode.
+without a dropped decode, and with one taken back once it is healthy again.
 
 It runs under an ``EngineSupervisor`` on the head's node, with its log in the head's folder. Each
 (re)launch builds its command from the decodes' current records, so a decode that republished its
@@ -10,6 +10,8 @@ stand-in.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
 
 import trio
 
@@ -21,7 +23,8 @@ from agent.job.names import ROUTER_NAME
 from agent.job.records import EngineStatus, JobAgent, RendezvousRecord
 from agent.launch import LaunchSpec, preflight
 from agent.launch.commands import DecodeEndpoint, arg_value, router_command
-from agent.launch.enginechecks import pin_problems, pinned
+from agent.launch.enginechecks import flag_question, pin_problems, pinned
+from agent.launch.engineflags import flag_refusals
 from agent.node.logpump import LogSink
 from agent.node.supervisor import EngineSupervisor, policy_for
 
@@ -62,23 +65,46 @@ class Router:
         ).env
         base = self.ctx.launch_spec("router-preflight", [], env, router.image)
         result = await preflight.run_preflight(self.ctx.launcher, base, checks)
+        node = self.ctx.identity.node
         if result.ok and not plan.standin("router"):
             # A job with stand-ins is a rehearsal: its router is not the image the pins name.
             pins = pin_problems(pinned(plan), result.versions, image=router.image, engine="router")
             if pins:
-                raise JobFailed("router preflight failed: " + "; ".join(pins))
+                raise JobFailed(f"router preflight failed on {node}: " + "; ".join(pins))
         if result.ok:
             log.info("head: the real TileRT router is importable by %s", router.python)
-            return
-        if plan.standin("router"):
+        elif plan.standin("router"):
             self.standin = True
             log.warning(
                 "head: --mock and %s cannot start the real router (%s): using the router stand-in",
                 router.python,
                 "; ".join(result.problems),
             )
-            return
-        raise JobFailed("router preflight failed: " + "; ".join(result.problems))
+        else:
+            raise JobFailed(
+                f"router preflight failed on {node} (the router's environment): "
+                + "; ".join(result.problems)
+            )
+        # The router's own flags, asked of the program that will run (docs/preflight.md).
+        argv = router_command(
+            plan, prefill_url="", decodes=[], host="", use_standin=self.standin
+        ).argv
+        if result.setup_script and not self.standin:
+            base = replace(base, setup_script=Path(result.setup_script))
+        refused = await flag_refusals(
+            self.ctx.launcher,
+            base,
+            flag_question(plan, "router", argv, standin=self.standin),
+            versions=result.versions,
+            policy=plan.agent.preflight,
+            log=log,
+            who="head",
+        )
+        if refused:
+            raise JobFailed(
+                f"router preflight failed on {node} (engine flags, agent.preflight.engine_flags): "
+                + "; ".join(refused)
+            )
 
     def _build(self) -> LaunchSpec:
         records = self.records()
@@ -130,11 +156,16 @@ class Router:
         nursery.start_soon(self.supervisor.run)
         return self.supervisor
 
-    def drop(self, names: list[str]) -> None:
-        """Restart the router without the decodes ``names``."""
-        self.decodes = [n for n in self.decodes if n not in names]
+    def use(self, decodes: list[str], why: str) -> None:
+        """Restart the router through ``decodes`` (a decode dropped, or one taken back)."""
+        self.decodes = decodes
         if self.supervisor is not None:
-            self.supervisor.relaunch(f"restarting the router without {', '.join(names)}")
+            self.supervisor.relaunch(f"restarting the router {why}")
+
+    def mark(self) -> tuple[str, int, str] | None:
+        """What the router's row shows (state, restarts, reason); None before it starts."""
+        sup = self.supervisor
+        return None if sup is None else (sup.state, sup.restarts, sup.reason)
 
     def status(self) -> EngineStatus | None:
         """The router's ``/status`` view; None before it starts."""

@@ -1,4 +1,5 @@
-"""The agent's one HTTP client: health probes, the head's long polls and canaries, the vLLM scrape.
+"""The agent's one HTTP client: health probes, the head's canaries, the vLLM scrape (the head's
+long polls of its peers go over bare connections of their own, ``agent.http.longpoll``).
 
 An ``httpx.AsyncClient`` loads an SSL context from certifi when it is built (20-35 ms of CPU on a
 2-core node), although every URL the agent fetches is plain http. One client per peer made the

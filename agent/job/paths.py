@@ -12,6 +12,9 @@ import msgspec
 from agent.job.atomicfile import write_atomic
 from agent.job.records import JobStatus
 
+# Set by every agent for the processes it starts (engines, the router): the job directory that
+# owns a process, read back by the node check that finds processes of ended jobs.
+JOB_DIR_ENV = "TILERT_JOB_DIR"
 DIR_MODE = 0o711
 PRIVATE_DIR_MODE = 0o700
 PROMETHEUS_DIR_MODE = 0o755

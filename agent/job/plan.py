@@ -16,6 +16,7 @@ from typing import Literal, get_args
 import msgspec
 
 from agent.job.benchmark import BenchmarkPlan
+from agent.job.preflightpolicy import PreflightPolicy
 from agent.job.vocab import PROCESSES, Process, Role
 
 PLAN_SCHEMA = 1
@@ -105,6 +106,10 @@ class SlurmPlan(msgspec.Struct, kw_only=True):
     kill_wait_s: float
 
 
+# How often the head takes a dropped decode back, unless the recipe says (agent.max_rejoins).
+DEFAULT_MAX_REJOINS = 3
+
+
 class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     probe_startup_interval_s: float
     probe_interval_s: float
@@ -129,6 +134,10 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     # agent.startup_silence_s / startup_max_s: startup deadlines that watch progress.
     startup_silence_s: float = 900.0
     startup_max_s: float = 14400.0
+    # agent.preflight: the node checks' policy (omitted when every value is the default).
+    preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
+    # agent.max_rejoins: how often a dropped decode healthy again is taken back (the head's).
+    max_rejoins: int = DEFAULT_MAX_REJOINS
 
 
 class ConvertPlan(msgspec.Struct, kw_only=True):

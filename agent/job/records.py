@@ -123,6 +123,10 @@ class JobAgent(msgspec.Struct, kw_only=True):
     # While starting: the engine log's last progress line and when it came; absent otherwise.
     progress: str | msgspec.UnsetType = msgspec.UNSET
     progress_at: float | msgspec.UnsetType = msgspec.UNSET
+    # A decode: how often the head took it back into the router after dropping it, and the last
+    # word on that (why it was taken back, or why it stays out); docs/agent.md, "Rejoin".
+    rejoins: int = 0
+    rejoin_reason: str | None = None
 
 
 class Gate(msgspec.Struct, kw_only=True):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import msgspec
 
 from agent.job.benchmark import BenchmarkPlan
+from agent.job.paths import JOB_DIR_ENV
 from agent.job.plan import Plan, RolePlan, RouterPlan
 from agent.launch.scratch import SCRATCH_ENV, scratch_env
 
@@ -31,7 +32,14 @@ STANDIN_MODULES = {
 }
 GPU_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 # Variables the agent itself sets for engines (besides GPU visibility).
-MANAGED_ENV = ("TILERT_AGENT_NAME", "TILERT_PD_PROBE_ADDR", *GPU_ENV_NAMES, *SCRATCH_ENV, "HF_HOME")
+MANAGED_ENV = (
+    "TILERT_AGENT_NAME",
+    "TILERT_PD_PROBE_ADDR",
+    JOB_DIR_ENV,
+    *GPU_ENV_NAMES,
+    *SCRATCH_ENV,
+    "HF_HOME",
+)
 
 
 def arg_value(args: list[str], flag: str) -> str | None:

@@ -18,9 +18,10 @@ decodes, and used only when the engine's interpreter has no real ``tilert``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -29,7 +30,8 @@ from agent.facts import CONNECTOR_MODULE, DECODE_MODULE, ENGINE_DISTRIBUTIONS
 from agent.facts import STANDIN_CONNECTOR_PATH as CONNECTOR_PATH
 from agent.facts import STANDIN_CONNECTOR_SWITCH as SWITCH
 from agent.job.plan import Plan
-from agent.job.vocab import Role
+from agent.job.vocab import Process, Role
+from agent.launch.engineflags import Flag, FlagQuestion, help_argvs, vllm_program
 from agent.launch.interpreter import is_python, python_of
 from agent.launch.preflight import PreflightChecks, PreflightResult
 
@@ -182,3 +184,79 @@ def with_standin_connector(env: Mapping[str, str]) -> dict[str, str]:
     rest = out.get("PYTHONPATH", "")
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(CONNECTOR_PATH), rest) if p)
     return out
+
+
+# Each program the flag check asks: (engine as messages name it, the distribution of its version).
+_FLAG_ENGINES = {
+    "prefill": ("vLLM", "vllm"),
+    "decode": ("the TileRT decode server", "tilert"),
+    "router": ("the TileRT router", "tilert"),
+}
+# Where each program's recipe arguments are written.
+_ARGS_KEYS = {
+    "prefill": "roles.prefill.args",
+    "decode": "roles.decode.args",
+    "router": "frontend.args",
+}
+
+
+def _source_fingerprint(module: str) -> str:
+    """A stand-in's source file as size and mtime: its cached flags follow its code."""
+    try:
+        spec = importlib.util.find_spec(module)
+        info = os.stat(spec.origin) if spec is not None and spec.origin else None
+    except (ImportError, OSError, ValueError):
+        return ""
+    return f"{info.st_size}-{info.st_mtime_ns}" if info is not None else ""
+
+
+def flag_question(plan: Plan, name: Process, argv: Sequence[str], *, standin: bool) -> FlagQuestion:
+    """What to ask ``name``'s program (its own help) and which flags of ``argv`` to check.
+
+    ``argv`` is the command the agent will run; each long flag is named by where it comes from:
+    the recipe's args, ``agent.prefill_command``, or the agent itself."""
+    engine, distribution = _FLAG_ENGINES[name]
+    if name == "router":
+        args, program = plan.router.args, plan.router.program
+    else:
+        args, program = plan.role(name).args, plan.role(name).program
+    from_args = {w for w in args if w.startswith("--")}
+    # The prefill's program is agent.prefill_command + MODEL.
+    from_program = {w for w in program[:-1] if w.startswith("--")} if name == "prefill" else set()
+    flags = []
+    for word in argv:
+        if not word.startswith("--") or len(word) < 3:
+            continue
+        if word in from_args:
+            origin = f"{_ARGS_KEYS[name]}.{word[2:]}"
+        elif word in from_program:
+            origin = "agent.prefill_command"
+        else:
+            origin = f"{word} (passed by tilert-agent itself)"
+        flags.append(Flag(word, origin))
+    if standin:
+        # A stand-in's argv starts [python, -m, MODULE] (+ serve for the prefill): commands.py.
+        base = list(argv[:4]) if name == "prefill" else list(argv[:3])
+        return FlagQuestion(
+            engine=f"{engine} stand-in",
+            help_argvs=help_argvs(base, vllm=name == "prefill"),
+            distribution=distribution,
+            flags=flags,
+            standin=True,
+            fingerprint=_source_fingerprint(base[2]),
+        )
+    if name != "prefill":
+        return FlagQuestion(engine, help_argvs(program, vllm=False), distribution, flags)
+    served = vllm_program(plan.prefill.program[:-1])
+    if served is None:
+        return FlagQuestion(
+            engine,
+            [],
+            distribution,
+            flags,
+            not_asked=(
+                f"agent.prefill_command ({' '.join(plan.prefill.program[:-1])}) is neither "
+                "`vllm serve` nor `python -m vllm...`: vLLM's flags are not checked before the load"
+            ),
+        )
+    return FlagQuestion(engine, help_argvs(served, vllm=True), distribution, flags, lenient=True)

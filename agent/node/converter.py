@@ -80,7 +80,10 @@ class Converter:
         )
         result = await preflight.run_preflight(self.launcher, base, checks)
         if not result.ok:
-            raise WeightsError("the converter's preflight failed: " + "; ".join(result.problems))
+            raise WeightsError(
+                f"the converter's preflight failed on {self.id.node} (the converter's "
+                "environment): " + "; ".join(result.problems)
+            )
         self.setup_script = Path(result.setup_script) if result.setup_script else None
         self.versions = dict(result.versions)
 

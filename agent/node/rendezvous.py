@@ -12,6 +12,7 @@ is ignored; an unreadable record is retried for ``RECORD_RETRY_S`` before it cou
 from __future__ import annotations
 
 import errno
+import math
 import os
 import stat
 import time
@@ -121,29 +122,117 @@ class Records:
     strays: list[str] = field(default_factory=list)
 
 
+# The folder is looked at every WATCH_INTERVAL_S, yet records are read only when something may have
+# changed (docs/performance.md, "Following 1,024 peers"): the folder's own stat first (agents
+# write by rename, which changes it), every file's stat (inode, size, mtime_ns) when it changed,
+# was changed within RECENT_S (a file system's time stamps are coarse: two renames within one
+# tick leave the same mtime) or every STAT_PASS_S (a file rewritten in place changes only its
+# own stat), and every record read again every FULL_PASS_S whatever the stats say (an NFS client
+# caches attributes for seconds, `actimeo`, and may show an old size and mtime).
+STAT_PASS_S = 2.0
+FULL_PASS_S = 10.0
+RECENT_S = 1.0
+
+_Key = tuple[int, int, int]  # a file's inode, size and mtime_ns
+
+
+def _read_outcome(path: Path, name: str) -> RendezvousRecord | str | None:
+    """The record at ``path``, or its problem; None when it is gone."""
+    try:
+        return read_record(path, name)
+    except FileNotFoundError:
+        return None  # replaced or removed between listing and reading
+    except RecordProblem as exc:
+        return str(exc)
+
+
+class RecordReader:
+    """Reads the rendezvous folder again and again, re-reading a record only when its file may
+    have changed; ``read`` says whether anything did."""
+
+    def __init__(self, job: JobDir, expected: Collection[str]) -> None:
+        self.job = job
+        self.expected = set(expected)
+        self._path = str(job.rendezvous)  # as text: a Path joined per file per look is costly
+        self._folder: tuple[int, int] | None = None
+        self._seen: dict[str, tuple[_Key, RendezvousRecord | str]] = {}
+        self._strays: list[str] = []
+        self._stat_at = -math.inf
+        self._full_at = -math.inf
+        self._result: Records | None = None
+
+    def read(self, now: float) -> tuple[Records, bool]:
+        """What the folder holds (``now`` on a monotonic clock), and whether it changed since the
+        last read."""
+        full = now - self._full_at >= FULL_PASS_S
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            changed = bool(self._seen or self._strays)
+            self._folder, self._seen, self._strays, self._result = None, {}, [], None
+            return Records(), changed  # not created yet, or the job directory is gone
+        folder = (st.st_ino, st.st_mtime_ns)
+        recent = time.time() - st.st_mtime < RECENT_S
+        if full or recent or folder != self._folder or now - self._stat_at >= STAT_PASS_S:
+            self._folder, self._stat_at = folder, now
+            if full:
+                self._full_at = now
+            changed = self._scan(full)
+        else:
+            changed = False
+        if changed or self._result is None:
+            self._result = self._records()
+        return self._result, changed
+
+    def _scan(self, full: bool) -> bool:
+        try:
+            entries = sorted(os.listdir(self._path))
+        except OSError:
+            entries = []
+        changed = False
+        seen: dict[str, tuple[_Key, RendezvousRecord | str]] = {}
+        strays: list[str] = []
+        for entry in entries:
+            if is_temp_name(entry):
+                continue
+            name, dot, suffix = entry.rpartition(".")
+            if not dot or suffix != "json":
+                continue
+            if name not in self.expected:
+                strays.append(printable(entry))
+                continue
+            path = os.path.join(self._path, entry)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            before = self._seen.get(name)
+            if before is not None and before[0] == key and not full:
+                seen[name] = before
+                continue
+            outcome = _read_outcome(Path(path), name)
+            if outcome is None:
+                continue
+            seen[name] = (key, outcome)
+            changed = changed or before is None or before[1] != outcome
+        changed = changed or seen.keys() != self._seen.keys() or strays != self._strays
+        self._seen, self._strays = seen, strays
+        return changed
+
+    def _records(self) -> Records:
+        result = Records(strays=list(self._strays))
+        for name, (_, outcome) in self._seen.items():
+            if isinstance(outcome, str):
+                result.problems[name] = outcome
+            else:
+                result.by_name[name] = outcome
+        return result
+
+
 def read_records(job: JobDir, expected: Collection[str]) -> Records:
     """Read the record of every ``expected`` agent present; never raises for a bad file."""
-    result = Records()
-    try:
-        entries = sorted(os.listdir(job.rendezvous))
-    except OSError:
-        return result  # not created yet, or the job directory is gone: nothing to read
-    for entry in entries:
-        if is_temp_name(entry):
-            continue
-        name, dot, suffix = entry.rpartition(".")
-        if not dot or suffix != "json":
-            continue
-        if name not in expected:
-            result.strays.append(printable(entry))
-            continue
-        try:
-            result.by_name[name] = read_record(job.rendezvous / entry, name)
-        except FileNotFoundError:
-            continue  # replaced or removed between listing and reading
-        except RecordProblem as exc:
-            result.problems[name] = str(exc)
-    return result
+    return RecordReader(job, expected).read(0.0)[0]
 
 
 class RecordRetry:
@@ -154,6 +243,11 @@ class RecordRetry:
         self.retry_s = retry_s
         self._good: dict[str, RendezvousRecord] = {}
         self._bad_since: dict[str, float] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Whether a problem is waiting out its retry (it may count at the next look)."""
+        return bool(self._bad_since)
 
     def take(self, found: Records, now: float) -> Records:
         """What the folder says once transient problems are set aside."""
@@ -183,20 +277,28 @@ async def watch_records(
     """Call ``on_change`` with the records whenever what they say changes (runs forever).
 
     A record that cannot be read is retried for ``retry_s`` before it is reported; meanwhile its
-    agent keeps its last good record.
+    agent keeps its last good record. Records are read again only when their files may have
+    changed (``RecordReader``).
     """
+    reader = RecordReader(job, expected)
     retry = RecordRetry(retry_s)
     last: bytes | None = None
     while True:
-        records = retry.take(read_records(job, expected), trio.current_time())
-        fingerprint = msgspec.json.encode(
-            [
-                sorted((n, r.updated_at, r.ports, r.exited) for n, r in records.by_name.items()),
-                sorted(records.problems.items()),
-                records.strays,
-            ]
-        )
-        if fingerprint != last:
-            last = fingerprint
-            on_change(records)
+        now = trio.current_time()
+        found, changed = reader.read(now)
+        # Unchanged files and no problem waiting out its retry: nothing to tell.
+        if changed or retry.pending or last is None:
+            records = retry.take(found, now)
+            fingerprint = msgspec.json.encode(
+                [
+                    sorted(
+                        (n, r.updated_at, r.ports, r.exited) for n, r in records.by_name.items()
+                    ),
+                    sorted(records.problems.items()),
+                    records.strays,
+                ]
+            )
+            if fingerprint != last:
+                last = fingerprint
+                on_change(records)
         await trio.sleep(interval_s)

@@ -63,7 +63,8 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     default_partition: str | None = None
     # sbatch --time format ("04:00:00", "1-00:00:00").
     default_time_limit: str | None = None
-    gpus_per_node: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
+    # 0: a CPU-only cluster (tests, demos): stand-ins or roles with gpus: 0.
+    gpus_per_node: Annotated[int, msgspec.Meta(ge=0, le=128)] | None = None
     # resources.gpu_type when the recipe leaves it out (b200, mi355x, ...).
     default_gpu_type: str | None = None
     # Interface whose address agents advertise; "lo" means 127.0.0.1 (local runs and tests).

@@ -78,6 +78,9 @@ class LoadedRecipe:
     source: str
     # Recipe paths changed by --set, in the order given (for messages and the dry-run printout).
     overridden: list[str] = field(default_factory=list)
+    # Roles whose GPU count the recipe left to gpus_per_node (the planner asks a real engine on a
+    # CPU-only cluster to say gpus: 0 itself).
+    gpus_unset: list[str] = field(default_factory=list)
 
 
 # srtctl keys tilert-agent refuses with a reason: (struct, key) -> (message, hint).
@@ -528,6 +531,11 @@ def load_recipe_text(
         raw, origins = schema1.translate(raw)
     found: list[Problem] = []
     typed, pruned = _typed(raw, found, source)
+    gpus_unset = [
+        name
+        for name in ("prefill", "decode")
+        if (role := getattr(typed.roles, name)) is not None and role.gpus is None
+    ]
     recipe = _resolve(typed, cluster, base_dir, found)
     launcher = cluster.launcher if cluster is not None else None
     found.extend(p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, pruned))
@@ -546,6 +554,7 @@ def load_recipe_text(
         cluster=cluster,
         source=source,
         overridden=overridden,
+        gpus_unset=gpus_unset,
     )
 
 

@@ -14,7 +14,12 @@ import msgspec
 
 from agent.facts import DECODE_PYTHON, PREFILL_PROGRAM, ROUTER_PYTHON
 from agent.job.logfiles import DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES
-from agent.job.plan import DEFAULT_CONVERT_BUDGET_S, DEFAULT_CONVERT_LOCK_STALE_S
+from agent.job.plan import (
+    DEFAULT_CONVERT_BUDGET_S,
+    DEFAULT_CONVERT_LOCK_STALE_S,
+    DEFAULT_MAX_REJOINS,
+)
+from agent.job.preflightpolicy import PreflightPolicy
 
 # A scalar or structured value as YAML gives it. Engine args keep their YAML type until rendered.
 ArgValue = str | int | float | bool | None | list[Any] | dict[str, Any]
@@ -37,7 +42,7 @@ Grace = Annotated[float, msgspec.Meta(gt=0, le=_HOUR_S)]
 Budget = Annotated[float, msgspec.Meta(gt=0, le=_WEEK_S)]
 Nodes = Annotated[int, msgspec.Meta(ge=0, le=1024)]  # 0 is refused by the rules, with the reason
 Gpus = Annotated[int, msgspec.Meta(ge=0, le=128)]  # 0: a CPU-only engine (the --mock stand-ins)
-GpusPerNode = Annotated[int, msgspec.Meta(ge=1, le=128)]
+GpusPerNode = Annotated[int, msgspec.Meta(ge=0, le=128)]  # 0: a CPU-only cluster
 # A benchmark's input or output length.
 Tokens = Annotated[int, msgspec.Meta(ge=1, le=10_000_000)]
 
@@ -252,6 +257,9 @@ class AgentSection(_Strict):
         default_factory=lambda: Graces(prefill=20.0, decode=20.0, router=5.0)
     )
     canary: Canary = msgspec.field(default_factory=Canary)
+    # How many times the head takes a dropped decode back once it is healthy again (a decode that
+    # flaps past it stays out, with the reason); 0: a dropped decode never comes back.
+    max_rejoins: Annotated[int, msgspec.Meta(ge=0, le=1000)] = DEFAULT_MAX_REJOINS
     logs: LogSettings = msgspec.field(default_factory=LogSettings)
     # The weights conversion's own budget, apart from the engine's startup budget, and when a
     # conversion lock nobody refreshes is taken over (docs/weights.md).
@@ -264,6 +272,8 @@ class AgentSection(_Strict):
     frameworks: dict[str, str] = {}
     # pyxis flags added to every engine's srun step (schema 1's srun_options), from PYXIS_FLAGS.
     pyxis_flags: list[str] = []
+    # The node checks before the load and what each finding does (docs/preflight.md).
+    preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
 
 
 class Recipe(_Strict):
@@ -311,7 +321,9 @@ def find_arg(args: dict[str, ArgValue], name: str) -> tuple[str, ArgValue] | Non
 
 def gpus_per_node(recipe: Recipe) -> int:
     """GPUs per node: the recipe's (cluster default merged in by the loader), else 8."""
-    return recipe.resources.gpus_per_node or DEFAULT_GPUS_PER_NODE
+    # 0 is a CPU-only cluster (the planner then wants stand-ins or explicit gpus: 0 roles).
+    node_gpus = recipe.resources.gpus_per_node
+    return DEFAULT_GPUS_PER_NODE if node_gpus is None else node_gpus
 
 
 def role_layout(role: Role, node_gpus: int) -> tuple[int, int, int]:

@@ -219,6 +219,25 @@ def choose_launcher(
     raise ValueError(f"unknown launcher {chosen!r}")
 
 
+def _cpu_only_cluster(loaded: LoadedRecipe, standins: Collection[Process]) -> None:
+    """On a CPU-only cluster (gpus_per_node: 0) a real engine must say ``gpus: 0`` itself."""
+    if gpus_per_node(loaded.recipe) != 0:
+        return
+    problems = [
+        error(
+            f"roles.{name}.gpus",
+            f"the cluster has no GPUs (gpus_per_node: 0) and the {name} engine is real with no "
+            "GPU count of its own",
+            f"set roles.{name}.gpus: 0 to run it on CPUs, or run it as a stand-in "
+            f"(--mock {name}), or set resources.gpus_per_node (cluster file gpus_per_node)",
+        )
+        for name in loaded.gpus_unset
+        if name not in standins
+    ]
+    if problems:
+        raise InputError(problems)
+
+
 def make_plan(
     loaded: LoadedRecipe,
     *,
@@ -233,6 +252,7 @@ def make_plan(
     named = set(PROCESSES) if mock is True else set(mock or ())
     standins = [name for name in PROCESSES if name in named]
     recipe = loaded.recipe
+    _cpu_only_cluster(loaded, standins)
     # No cluster file: the site defaults every field of ClusterConfig states (one source).
     cluster = loaded.cluster or ClusterConfig()
     graces = stop_graces(recipe, cluster.kill_wait_s)
@@ -331,6 +351,8 @@ def _agent_plan(agent: AgentSection) -> AgentPlan:
         log_node_dir=agent.logs.node_dir if agent.logs.location == "node" else None,
         startup_silence_s=agent.startup_silence_s,
         startup_max_s=agent.startup_max_s,
+        preflight=agent.preflight,
+        max_rejoins=agent.max_rejoins,
     )
 
 

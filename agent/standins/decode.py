@@ -57,7 +57,9 @@ DEFAULT_HTTP_PORT = 5557
 
 def build_parser() -> argparse.ArgumentParser:
     """TileRT decode_server's flags, with its defaults and choices."""
-    ap = argparse.ArgumentParser(prog="decode_server", allow_abbrev=False)
+    ap = argparse.ArgumentParser(
+        prog="decode_server", allow_abbrev=False, epilog=lifecycle.HELP_EPILOG
+    )
     ap.add_argument("--engine", choices=["stub", "tilert"], default="stub")
     ap.add_argument("--model", default=DEFAULT_TILERT_MODEL, help="model profile")
     ap.add_argument("--max-seq-len", type=int, default=DEFAULT_DECODE_MAX_SEQ_LEN)

@@ -26,6 +26,9 @@ Every switch is off when unset or empty:
 - ``TILERT_MOCK_FAULT_TARGET=NAME``: every switch above applies only to the engine whose
   ``TILERT_AGENT_NAME`` (set by the agent: ``prefill-0``, ``decode-1``, ...) equals NAME, so one
   decode of a job can be made to crash-loop while the others serve.
+- ``TILERT_MOCK_FAULT_STARTS=N`` with ``TILERT_MOCK_FAULT_STARTS_FILE=PATH``: the switches apply
+  to the first N starts of the engine only (counted in PATH, across restarts and agents); later
+  starts run clean: a decode that crash-loops, then heals.
 
 The weight converter stand-in (``agent.standins.converter``) has switches of its own
 (``ConvertFaults``; the fault target applies to them too):
@@ -87,6 +90,8 @@ class Faults:
         target = env.get(TARGET_ENV, "").strip()
         if target and target != env.get(AGENT_NAME_ENV, "").strip():
             return cls()
+        if not _faulty_start(env):
+            return cls()  # healed: past its faulty starts
         metrics = _text(env, "METRICS_FILE")
         failure = _text(env, "FAILURE") or None
         if failure is not None and failure not in MODES:
@@ -166,6 +171,29 @@ def die(name: str, reason: str, code: int) -> None:
     logging.shutdown()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _faulty_start(env: Mapping[str, str]) -> bool:
+    """Whether this start of the engine gets the switches: always, unless
+    ``TILERT_MOCK_FAULT_STARTS=N`` limits them to the first N starts, counted in
+    ``TILERT_MOCK_FAULT_STARTS_FILE`` (one byte appended per start; it outlives the agent, so a
+    restarted agent's engine counts on)."""
+    starts = _integer(env, "FAULT_STARTS")
+    if starts is None:
+        return True
+    path = _text(env, "FAULT_STARTS_FILE")
+    if not path:
+        raise FaultConfigError(f"{PREFIX}FAULT_STARTS needs {PREFIX}FAULT_STARTS_FILE (a path)")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b".")
+            this_start = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise FaultConfigError(f"{PREFIX}FAULT_STARTS_FILE={path!r}: {exc.strerror}") from None
+    return this_start <= starts
 
 
 def _text(env: Mapping[str, str], key: str) -> str:

@@ -20,6 +20,11 @@ from agent.standins.faults import Crasher, FaultConfigError, Faults
 
 log = logging.getLogger("standin")
 
+# Said by every stand-in's --help under the flags it emulates (the preflight reads that list).
+HELP_EPILOG = (
+    "A stand-in: other flags of the real engine are accepted and ignored (logged at start)."
+)
+
 Body = Callable[[trio.Nursery, Crasher, trio.Event], Awaitable[None]]
 
 

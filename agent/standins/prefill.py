@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -67,7 +68,7 @@ def _model_len(raw: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The vLLM flags the stand-in honours."""
-    ap = argparse.ArgumentParser(prog="vllm", allow_abbrev=False)
+    ap = argparse.ArgumentParser(prog="vllm", allow_abbrev=False, epilog=lifecycle.HELP_EPILOG)
     ap.add_argument("subcommand", nargs="?", help="'serve'")
     ap.add_argument("model_tag", nargs="?")
     ap.add_argument("--model", default=None)
@@ -445,7 +446,11 @@ def main(argv: list[str] | None = None) -> None:
         "%(levelname)s %(asctime)s [%(module)s.py:%(lineno)d] %(message)s", "%m-%d %H:%M:%S"
     )
     parser = build_parser()
-    args = lifecycle.parse_known(parser, argv)
+    # vLLM's --help=all (and --help=GROUP) prints its flags like --help does.
+    words = sys.argv[1:] if argv is None else argv
+    args = lifecycle.parse_known(
+        parser, ["--help" if w.startswith("--help=") else w for w in words]
+    )
     if args.subcommand not in (None, "serve") and args.model_tag is None:
         args.model_tag = args.subcommand  # `python -m vllm.entrypoints.openai.api_server`-style
     model = args.model_tag or args.model

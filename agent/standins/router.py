@@ -51,7 +51,7 @@ _DROPPED = ("stream_options", "max_completion_tokens", "stop", "include_stop_str
 
 def build_parser() -> argparse.ArgumentParser:
     """pd_router's flags."""
-    ap = argparse.ArgumentParser(prog="pd_router", allow_abbrev=False)
+    ap = argparse.ArgumentParser(prog="pd_router", allow_abbrev=False, epilog=lifecycle.HELP_EPILOG)
     ap.add_argument("--vllm-url", required=True)
     ap.add_argument(
         "--decode", nargs="+", required=True, help="decode nodes as host:ctrl_port:http_port"

@@ -16,7 +16,7 @@ GROUPS = {
     "tests.bench.reexport": ("reexport_p50_ms", "reexport_ratio"),
     "tests.bench.logpump": ("log_pump_ratio_64k", "log_pump_drop_pct"),
     "tests.bench.reqstat": ("reqstat_us",),
-    "tests.bench.follow": ("head_follow_1024_ms",),
+    "tests.bench.follow": ("head_follow_1024_ms", "head_follow_cpu_1024_pct"),
     "tests.bench.idle": ("head_idle_cpu_pct", "agent_idle_cpu_pct", "agent_rss_mb"),
     "tests.bench.bringup": (
         "gate_ms_p50",

@@ -23,14 +23,18 @@ import msgspec
 import psutil
 import trio
 
+from agent.head.head import GATE_POLL_S
 from agent.http.client import build_client
 from agent.job.paths import JobDir
 from agent.job.records import RendezvousRecord
+from tests.bench.idle import ticker_program
 from tests.bench.procs import PY, REPO, env, read_status, submit, timed, wait_status
 from tests.bench.results import Figure
 from tests.kit.jobs import isolated_sets
 
 DEMO = REPO / "recipes" / "local-demo.yaml"
+SETTLE_S = 2.0  # after every peer is followed: the first answers' wake-ups are over
+IDLE_S = 20.0  # how long the head's CPU is measured while it follows peers, gate closed
 
 
 class FollowRun:
@@ -108,12 +112,20 @@ class FollowRun:
             time.sleep(0.005)
         raise RuntimeError(f"the head did not follow {self.count} peers in 120 s ({self.job})")
 
-    def head_cpu_pct(self, seconds: float) -> float:
-        """The head agent's own CPU (its process, not its engine) over ``seconds``, % of a core."""
-        proc = psutil.Process(self.head.pid)
-        before = sum(proc.cpu_times()[:2])
-        time.sleep(seconds)
-        return 100.0 * (sum(proc.cpu_times()[:2]) - before) / seconds
+    def head_cpu_pct(self, seconds: float) -> tuple[float, float]:
+        """The head agent's own CPU (its process, not its engine) over ``seconds``, % of a core;
+        beside it, a bare trio process waking as often as the gate loop over the same seconds."""
+        ticker = subprocess.Popen([PY, "-c", ticker_program(GATE_POLL_S)], cwd=REPO, env=env())
+        try:
+            procs = [psutil.Process(self.head.pid), psutil.Process(ticker.pid)]
+            before = [sum(p.cpu_times()[:2]) for p in procs]
+            time.sleep(seconds)
+            after = [sum(p.cpu_times()[:2]) for p in procs]
+        finally:
+            ticker.kill()
+            ticker.wait()
+        used = [100.0 * (a - b) / seconds for a, b in zip(after, before, strict=True)]
+        return used[0], used[1]
 
     def close(self) -> None:
         """The head's whole tree (engine, router) and the fake peers, gone."""
@@ -147,25 +159,41 @@ def floor_ms(ports: list[int]) -> float:
 
 
 def measure(names: set[str], *, quick: bool) -> list[Figure]:
-    """head_follow_1024_ms, several heads, each beside the floor on the same fake peers."""
-    if "head_follow_1024_ms" not in names:
-        return []
+    """head_follow_1024_ms, several heads, each beside the floor on the same fake peers; and
+    head_follow_cpu_1024_pct, the head's own CPU while it keeps following 1,024 peers that stay
+    ``starting`` (the gate closed), beside a bare trio process waking as often as its gate loop."""
     runs = 1 if quick else 3
-    ours, floor = [], []
+    figures = []
     with tempfile.TemporaryDirectory(prefix="tilert-bench-follow-") as tmp:
-        for i in range(runs):
-            run = FollowRun(Path(tmp) / str(i), 1024)
-            try:
-                ours.append(run.follow_ms())
-                floor.append(floor_ms(run.ports))
-            finally:
-                run.close()
-    return [
-        Figure("head_follow_1024_ms", ours, "the agent's client asking the 1,024 peers once", floor)
-    ]
+        if "head_follow_1024_ms" in names:
+            ours, floor = [], []
+            for i in range(runs):
+                run = FollowRun(Path(tmp) / str(i), 1024)
+                try:
+                    ours.append(run.follow_ms())
+                    floor.append(floor_ms(run.ports))
+                finally:
+                    run.close()
+            what = "the agent's client asking the 1,024 peers once"
+            figures.append(Figure("head_follow_1024_ms", ours, what, floor))
+        if "head_follow_cpu_1024_pct" in names:
+            cpu, ticker = [], []
+            for i in range(runs):
+                run = FollowRun(Path(tmp) / f"starting-{i}", 1024, state="starting")
+                try:
+                    run.follow_ms()
+                    time.sleep(SETTLE_S)
+                    pct, floor_pct = run.head_cpu_pct(IDLE_S / (2 if quick else 1))
+                    cpu.append(pct)
+                    ticker.append(floor_pct)
+                finally:
+                    run.close()
+            what = f"a bare trio process waking every {GATE_POLL_S:g} s (the gate loop's pace)"
+            figures.append(Figure("head_follow_cpu_1024_pct", cpu, what, ticker, "mean"))
+    return figures
 
 
-def scaling(counts: tuple[int, ...] = (1, 8, 64, 1024), idle_s: float = 20.0) -> None:
+def scaling(counts: tuple[int, ...] = (1, 8, 64, 1024), idle_s: float = IDLE_S) -> None:
     """Print, per number of peers: following them (healthy), the floor, and the head's CPU while
     it keeps following them with the gate closed (every peer ``starting``: the head re-evaluates
     every 0.5 s then, every 5 s once serving, so this bounds its serving cost from above)."""
@@ -181,12 +209,12 @@ def scaling(counts: tuple[int, ...] = (1, 8, 64, 1024), idle_s: float = 20.0) ->
             run = FollowRun(Path(tmp) / f"starting-{count}", count, state="starting")
             try:
                 run.follow_ms()
-                time.sleep(2.0)
-                cpu = run.head_cpu_pct(idle_s)
+                time.sleep(SETTLE_S)
+                cpu, _ = run.head_cpu_pct(idle_s)
             finally:
                 run.close()
             print(f"{count:>6}  {follow:>9.0f}  {floor:>8.0f}  {cpu:>20.2f}", flush=True)
 
 
 if __name__ == "__main__":
-    scaling(idle_s=float(sys.argv[1]) if len(sys.argv) > 1 else 20.0)
+    scaling(idle_s=float(sys.argv[1]) if len(sys.argv) > 1 else IDLE_S)

@@ -13,18 +13,25 @@ from pathlib import Path
 import httpx
 import psutil
 
+from agent.recipe.model import Probe
 from tests.bench.procs import PY, REPO, env, ready_job
 from tests.bench.results import Figure
 
 SCRAPE_S = 5.0
 SETTLE_S = 3.0  # after ready: the canaries' connections closed, the first scrape's cold parse
 # What any agent imports; the floor of an agent's memory. And a process that wakes as often as
-# the demo's liveness probes (agent.probe.interval_s: 0.5 s) and does nothing else.
+# the agent's liveness probes at their default interval (agent.probe.interval_s; the demo recipe
+# probes every 0.5 s, the figure is for the default) and does nothing else.
+PROBE_S = Probe().interval_s
 LIBRARIES = "import trio, httpx, hypercorn, prometheus_client, psutil, msgspec, yaml"
-TICKER = (
-    f"{LIBRARIES}\nasync def main():\n    while True:\n        await trio.sleep(0.5)\n"
-    "trio.run(main)"
-)
+
+
+def ticker_program(every_s: float) -> str:
+    """A Python program that imports what an agent imports and wakes every ``every_s``."""
+    return (
+        f"{LIBRARIES}\nasync def main():\n    while True:\n        await trio.sleep({every_s})\n"
+        "trio.run(main)"
+    )
 
 
 def _agent(job: Path, role: str, index: int) -> psutil.Process:
@@ -46,11 +53,11 @@ def measure(names: set[str], *, quick: bool) -> list[Figure]:
     """CPU per 5 s scrape interval (% of a core) and RSS (MB) sampled at each scrape."""
     window_s = 15.0 if quick else 60.0
     head_cpu, decode_cpu, ticker_cpu, rss, floor_rss = [], [], [], [], []
-    ticker = subprocess.Popen([PY, "-c", TICKER], cwd=REPO, env=env())
+    ticker = subprocess.Popen([PY, "-c", ticker_program(PROBE_S)], cwd=REPO, env=env())
     try:
         with (
             tempfile.TemporaryDirectory(prefix="tilert-bench-idle-") as tmp,
-            ready_job(Path(tmp)) as (job, status, _),
+            ready_job(Path(tmp), f"agent.probe.interval_s={PROBE_S:g}") as (job, status, _),
         ):
             head, decode = _agent(job.job, "prefill", 0), _agent(job.job, "decode", 0)
             floor = psutil.Process(ticker.pid)
@@ -74,7 +81,7 @@ def measure(names: set[str], *, quick: bool) -> list[Figure]:
     finally:
         ticker.kill()
         ticker.wait()
-    ticker_what = "a bare trio process waking every 0.5 s"
+    ticker_what = f"a bare trio process waking every {PROBE_S:g} s"
     figures = [
         Figure("head_idle_cpu_pct", head_cpu, ticker_what, ticker_cpu, "mean"),
         Figure("agent_idle_cpu_pct", decode_cpu, ticker_what, ticker_cpu, "mean"),

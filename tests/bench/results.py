@@ -27,6 +27,7 @@ FIGURES: dict[str, tuple[str, float, Literal["lower", "higher"], str]] = {
     "log_pump_drop_pct": ("%", 0, "lower", "lines the agent dropped (the worst run)"),
     "reqstat_us": ("us", 100, "lower", "a decode agent's cost per request: its REQSTAT line"),
     "head_follow_1024_ms": ("ms", 1000, "lower", "1,024 peers' records appear -> all followed"),
+    "head_follow_cpu_1024_pct": ("%", 5, "lower", "the head following 1,024 peers, gate closed"),
     "cli_help_ms": ("ms", 100, "lower", "tilert-submit --help"),
     "cli_status_ms": ("ms", 100, "lower", "tilert-submit status J"),
     "dry_run_64_decode_ms": ("ms", 150, "lower", "tilert-submit --dry-run, 1 prefill + 64 decode"),

@@ -42,8 +42,11 @@ from tests.kit.endpoints import (
     agent_status,
     chat,
     chat_concurrently,
+    decode_spec,
     get,
+    head_status,
     metric_value,
+    router_decodes,
     router_serves_without,
 )
 from tests.kit.jobdir import (
@@ -58,6 +61,7 @@ from tests.kit.jobdir import (
 )
 from tests.kit.jobs import CLUSTER_FILE, FAST, LocalJob, isolated_sets, make_job
 from tests.kit.processes import (
+    agent_process,
     alive,
     assert_gone,
     assert_nothing_left,
@@ -108,6 +112,7 @@ __all__ = [
     "LongPoll",
     "Shared",
     "agent_entry",
+    "agent_process",
     "agent_status",
     "alive",
     "assert_gone",
@@ -124,8 +129,10 @@ __all__ = [
     "check_stopped",
     "clean_env",
     "current_status",
+    "decode_spec",
     "describe",
     "get",
+    "head_status",
     "isolated_sets",
     "job_ports",
     "job_processes",
@@ -135,6 +142,7 @@ __all__ = [
     "metric_value",
     "read_status",
     "record",
+    "router_decodes",
     "router_serves_without",
     "running_agents",
     "running_processes",

@@ -7,6 +7,7 @@ that hopes the request is in flight by then.
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import time
@@ -142,3 +143,28 @@ def router_serves_without(job: Path, status: dict[str, Any], name: str) -> bool:
         return False
     http = record(job, name)["ports"]["http"]
     return f":{http} " not in starts[-1] and not starts[-1].endswith(f":{http}")
+
+
+def head_status(status: dict[str, Any]) -> dict[str, Any]:
+    """The head agent's live ``/status``."""
+    return agent_status(agent_entry(status, "prefill-0")["status_url"])
+
+
+def router_decodes(job: Path, status: dict[str, Any]) -> list[str] | None:
+    """The ``--decode`` specs of the router's running generation, once it is healthy."""
+    head = head_status(status).get("router")
+    if head is None or head["state"] != "healthy":
+        return None
+    log = job / "logs" / "prefill-0" / "router.log"
+    starts = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("=== router")]
+    if not starts or f"pid {head['pid']}:" not in starts[-1]:
+        return None
+    argv = starts[-1].split()
+    specs = argv[argv.index("--decode") + 1 :]
+    return list(itertools.takewhile(lambda a: not a.startswith("--"), specs))
+
+
+def decode_spec(job: Path, name: str) -> str:
+    """``host:ctrl:http`` of decode ``name``, as the router is given it."""
+    found = record(job, name)
+    return f"{found['address']}:{found['ports']['ctrl']}:{found['ports']['http']}"

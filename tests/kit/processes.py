@@ -120,3 +120,19 @@ def kill_all(procs: Iterable[psutil.Process]) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.kill()
+
+
+def agent_process(job: Path, name: str) -> psutil.Process:
+    """The ``tilert-agent`` process of agent ``name`` of ``job``."""
+    role, index = name.rsplit("-", 1)
+    for proc in job_processes(job):
+        with contextlib.suppress(psutil.Error):
+            cmd = proc.cmdline()
+            is_agent = "agent.main" in cmd or any(c.endswith("tilert-agent") for c in cmd)
+            if (
+                is_agent
+                and cmd[cmd.index("--role") + 1] == role
+                and cmd[cmd.index("--index") + 1] == index
+            ):
+                return proc
+    raise AssertionError(f"no agent process {name} for {job}")

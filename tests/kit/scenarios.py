@@ -160,6 +160,9 @@ DECODES_NEVER_HEALTHY = (
     # the prefill stand-in, and the test is about the decodes.
     "roles.decode.env.TILERT_MOCK_HANG_HEALTH=1",
     "agent.startup_budget_s={prefill: 120, decode: 3, router: 120}",
+    # The stand-in's startup lines ("TileRT engine ready", "control plane listening") count as
+    # progress, which would move the decodes' deadline by the default 900 s of silence.
+    "agent.startup_silence_s=1",
 )
 
 

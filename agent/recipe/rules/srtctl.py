@@ -344,6 +344,13 @@ def model(recipe: Recipe, out: list[Problem]) -> None:
         )
 
 
+# A first run on a new cluster often has no images yet: the other launcher is worth knowing about.
+_PROCESS_HINT = (
+    "or, with the engines installed on the nodes, set launcher: process in the cluster file "
+    "(tilert-submit init writes one; docs/launchers.md)"
+)
+
+
 def images(recipe: Recipe, launcher: str | None, out: list[Problem]) -> None:
     """An image for every engine and the router when the pyxis launcher runs them."""
     # Only the pyxis launcher runs images; the process launcher (and an unknown launcher, when a
@@ -357,7 +364,7 @@ def images(recipe: Recipe, launcher: str | None, out: list[Problem]) -> None:
                 error(
                     f"roles.{name}.container",
                     f"no image for the {name} engine (the pyxis launcher runs every engine in one)",
-                    f"set roles.{name}.container or model.container",
+                    f"set roles.{name}.container or model.container; {_PROCESS_HINT}",
                 )
             )
     if not (recipe.frontend.container_image or shared):
@@ -365,7 +372,7 @@ def images(recipe: Recipe, launcher: str | None, out: list[Problem]) -> None:
             error(
                 "frontend.container_image",
                 "no image for the router (the pyxis launcher runs it in one)",
-                "set frontend.container_image or model.container",
+                f"set frontend.container_image or model.container; {_PROCESS_HINT}",
             )
         )
 
