@@ -19,6 +19,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── CanaryFailed          agent.head.canaries: a canary through the router failed
     │   ├── WeightsError          agent.node.conversion: the weights folder cannot be served
     │   ├── LockLost              agent.node.folderlock: the weights folder's lock was taken
+    │   ├── HubCacheError         agent.node.hubcache: a hub id's snapshot is not in the cache
     │   ├── RecordProblem         agent.node.rendezvous: a rendezvous file that is no record
     │   ├── UpstreamError         agent.http.upstream: vLLM's /metrics answer is unusable
     │   ├── PollFailed            agent.http.longpoll: a peer's long poll got no usable answer

@@ -36,12 +36,26 @@ ENGINE_MODULES = {
 # loads (``--model-weights-dir``), listed in ``WEIGHTS_INDEX_FILE``, the index written last.
 CONVERTER_MODULE = "tilert.models.preprocess.weight_converter"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+# What the converter reads from a checkpoint folder before its shards.
+CONVERTER_INPUTS = ("config.json", WEIGHTS_INDEX_FILE)
 # The converter's --model_type for each decode model profile (its ``__main__`` accepts these two).
 # glm5_2 (GLM-5.2/5.3, ROCm) has a converter of its own with other flags
 # (tilert.models.glm_5_2_rocm.weight_converter), which the agent does not drive.
 CONVERTER_MODEL_TYPES = {"glm5": "glm-5", "dsv32": "deepseek-v32"}
 # Distributions whose versions the preflight reports (the tilert versions must match across nodes).
 ENGINE_DISTRIBUTIONS = ("tilert", "vllm")
+
+# GPU selection: NVIDIA's variable (srtctl's default), and what ROCm reads on AMD GPUs, whose
+# resources.gpu_type names start with "mi" and a digit (mi300x, mi325x, mi355x).
+NVIDIA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+ROCM_DEVICES_ENVS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def is_amd_gpu(gpu_type: str) -> bool:
+    """Whether a ``gpu_type`` names an AMD Instinct GPU (mi300x, MI355X, amd-mi325x)."""
+    name = gpu_type.strip().lower().removeprefix("amd").lstrip("-_ ")
+    return len(name) > 2 and name.startswith("mi") and name[2].isdigit()
+
 
 ROUTER_TYPE = "tilert-router"
 PREFILL_ENGINE = "vllm"

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"{job.plan}: unusable plan ({exc}); re-create the job with tilert-submit")
     try:
         # Defence in depth (and for systemd use): the same rules the submitter ran.
-        load_recipe(job.recipe)
+        load_recipe(job.recipe, on_submit_host=False)
     except InputError as exc:
         return _fail(f"{job.recipe} does not validate:", str(exc))
     try:

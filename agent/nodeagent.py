@@ -34,6 +34,8 @@ from agent.launch.enginechecks import (
     connector_choice,
     engine_checks,
     flag_question,
+    pin_problems,
+    pinned,
     with_standin_connector,
 )
 from agent.launch.engineflags import flag_refusals
@@ -315,6 +317,10 @@ class NodeAgent:
         problems = [*result.problems, *([connector.problem] if connector.problem else [])]
         if self.id.role == "prefill" and not self.plan.standin("prefill"):
             problems += [p for p in [socket_path_problem(env)] if p]
+        if not self.plan.standin(self.id.role):
+            problems += pin_problems(
+                pinned(self.plan), result.versions, image=self.role.image, engine=self.id.role
+            )
         if problems:
             return self._fail_preflight("the engine's environment", problems)
         self.record.versions = dict(result.versions)

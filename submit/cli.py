@@ -2,7 +2,8 @@
 
 ``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock [ROLES]]
 [--job-dir DIR]``, ``tilert-submit convert RECIPE [same flags]`` (a one-node job converting the
-decode's weights, docs/weights.md), and the job commands ``status J [--json]``, ``logs J [NAME]
+decode's weights, docs/weights.md), ``tilert-submit migrate RECIPE [-o FILE]`` (schema 1 to
+schema 2, docs/recipe.md), and the job commands ``status J [--json]``, ``logs J [NAME]
 [-f]``, ``stop J``, ``diagnose J [--json]``.
 RECIPE is positional, so the job commands are recognised by the first word; a recipe file with
 such a name is given as ``./status``. Bad input exits 2 with a message naming the key or flag,
@@ -64,6 +65,8 @@ SETUP_COMMANDS = {
 }
 # ``tilert-submit convert RECIPE ...``: the same flags as a submission, for a convert-only job.
 CONVERT_COMMAND = "convert"
+# ``tilert-submit migrate RECIPE [-o FILE]``: a schema-1 TileRT recipe written as schema 2.
+MIGRATE_COMMAND = "migrate"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         + "; ".join(f"{PROG} {name} J ... ({text})" for name, (_, text) in JOB_COMMANDS.items())
         + f". Weights ahead of a job: {PROG} {CONVERT_COMMAND} RECIPE ... (a one-node job). "
         + f"A new cluster: {PROG} init [-o FILE] (writes a commented cluster file). "
-        "See docs/cli.md.",
+        f"Schema 1 to schema 2: {PROG} {MIGRATE_COMMAND} RECIPE [-o FILE]. See docs/cli.md.",
     )
     # Optional for argparse only: `--mock RECIPE` (the old spelling) hands the recipe to --mock.
     parser.add_argument("recipe", metavar="RECIPE", nargs="?", help="the recipe YAML file")
@@ -485,6 +488,8 @@ def _dispatch(argv: list[str]) -> int:
     """A job command, ``convert RECIPE``, or ``RECIPE``."""
     if argv and (argv[0] in JOB_COMMANDS or argv[0] in SETUP_COMMANDS):
         return _job_command(argv[0], argv[1:])
+    if argv and argv[0] == MIGRATE_COMMAND:
+        return _migrate(argv[1:])
     parser = _parser()
     convert = bool(argv) and argv[0] == CONVERT_COMMAND
     if convert:
@@ -504,6 +509,19 @@ def _dispatch(argv: list[str]) -> int:
     if args.recipe is None:
         parser.error("the following arguments are required: RECIPE")
     return run(args)
+
+
+def _migrate(argv: list[str]) -> int:
+    from submit import migrate
+
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} {MIGRATE_COMMAND}",
+        description="Write a srtctl schema-1 TileRT recipe (backend.type: tilert) as schema 2, "
+        "keeping its comments; both plan the same job.",
+        epilog="See docs/recipe.md and docs/cli.md.",
+    )
+    migrate.add_arguments(parser)
+    return migrate.main(parser.parse_args(argv))
 
 
 def _standins(args: argparse.Namespace) -> list[Process]:

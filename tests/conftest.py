@@ -66,6 +66,7 @@ UNIT_MODULES = frozenset(
         "test_rendezvous",
         "test_rules",
         "test_sbatch",
+        "test_schema1",
         "test_sdnotify",
         "test_shape",
         "test_signature_catalogue",

@@ -9,6 +9,7 @@ import msgspec
 
 from agent.job.plan import load_plan
 from agent.launch.jobspecs import JobSpecs
+from agent.launch.pyxis import pyxis_srun_argv
 from tests.golden import GOLDEN_DIR
 
 
@@ -32,3 +33,17 @@ def test_process_specs_keep_the_job_mounts_only() -> None:
     spec = JobSpecs(plan, scratch_root=Path("/tmp/tilert-abc"))("prefill-0", ["vllm"], {}, None)
     assert spec.mounts == tuple(plan.mounts)
     assert spec.container_env == ()
+
+
+def test_the_recipes_pyxis_flags_reach_every_steps_srun_line() -> None:
+    """agent.pyxis_flags (schema 1's srun_options) on each pyxis step, beside the image."""
+    plan = load_plan((GOLDEN_DIR / "b200-nixl-glm5.plan.json").read_bytes())
+    assert JobSpecs(plan, scratch_root=Path("/s"))("decode-0", [], {}, "i").container_flags == ()
+    flags = ["--container-writable", "--container-remap-root"]
+    plan = msgspec.structs.replace(plan, pyxis_flags=flags)
+    spec = JobSpecs(plan, scratch_root=Path("/s"))("decode-0", ["python"], {}, "img.sqsh")
+    argv = pyxis_srun_argv(spec, "42", "node1", "tilert-decode-0")
+    assert argv[argv.index("--container-image=img.sqsh") :][4:6] == flags
+    # Without an image there is no container to give them to.
+    bare = JobSpecs(plan, scratch_root=Path("/s"))("decode-0", ["python"], {}, None)
+    assert not set(flags) & set(pyxis_srun_argv(bare, "42", "node1", "tilert-decode-0"))

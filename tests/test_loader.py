@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 
@@ -16,6 +17,8 @@ DATA = Path(__file__).parent / "data" / "recipes"
 B200 = DATA / "b200-nixl-glm5.yaml"
 MI355X = DATA / "mi355x-mooncake-glm5.yaml"
 CLUSTER = load_cluster(DATA / "srtslurm.yaml")
+# The same site with AMD GPUs: ROCm's device variable (an AMD recipe needs it said).
+AMD_CLUSTER = msgspec.structs.replace(CLUSTER, visible_devices_env="ROCR_VISIBLE_DEVICES")
 
 
 def load_text(text: str, **kw: object) -> LoadedRecipe:
@@ -63,7 +66,7 @@ def test_b200_loads_unchanged_with_the_cluster_aliases() -> None:
 
 
 def test_mi355x_loads_with_its_model_alias() -> None:
-    loaded = load_recipe(MI355X, cluster=CLUSTER)
+    loaded = load_recipe(MI355X, cluster=AMD_CLUSTER)
     r = loaded.recipe
     assert r.model.path == "/models/GLM-5.3"
     assert r.roles.prefill is not None
@@ -74,6 +77,20 @@ def test_mi355x_loads_with_its_model_alias() -> None:
     assert r.roles.decode.env == {"GLM5_AR_N": "2"}
     assert r.health_check.max_attempts == 2160
     assert loaded.warnings == []
+
+
+def test_an_amd_gpu_with_nvidias_device_variable_is_refused_naming_the_cluster_key() -> None:
+    """mi355x on a cluster that selects GPUs with CUDA_VISIBLE_DEVICES (its default): told,
+    not guessed; the recipe's gpu_type line, the cluster key and its value named."""
+    with pytest.raises(InputError) as info:
+        load_recipe(MI355X, cluster=CLUSTER)
+    (problem,) = [p for p in info.value.problems if p.path == "resources.gpu_type"]
+    assert "visible_devices_env is CUDA_VISIBLE_DEVICES" in problem.message
+    assert problem.hint == "set visible_devices_env: ROCR_VISIBLE_DEVICES in the cluster file"
+    assert problem.line == MI355X.read_text().splitlines().index("  gpu_type: mi355x") + 1
+    # The agents' own re-check on the node (no cluster file there) does not repeat it.
+    text = resolved_yaml(load_recipe(MI355X, cluster=AMD_CLUSTER))
+    load_recipe_text(text, source="J/recipe.yaml", base_dir=DATA, on_submit_host=False)
 
 
 def test_b200_without_a_cluster_file_names_every_alias() -> None:
@@ -90,10 +107,14 @@ def test_b200_without_a_cluster_file_names_every_alias() -> None:
 
 @pytest.mark.parametrize("path", [B200, MI355X])
 def test_resolved_yaml_round_trip(path: Path) -> None:
-    loaded = load_recipe(path, cluster=CLUSTER)
+    loaded = load_recipe(path, cluster=AMD_CLUSTER if path == MI355X else CLUSTER)
     text = resolved_yaml(loaded)
     again = load_recipe_text(
-        text, source="recipe.yaml", base_dir=Path("/nonexistent"), cluster=None
+        text,
+        source="recipe.yaml",
+        base_dir=Path("/nonexistent"),
+        cluster=None,
+        on_submit_host=False,
     )
     assert again.recipe == loaded.recipe
     # and a second round is a fixed point

@@ -9,8 +9,13 @@ import sys
 from pathlib import Path
 
 from agent.launch import LaunchSpec, ProcessLauncher
+from agent.launch.enginechecks import engine_checks, pin_problems, pinned
 from agent.launch.preflight import PreflightChecks, run_preflight
+from agent.recipe.cluster import ClusterConfig
+from agent.recipe.loader import load_recipe
+from agent.recipe.planner import make_plan
 
+DEMO = Path(__file__).resolve().parent.parent / "recipes" / "local-demo.yaml"
 BASE = LaunchSpec(name="decode-0-preflight", argv=[], env=dict(os.environ))
 
 
@@ -154,3 +159,31 @@ async def test_timeout_is_a_failure(tmp_path: Path) -> None:
     [problem] = result.problems
     assert "did not finish within 0.5s" in problem
     assert "loading" in problem
+
+
+async def test_a_pinned_version_the_interpreter_has_otherwise_fails_naming_both() -> None:
+    """agent.frameworks (schema 1's identity.frameworks) against what the preflight really
+    found: the engine, the image, the package, the pinned and the found version."""
+    plan = make_plan(
+        load_recipe(
+            DEMO,
+            cluster=ClusterConfig(launcher="process"),
+            overrides=["agent.frameworks={msgspec: '0.0.1', no-such-dist-xyz: '1.0'}"],
+        )
+    )
+    checks = engine_checks(plan, "prefill", dict(os.environ))
+    assert {"msgspec", "no-such-dist-xyz"} <= set(checks.distributions)
+    result = await run_preflight(
+        ProcessLauncher(),
+        BASE,
+        PreflightChecks(python=sys.executable, distributions=checks.distributions),
+    )
+    found = importlib.metadata.version("msgspec")
+    problems = pin_problems(pinned(plan), result.versions, image="img:1", engine="prefill")
+    assert problems == [
+        f"prefill: image img:1 has msgspec {found}, the recipe pins msgspec 0.0.1 "
+        "(agent.frameworks; schema 1: identity.frameworks): use an image with msgspec==0.0.1, "
+        "or change the pin"
+    ]
+    # The same pin, met: nothing to say (a requirement spelling is the same version).
+    assert pin_problems({"msgspec": f"=={found}"}, result.versions, image=None, engine="x") == []

@@ -42,6 +42,9 @@ RECIPE_FILES = [
     RECIPES / "local-demo.yaml",
     DATA / "b200-nixl-glm5.yaml",
     DATA / "mi355x-mooncake-glm5.yaml",
+    # The recipes users hold: srtctl 2.x and the InferenceX fork's schema 1 (backend.type: tilert).
+    DATA / "wild" / "inferencex-fixed-seq-len-1p1d-tp8-mtp.yaml",
+    DATA / "wild" / "srtctl2-glm5-disagg.yaml",
 ]
 CLUSTER_FILES = [
     DATA / "srtslurm.yaml",
@@ -214,7 +217,9 @@ def accepted(loaded: LoadedRecipe) -> None:
     plan = make_plan(loaded, mock=False)
     msgspec.json.encode(plan)
     render_sbatch(plan, JobDir(Path("/tmp/tilert-prop/J")), default_agent_command(loaded.cluster))
-    again = load_recipe_text(resolved_yaml(loaded), source="J/recipe.yaml", base_dir=DATA)
+    again = load_recipe_text(
+        resolved_yaml(loaded), source="J/recipe.yaml", base_dir=DATA, on_submit_host=False
+    )
     assert make_plan(again, mock=False).role("decode").args == plan.role("decode").args
 
 

@@ -95,7 +95,7 @@ def test_dry_run_lays_out_the_job_directory(
     ] + [f"decode-{i}" for i in range(plan.decode.nodes)]
     assert str(root) in job.sbatch.read_text()
     # The agents re-load J/recipe.yaml without the cluster file and get the same launch plan.
-    again = make_plan(load_recipe(job.recipe), mock=plan.standins)
+    again = make_plan(load_recipe(job.recipe, on_submit_host=False), mock=plan.standins)
     for role in ("prefill", "decode"):
         assert again.role(role).program == plan.role(role).program
         assert again.role(role).args == plan.role(role).args
@@ -161,7 +161,7 @@ def test_set_round_trip(tmp_path: Path) -> None:
     for path in root.rglob("*"):
         if path.is_file():
             assert "s3cr3t-value" not in path.read_text(), path
-    again = make_plan(load_recipe(root / "recipe.yaml"), mock=False)
+    again = make_plan(load_recipe(root / "recipe.yaml", on_submit_host=False), mock=False)
     assert again.prefill.env == plan.prefill.env
     assert again.decode.args == plan.decode.args
     assert again.router.port == 8123

@@ -50,6 +50,7 @@ def checkpoint(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "m-1.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "config.json").write_text("{}")  # read by the converter, checked at submit
     return folder
 
 
@@ -129,6 +130,77 @@ def test_two_decode_agents_racing_on_one_folder_convert_it_once(
     assert found.marker.agent == holder
     assert found.marker.job == str(job)
     assert siblings(weights) == []  # no lock, no conversion folder left
+
+
+def test_a_hub_id_source_is_converted_from_the_decodes_hugging_face_cache(
+    tmp_path: Path, agents: Agents
+) -> None:
+    """``source: hf:org/name`` (schema 1's hf: model): the snapshot refs/main names in the
+    decode's HF_HUB_CACHE, as srtctl's snapshot_download(local_files_only=True)."""
+    weights = tmp_path / "shared" / "glm5"
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    snap = checkpoint(repo / "snapshots" / "r1")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("r1")
+    job = make_job(
+        tmp_path / "a",
+        f"roles.decode.args.model-weights-dir={weights}",
+        "roles.decode.convert={source: 'hf:org/tiny'}",
+        f"roles.decode.env.HF_HUB_CACHE={cache}",
+    )
+    agent = agents.start(job, "decode", 0)
+    agent.wait_state("healthy", timeout=30)
+    found = inspect(weights)
+    assert found.marker is not None, found.problems
+    assert found.marker.source == str(snap)
+    # Not in the cache: the decode fails at once, saying where it looked and how to get it.
+    other = make_job(
+        tmp_path / "b",
+        f"roles.decode.args.model-weights-dir={tmp_path / 'other' / 'w'}",
+        "roles.decode.convert={source: 'hf:org/missing'}",
+        f"roles.decode.env.HF_HUB_CACHE={cache}",
+    )
+    failed = agents.start(other, "decode", 0).wait_state("failed", timeout=30)
+    assert f"org/missing is not in the Hugging Face cache {cache}" in failed["reason"], failed
+    assert "huggingface-cli download org/missing" in failed["reason"]
+
+
+def test_a_failed_conversion_is_known_at_once_by_the_decode_waiting_for_it(
+    tmp_path: Path, agents: Agents
+) -> None:
+    """The converter exits 1 half way: the holder leaves its verdict in the lock before letting
+    go, so the waiter fails with the holder's reason at its next polls, long before the
+    convert_lock_stale_s / 2 (here the default 120 s: 60 s) a vanished lock alone would cost."""
+    weights = tmp_path / "shared" / "glm5"
+    job = weights_job(
+        tmp_path / "a",
+        weights,
+        f"roles.decode.env.TILERT_MOCK_CONVERT_DELAY_S={SLOW}",
+        "roles.decode.env.TILERT_MOCK_CONVERT_CRASH_AFTER_SHARDS=2",
+    )
+    both = [agents.start(job, "decode", 0), agents.start(job, "decode", 1)]
+    waiting: list[AgentProc] = []
+
+    def one_waits() -> bool:
+        for agent in both:
+            convert = agent.status().get("convert") or {}
+            if convert.get("role") == "waiting":
+                waiting.append(agent)
+                return True
+        return False
+
+    wait_for("one agent waiting for the other's conversion", one_waits, 20)
+    (waiter,) = waiting
+    (holder,) = [a for a in both if a is not waiter]
+    failed = holder.wait_state("failed", timeout=30)
+    assert "exited with code 1" in failed["reason"], failed
+    # Bounded well below the 60 s of the fallback, with room for a slow machine.
+    other = waiter.wait_state("failed", timeout=20)
+    assert "ended without completing it: the converter exited with code 1" in other["reason"]
+    assert f"decode-{holder.index}" in other["reason"], other
+    assert not inspect(weights).complete
+    wait_for("the lock gone", lambda: siblings(weights) == [], 10)
 
 
 def test_sigkilled_conversion_leaves_nothing_complete_and_the_next_job_takes_over(

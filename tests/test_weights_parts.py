@@ -19,6 +19,7 @@ from agent.job.logfiles import log_files, log_path
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
 from agent.node.folderlock import LockInfo, LockLost, StaleWatch, observe, take_over, try_acquire
+from agent.node.hubcache import HubCacheError, snapshot
 from agent.node.weightsfolder import (
     MARKER_NAME,
     ConvertedMarker,
@@ -69,6 +70,7 @@ def checkpoint(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "m-1.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "config.json").write_text("{}")  # read by the converter, checked at submit
     return folder
 
 
@@ -150,7 +152,6 @@ def test_source_alias_resolves_through_model_paths() -> None:
         ({"source": "/hf", "model_type": "glm5"}, None, "model_type", "no model type"),
         ({"source": "/hf", "append_mtp": True}, ("with-mtp", None), "append_mtp", "with-mtp"),
         ({}, None, "source", "no checkpoint"),
-        ({"source": "hf:zai-org/GLM-5"}, None, "source", "not a folder"),
         ({"source": "/tilert_weights/glm5.1-fp8/hf"}, None, "source", "inside the weights"),
         ({"source": "/hf", "python": " "}, None, "python", "empty"),
     ],
@@ -167,6 +168,55 @@ def test_convert_key_problems(
     path = f"roles.decode.convert.{key}"
     assert path in found, found
     assert words in found[path], found[path]
+
+
+def test_a_hub_id_source_is_a_warning_naming_the_cache_it_is_read_from() -> None:
+    loaded = load(b200(source="hf:zai-org/GLM-5"))
+    (warned,) = [w for w in loaded.warnings if w.path == "roles.decode.convert.source"]
+    assert "Hugging Face cache (HF_HUB_CACHE" in warned.message
+    plan = make_plan(loaded, mock=False)
+    assert not isinstance(plan.convert, msgspec.UnsetType)
+    assert plan.convert.source == "zai-org/GLM-5"
+
+
+def test_a_source_folder_this_host_reads_must_hold_what_the_converter_reads(
+    tmp_path: Path,
+) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors.index.json").write_text("{}")
+    found = problems(b200(source=str(hf)))
+    assert "has no config.json" in found["roles.decode.convert.source"]
+    (hf / "config.json").write_text("{}")
+    loaded = load(b200(source=str(hf)))
+    assert [w for w in loaded.warnings if w.path == "roles.decode.convert.source"] == []
+    # A folder this host cannot see is the node's to check: a warning that says so.
+    loaded = load(b200(source=str(tmp_path / "elsewhere")))
+    (warned,) = [w for w in loaded.warnings if w.path == "roles.decode.convert.source"]
+    assert "checked on the decode node" in warned.message
+
+
+def test_a_hub_ids_snapshot_is_found_in_the_cache_as_snapshot_download_finds_it(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "hub"
+    repo = cache / "models--zai-org--GLM-5.1-FP8"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "old999").mkdir(parents=True)
+    env = {"HF_HOME": str(tmp_path), "PATH": "/bin"}
+    with pytest.raises(HubCacheError, match="refs/main"):  # two snapshots, no ref: which one?
+        snapshot("zai-org/GLM-5.1-FP8", env, [], "process")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123\n")
+    assert snapshot("zai-org/GLM-5.1-FP8", env, [], "process") == f"{repo}/snapshots/abc123"
+    with pytest.raises(HubCacheError, match="huggingface-cli download zai-org/other"):
+        snapshot("zai-org/other", {"HF_HUB_CACHE": str(cache)}, [], "process")
+    # Under pyxis the cache is a container path: read through the mount that holds it.
+    env = {"HF_HUB_CACHE": "/hf_hub_cache/hub"}
+    found = snapshot("zai-org/GLM-5.1-FP8", env, [f"{cache}:/hf_hub_cache/hub"], "pyxis")
+    assert found == "/hf_hub_cache/hub/models--zai-org--GLM-5.1-FP8/snapshots/abc123"
+    with pytest.raises(HubCacheError, match="not under any of the job's container mounts"):
+        snapshot("zai-org/GLM-5.1-FP8", env, [f"{cache}:/elsewhere"], "pyxis")
 
 
 def test_convert_needs_an_absolute_weights_dir() -> None:

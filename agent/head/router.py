@@ -23,7 +23,7 @@ from agent.job.names import ROUTER_NAME
 from agent.job.records import EngineStatus, JobAgent, RendezvousRecord
 from agent.launch import LaunchSpec, preflight
 from agent.launch.commands import DecodeEndpoint, arg_value, router_command
-from agent.launch.enginechecks import flag_question
+from agent.launch.enginechecks import flag_question, pin_problems, pinned
 from agent.launch.engineflags import flag_refusals
 from agent.node.leave import HANDOVER_DRAIN_S
 from agent.node.logpump import LogSink
@@ -65,7 +65,7 @@ class Router:
         checks = preflight.PreflightChecks(
             python=router.python,
             modules=[ROUTER_MODULE],
-            distributions=["tilert"],
+            distributions=list(dict.fromkeys(["tilert", *pinned(plan)])),
             # The stand-ins need no setup; the script belongs to the real images.
             setup_script=None if plan.standin("router") else plan.setup_script,
             configs_dir=plan.configs_dir,
@@ -78,6 +78,11 @@ class Router:
         base = self.ctx.launch_spec("router-preflight", [], env, router.image)
         result = await preflight.run_preflight(self.ctx.launcher, base, checks)
         node = self.ctx.identity.node
+        if result.ok and not plan.standin("router"):
+            # A job with stand-ins is a rehearsal: its router is not the image the pins name.
+            pins = pin_problems(pinned(plan), result.versions, image=router.image, engine="router")
+            if pins:
+                raise JobFailed(f"router preflight failed on {node}: " + "; ".join(pins))
         if result.ok:
             log.info("head: the real TileRT router is importable by %s", router.python)
         elif plan.standin("router"):

@@ -185,6 +185,12 @@ class Plan(msgspec.Struct, kw_only=True):
     convert: ConvertPlan | msgspec.UnsetType = msgspec.UNSET
     # Absent for ``benchmark.type: manual`` (docs/benchmark.md), so those plans read as before.
     benchmark: BenchmarkPlan | msgspec.UnsetType = msgspec.UNSET
+    # The recipe's version pins (agent.frameworks; schema 1's identity.frameworks): package ->
+    # version, checked in each engine's preflight. Absent without pins.
+    frameworks: dict[str, str] | msgspec.UnsetType = msgspec.UNSET
+    # Flags added to every pyxis step (agent.pyxis_flags; schema 1's srun_options). Absent
+    # without.
+    pyxis_flags: list[str] | msgspec.UnsetType = msgspec.UNSET
 
     def standin(self, name: Process) -> bool:
         """Whether ``name``'s process is the project's stand-in (the router's: where needed)."""

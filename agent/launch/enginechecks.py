@@ -7,6 +7,10 @@ else the one its ``#!`` line names (a venv's ``vllm`` script); a program that na
 site's launcher script) is checked for existence on the engine's PATH only. Under pyxis the checks
 run inside the engine's image. A stand-in is checked with the agent's own interpreter.
 
+The recipe's version pins (``agent.frameworks``) are compared with the versions the preflight
+found in each real engine's image (``pin_problems``); stand-ins are not the images and are not
+compared.
+
 The TileRT connector stand-in (``agent.standins.vllm_connector``) is decided here too: asked for
 with ``TILERT_STANDIN_CONNECTOR=1`` in the prefill's environment, allowed only beside stand-in
 decodes, and used only when the engine's interpreter has no real ``tilert``.
@@ -19,6 +23,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import msgspec
 
 from agent.facts import CONNECTOR_MODULE, DECODE_MODULE, ENGINE_DISTRIBUTIONS
 from agent.facts import STANDIN_CONNECTOR_PATH as CONNECTOR_PATH
@@ -82,6 +88,7 @@ def engine_checks(plan: Plan, role: Role, env: Mapping[str, str]) -> PreflightCh
     optional = (
         ["tilert", CONNECTOR_MODULE] if role == "prefill" and standin_connector_asked(env) else []
     )
+    distributions = list(dict.fromkeys([*ENGINE_DISTRIBUTIONS, *pinned(plan)]))
     if python is None:
         # A site's launcher: nothing names its Python, so only the program can be checked.
         python, modules, optional = IMAGE_PYTHON if in_image else sys.executable, [], []
@@ -89,12 +96,43 @@ def engine_checks(plan: Plan, role: Role, env: Mapping[str, str]) -> PreflightCh
         python=python,
         modules=modules,
         optional_modules=optional,
-        distributions=list(ENGINE_DISTRIBUTIONS),
+        distributions=distributions,
         setup_script=plan.setup_script,
         configs_dir=plan.configs_dir,
         paths=_paths(plan, role),
         programs=programs,
     )
+
+
+def pinned(plan: Plan) -> dict[str, str]:
+    """The recipe's version pins (agent.frameworks): package -> version; {} without."""
+    return {} if isinstance(plan.frameworks, msgspec.UnsetType) else dict(plan.frameworks)
+
+
+def pin_problems(
+    pins: Mapping[str, str], found: Mapping[str, str], *, image: str | None, engine: str
+) -> list[str]:
+    """Each pinned package the engine's image has in another version, named with both.
+
+    A package the image does not have is not a mismatch (the decode image has no vLLM): the
+    engine's own package missing is the preflight's module check already.
+    """
+    where = f"image {image}" if image else "the engine's interpreter"
+    problems = []
+    for package, want in pins.items():
+        have = found.get(package)
+        if have is not None and _version(have) != _version(want):
+            problems.append(
+                f"{engine}: {where} has {package} {have}, the recipe pins {package} {want} "
+                "(agent.frameworks; schema 1: identity.frameworks): use an image with "
+                f"{package}=={want}, or change the pin"
+            )
+    return problems
+
+
+def _version(text: str) -> str:
+    # Pins are written as versions ("0.1.6.post3") or requirements ("==0.1.6.post3").
+    return text.strip().removeprefix("==").strip().lower()
 
 
 @dataclass(frozen=True)

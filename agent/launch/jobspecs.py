@@ -14,6 +14,7 @@ from pathlib import Path
 
 from agent.job.plan import Plan
 from agent.launch.commands import MANAGED_ENV
+from agent.launch.pyxis import pyxis_flags
 from agent.launch.spec import LaunchSpec
 
 # (name, argv, env, image) -> a LaunchSpec with the job's mounts and settings: what the head, the
@@ -47,6 +48,8 @@ class JobSpecs:
             # The engines' scratch folders must exist inside their containers too.
             mounts += (f"{scratch_root}:{scratch_root}",)
         self.mounts = mounts
+        # The recipe's pyxis container flags (agent.pyxis_flags; schema 1's srun_options).
+        self.flags = tuple(pyxis_flags(plan))
 
     def __call__(
         self, name: str, argv: list[str], env: dict[str, str], image: str | None
@@ -60,4 +63,5 @@ class JobSpecs:
             mounts=self.mounts,
             setup_script=self.setup_script,
             container_env=tuple(sorted(k for k in self._ours if k in env)),
+            container_flags=self.flags,
         )

@@ -20,9 +20,11 @@ import time
 import uuid
 from dataclasses import replace
 
+import msgspec
 import psutil
 import trio
 
+from agent.job.plan import Plan
 from agent.launch.child import Child
 from agent.launch.spec import LaunchSpec, run_to_end, setup_wrapped_argv
 
@@ -37,6 +39,11 @@ _LIFELINE_STEP = (
     'scancel --signal=KILL "$1" 2>/dev/null; scancel "$1" 2>/dev/null; kill -9 0'
 )
 _STEP_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def pyxis_flags(plan: Plan) -> list[str]:
+    """The recipe's container flags for every pyxis step (agent.pyxis_flags); [] without."""
+    return [] if isinstance(plan.pyxis_flags, msgspec.UnsetType) else list(plan.pyxis_flags)
 
 
 def pyxis_container_name(spec: LaunchSpec) -> str:
@@ -73,6 +80,7 @@ def pyxis_srun_argv(
             "--no-container-mount-home",
             "--no-container-entrypoint",
         ]
+        argv += spec.container_flags
         if spec.mounts:
             argv.append("--container-mounts=" + ",".join(spec.mounts))
         if spec.cwd is not None:

@@ -55,6 +55,8 @@ class LaunchSpec:
     # pyxis: names whose values in ``env`` must win over the image's own (srun --container-env);
     # without it the image's value of a variable it defines (PATH, CUDA_*, NCCL_*) takes precedence.
     container_env: tuple[str, ...] = ()
+    # pyxis: container flags of the recipe (agent.pyxis_flags: --container-writable, ...).
+    container_flags: tuple[str, ...] = ()
 
 
 class ProcessHandle(Protocol):

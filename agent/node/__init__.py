@@ -10,12 +10,13 @@ as they pass), ``enginewatch`` (startup progress and failure signatures in those
 ``decodestats`` (a TileRT decode's figures from its REQSTAT lines and ``/decode_status``, the
 router's pool), ``agentlog`` (the agent's own log), the decode's weights: ``weightsfolder``
 (complete or not, the marker, its path through the mounts), ``folderlock`` (a lock on a shared
-file system), ``converter`` (TileRT's converter: its preflight, its run, its marker) and
-``conversion`` (the gate before the engine: check, wait, or convert once), ``leave`` (a decode
-leaving the pool: drained to idle, then stopped), ``jobend`` (the head ends the whole job), and
-for systemd ``sdnotify`` (its notification protocol) and ``servicenotes`` (what the agent tells
-it: readiness, status, watchdog, stop). ``agent.nodeagent`` puts them together; ``agent.head``
-uses them too.
+file system), ``mounts`` (engine paths through the container mounts), ``hubcache`` (a hub id's
+snapshot in the Hugging Face cache), ``converter`` (TileRT's converter: its preflight, its run,
+its marker) and ``conversion`` (the gate before the engine: check, wait, or convert once),
+``leave`` (a decode leaving the pool: drained to idle, then stopped), ``jobend`` (the head ends
+the whole job), and for systemd ``sdnotify`` (its notification protocol) and ``servicenotes``
+(what the agent tells it: readiness, status, watchdog, stop). ``agent.nodeagent`` puts them
+together; ``agent.head`` uses them too.
 
 May import: the standard library, trio, httpx, psutil, msgspec, ``agent.facts``,
 ``agent.signatures``, ``agent.problems``, ``agent.errors``, ``agent.job`` and ``agent.launch``.

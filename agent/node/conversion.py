@@ -53,11 +53,13 @@ from agent.node.folderlock import (
     LockLost,
     Observed,
     StaleWatch,
+    failed_verdict,
     new_token,
     observe,
     take_over,
     try_acquire,
 )
+from agent.node.hubcache import HubCacheError, snapshot
 from agent.node.identity import Identity
 from agent.node.weightsfolder import (
     MARKER_NAME,
@@ -79,6 +81,8 @@ RATE_WINDOW_S = 30.0
 # Heartbeats and polls: often enough for the staleness rule, rarely enough for a shared FS.
 MAX_HEARTBEAT_S = 10.0
 MAX_POLL_S = 1.0
+# A failed holder keeps its verdict in the lock this many of its waiters' polls (docs/weights.md).
+VERDICT_POLLS = 3
 HOW_TO_CONVERT = (
     "add roles.decode.convert (source: the Hugging Face checkpoint) to the recipe and the agent "
     "converts it before the engine starts, or run `tilert-submit convert RECIPE` ahead of the job "
@@ -204,6 +208,8 @@ class WeightsGate:
             return True
         try:
             paths = weights_paths(self.folder, self.plan.mounts, self.plan.launcher)
+            if self.convert is not None and not self.convert.source.startswith("/"):
+                self.convert = await self._from_hub_cache(self.convert)
             await self._until_complete(paths)
         except WeightsError as exc:
             self._fail(str(exc))
@@ -214,6 +220,17 @@ class WeightsGate:
         self.pid = None
         self._show(None, "")
         return True
+
+    async def _from_hub_cache(self, convert: ConvertPlan) -> ConvertPlan:
+        """A hub-id source: its snapshot in the decode's Hugging Face cache (docs/weights.md)."""
+        env = {**os.environ, **self.plan.decode.env}
+        find = partial(snapshot, convert.source, env, self.plan.mounts, self.plan.launcher)
+        try:
+            folder = await trio.to_thread.run_sync(find)
+        except HubCacheError as exc:
+            raise WeightsError(str(exc)) from None
+        self.log.info("%s: converting %s from %s", self.id.name, convert.source, folder)
+        return msgspec.structs.replace(convert, source=folder)
 
     def _expected_model_type(self) -> str | None:
         if self.convert is not None:
@@ -282,6 +299,7 @@ class WeightsGate:
                 if await self._convert_here(paths, siblings, found):
                     return
                 continue  # someone else created the lock first: wait for them
+            self._fail_on_verdict(paths, seen, waited_on, found)
             if waited_on is None:
                 self.log.info(
                     "%s: %s is incomplete and being converted by %s (lock %s): waiting",
@@ -313,11 +331,22 @@ class WeightsGate:
             return "the converting agent's convert.log"
         return str(convert_log_path(JobDir(Path(info.job)), info.agent))
 
-    def _holder_failed(self, paths: WeightsPaths, seen: Observed, found: Inspection) -> str:
+    def _fail_on_verdict(
+        self, paths: WeightsPaths, seen: Observed, waited_on: Observed | None, found: Inspection
+    ) -> None:
+        """Fail with the verdict the holder left in its lock, if it failed (docs/weights.md)."""
+        verdict = failed_verdict(seen, waited_on, str(self.job.root))
+        if verdict is not None:
+            raise WeightsError(self._holder_failed(paths, seen, found, verdict))
+
+    def _holder_failed(
+        self, paths: WeightsPaths, seen: Observed, found: Inspection, why: str = ""
+    ) -> str:
+        said = f": {why}" if why else f" ({found.summary()})"
         return (
-            f"the conversion of {paths.host} by {self._holder(seen)} ended without completing it "
-            f"({found.summary()}); see {self._holder_log(seen)}. Nothing was put in place: the "
-            "next job converts it from scratch"
+            f"the conversion of {paths.host} by {self._holder(seen)} ended without completing "
+            f"it{said}; see {self._holder_log(seen)}. Nothing was put in place: the next job "
+            "converts it from scratch"
         )
 
     @staticmethod
@@ -435,6 +464,8 @@ class WeightsGate:
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(remove_tree, temp)
+                if failed is not None:
+                    await self._leave_verdict(held, str(failed))
                 await trio.to_thread.run_sync(held.release)
         if lost:
             raise WeightsError(
@@ -443,6 +474,15 @@ class WeightsGate:
             )
         if failed is not None:
             raise failed
+
+    async def _leave_verdict(self, held: HeldLock, reason: str) -> None:
+        """Tell the waiters why, in the lock, for ``VERDICT_POLLS`` of their polls (seconds)."""
+        try:
+            await trio.to_thread.run_sync(held.fail, reason)
+        except OSError as exc:  # they fall back to the vanished lock (docs/weights.md)
+            self.log.warning("%s: cannot leave the verdict in the lock: %s", self.id.name, exc)
+            return
+        await trio.sleep(VERDICT_POLLS * self.poll_s)
 
     async def _heartbeat(
         self,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import trio
 
 from agent.facts import WEIGHTS_INDEX_FILE
@@ -98,7 +99,9 @@ class Converter:
     ) -> int:
         """Run the converter into ``temp`` (``save_dir`` as it sees it) within the budget; its
         exit status. ``started`` gets its pid once it runs."""
-        cmd = convert_command(self.plan, name=self.id.name, save_dir=save_dir, append_mtp=append)
+        # ``convert``, not the plan's: the gate may have found its source (a hub id's snapshot).
+        plan = msgspec.structs.replace(self.plan, convert=convert)
+        cmd = convert_command(plan, name=self.id.name, save_dir=save_dir, append_mtp=append)
         spec = self.launch_spec(
             f"{self.id.name}-convert", cmd.argv, cmd.env, self.plan.decode.image
         )

@@ -8,7 +8,9 @@ and they die silently with a node. What every one of them does honour is an excl
 **Holding.** The holder creates the file with ``O_EXCL`` and keeps its descriptor. Every
 ``heartbeat_s`` it rewrites the content through that descriptor (a beat counter and its progress,
 ``LockInfo``), after checking that the path still names the inode it created; if not, the lock was
-taken over and the holder must stop (``LockLost``). Release unlinks the file.
+taken over and the holder must stop (``LockLost``). Release unlinks the file; a holder that
+failed first writes its verdict into it (``HeldLock.fail``) and keeps it a moment, so that its
+waiters read why within a poll or two.
 
 **Staleness** (the rule, docs/weights.md): a waiter reads the file's content on every poll; a lock
 whose content has not changed for ``stale_s`` seconds *by the waiter's own clock* is stale. No
@@ -53,6 +55,9 @@ class LockInfo(msgspec.Struct, kw_only=True):
     beat: int = 0
     bytes_written: int = 0
     rate_bytes_s: float = 0.0
+    # The holder's verdict when its work failed: written into the lock just before it lets go,
+    # so that its waiters know at their next poll instead of guessing from a vanished lock.
+    failed: str | None = None
 
 
 class LockLost(RuntimeFailure):
@@ -98,6 +103,12 @@ class HeldLock:
             rate_bytes_s=rate_bytes_s,
         )
         self._write()
+
+    def fail(self, reason: str) -> None:
+        """Leave the verdict ``reason`` in the lock (still ours), for the waiters to read."""
+        if self._owned():
+            self.info = msgspec.structs.replace(self.info, failed=reason)
+            self._write()
 
     def release(self) -> None:
         """Remove the lock if it is still ours; idempotent."""
@@ -190,3 +201,17 @@ def take_over(path: Path, stale: Observed) -> bool:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(aside)
+
+
+def failed_verdict(seen: Observed | None, waited_on: Observed | None, job: str) -> str | None:
+    """The failure left in the lock by the holder this agent waited for, or by one of its own
+    job; None while it works. Another job's agent that only arrives waits for the lock to go,
+    then converts from scratch."""
+    info = seen.info if seen is not None else None
+    if info is None or info.failed is None:
+        return None
+    if info.job == job:
+        return info.failed
+    if waited_on is None or waited_on.info is None or waited_on.info.token != info.token:
+        return None
+    return info.failed

@@ -39,6 +39,7 @@ import msgspec
 from agent.errors import RuntimeFailure
 from agent.facts import WEIGHTS_INDEX_FILE
 from agent.job.atomicfile import is_temp_name, write_atomic
+from agent.node.mounts import host_path, mounted
 
 MARKER_NAME = ".tilert-converted.json"
 MARKER_SCHEMA = 1
@@ -363,23 +364,12 @@ class WeightsPaths:
 def weights_paths(folder: str, mounts: Sequence[str], launcher: str) -> WeightsPaths:
     """Map the engine's ``--model-weights-dir`` to this node's path (pyxis: through the mounts)."""
     engine = posixpath.normpath(folder)
-    if launcher != "pyxis":
-        return WeightsPaths(Path(engine), engine, True)
-    best: tuple[str, str] | None = None
-    for mount in mounts:
-        host, _, rest = mount.partition(":")
-        inside = posixpath.normpath(rest.partition(":")[0] or host)
-        if (engine == inside or engine.startswith(inside.rstrip("/") + "/")) and (
-            best is None or len(inside) > len(best[1])
-        ):
-            best = (host, inside)
-    if best is None:
+    path = host_path(engine, mounts, launcher)
+    if path is None:
         raise WeightsError(
             f"the weights folder {folder} (roles.decode.args.model-weights-dir) is not under any "
             "of the job's container mounts, so the agent cannot check it on the node; mount the "
             "folder that holds it (container_mounts, or the cluster's default_mounts)"
         )
-    host, inside = best
-    relative = posixpath.relpath(engine, inside)
-    path = Path(host) if relative == "." else Path(host) / relative
-    return WeightsPaths(path, engine, siblings_visible=engine != inside)
+    found = mounted(engine, mounts) if launcher == "pyxis" else None
+    return WeightsPaths(path, engine, siblings_visible=found is None or engine != found[1])

@@ -6,6 +6,8 @@
 - ``cluster``: the cluster file (srtctl's ``srtslurm.yaml``) and its aliases;
 - ``rules``: the load-time rules (srtctl's, the prefill/decode agreements, the weights conversion,
   the benchmark);
+- ``submithost``: what only the submit host can check (the cluster's GPU variable, mounts, a
+  conversion source it reads);
 - ``loader``: all of the above in order, every problem in one ``agent.problems.InputError``;
 - ``planner``: a loaded recipe -> the launch plan (``agent.job.plan``); ``convertplan``: its
   weights conversion, and the plan of a ``tilert-submit convert`` job; ``benchplan``: its

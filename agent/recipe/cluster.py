@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from agent.facts import NVIDIA_DEVICES_ENV, ROCM_DEVICES_ENVS, is_amd_gpu
 from agent.problems import InputError, Problem, error, warning
 from agent.recipe.textfile import read_text
 from agent.recipe.typedyaml import (
@@ -33,7 +34,6 @@ CLUSTER_FILE_NAME = "srtslurm.yaml"
 SRTCTL_IGNORED_KEYS = frozenset(
     {
         "cluster",
-        "default_gpu_type",
         "default_gpu_exporter",
         "use_gpus_per_node_directive",
         "use_segment_sbatch_directive",
@@ -65,6 +65,8 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     default_time_limit: str | None = None
     # 0: a CPU-only cluster (tests, demos): stand-ins or roles with gpus: 0.
     gpus_per_node: Annotated[int, msgspec.Meta(ge=0, le=128)] | None = None
+    # resources.gpu_type when the recipe leaves it out (b200, mi355x, ...).
+    default_gpu_type: str | None = None
     # Interface whose address agents advertise; "lo" means 127.0.0.1 (local runs and tests).
     network_interface: str | None = None
     # Image aliases: recipe value -> image (.sqsh path or registry reference).
@@ -73,7 +75,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     model_paths: dict[str, str] = {}
     # Mounts for every job: host path -> container path.
     default_mounts: dict[str, str] = {}
-    visible_devices_env: str = "CUDA_VISIBLE_DEVICES"
+    visible_devices_env: str = NVIDIA_DEVICES_ENV
     # ---- ours ----
     # pyxis: each engine in a nested `srun --container-image` step; process: plain child processes.
     launcher: Literal["pyxis", "process"] = "pyxis"
@@ -147,11 +149,84 @@ def _semantic_problems(cluster: ClusterConfig) -> list[Problem]:
                 "use CUDA_VISIBLE_DEVICES (NVIDIA) or ROCR_VISIBLE_DEVICES (AMD)",
             )
         )
+    elif cluster.default_gpu_type and is_amd_gpu(cluster.default_gpu_type):
+        problems += devices_problems(cluster.default_gpu_type, cluster, "default_gpu_type")
+    for host, inside in cluster.default_mounts.items():
+        wrong = mount_problem(f"{host}:{inside}")
+        if wrong is not None:
+            problems.append(error(f"default_mounts.{host}", wrong, MOUNT_HINT))
     if isinstance(cluster.agent_command, list) and not cluster.agent_command:
         problems.append(
             error("agent_command", "the command is empty", "remove it to use the default")
         )
     return problems
+
+
+# Mount flags pyxis passes on to enroot ("+"-separated: ro+rprivate).
+MOUNT_FLAGS = frozenset(
+    {
+        "ro",
+        "rw",
+        "bind",
+        "rbind",
+        "private",
+        "rprivate",
+        "slave",
+        "rslave",
+        "shared",
+        "rshared",
+        "nosuid",
+        "nodev",
+        "noexec",
+        "x-create=dir",
+        "x-create=file",
+        "x-create=auto",
+    }
+)
+
+
+def mount_problem(spec: str) -> str | None:
+    """What is wrong with a container mount for pyxis (``SRC:DST[:FLAGS]``); None when fine."""
+    if "," in spec:
+        return "a mount cannot hold ',' (pyxis separates mounts with it)"
+    parts = spec.split(":")
+    if len(parts) > 3:
+        return "has more than SRC:DST:FLAGS (':' separates them)"
+    src, dst = parts[0], parts[1] if len(parts) > 1 else parts[0]
+    for what, path in (("SRC", src), ("DST", dst)):
+        if not path.startswith("/"):
+            return f"{what} {path!r} is not an absolute path"
+    flags = parts[2].split("+") if len(parts) == 3 else []
+    unknown = [f for f in flags if f not in MOUNT_FLAGS]
+    if unknown:
+        return f"unknown mount flag {unknown[0]!r} (pyxis takes {', '.join(sorted(MOUNT_FLAGS))})"
+    return None
+
+
+MOUNT_HINT = "write host:container[:flags] with absolute paths, flags joined by '+' (ro+rprivate)"
+
+
+def devices_problems(gpu_type: str, cluster: ClusterConfig | None, path: str) -> list[Problem]:
+    """An AMD ``gpu_type`` on a cluster whose GPUs are selected with NVIDIA's variable."""
+    if not is_amd_gpu(gpu_type):
+        return []
+    current = cluster.visible_devices_env if cluster is not None else NVIDIA_DEVICES_ENV
+    if current in ROCM_DEVICES_ENVS:
+        return []
+    where = "the cluster file" if cluster is not None else f"the cluster file ({CLUSTER_FILE_NAME})"
+    said = (
+        f"visible_devices_env is {current}"
+        if cluster is not None
+        else f"there is no cluster file, so GPUs are selected with {current}"
+    )
+    return [
+        error(
+            path,
+            f"{gpu_type} is an AMD GPU, but {said}: ROCm engines are pinned to their GPUs with "
+            f"{ROCM_DEVICES_ENVS[0]} (tilert-agent does not guess it from gpu_type)",
+            f"set visible_devices_env: {ROCM_DEVICES_ENVS[0]} in {where}",
+        )
+    ]
 
 
 def read_cluster(path: Path) -> tuple[ClusterConfig, list[Problem]]:

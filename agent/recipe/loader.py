@@ -13,7 +13,6 @@ raised together in one ``InputError``; warnings ride along in ``LoadedRecipe.war
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +23,12 @@ import yaml
 
 from agent.job.secrets import masked
 from agent.problems import InputError, Problem, error, errors_of, warning, warnings_of
-from agent.recipe import rules
-from agent.recipe.cluster import ClusterConfig, merged_mounts, relative_to_file, resolve_image
+from agent.recipe import rules, schema1
+from agent.recipe.cluster import (
+    ClusterConfig,
+    merged_mounts,
+    resolve_image,
+)
 from agent.recipe.model import (
     AgentSection,
     Benchmark,
@@ -41,6 +44,7 @@ from agent.recipe.model import (
     role_layout,
 )
 from agent.recipe.overrides import FLAG, apply_overrides, apply_unsets, parse_override
+from agent.recipe.submithost import local_path, mount_spec, submit_host_problems
 from agent.recipe.sweep import (
     MAX_JOBS,
     SWEEP_KEY,
@@ -91,13 +95,19 @@ _SRTCTL_UNSUPPORTED: dict[tuple[type, str], tuple[str, str]] = {
         "tilert-agent renders its own sbatch header",
         "use slurm.account / slurm.partition / slurm.time_limit, or the cluster file",
     ),
-    (Recipe, "srun_options"): ("tilert-agent renders its own srun steps", "remove srun_options"),
+    (Recipe, "srun_options"): (
+        "tilert-agent renders its own srun steps",
+        "remove srun_options; pyxis container flags go in agent.pyxis_flags",
+    ),
     (Recipe, "observability"): (
         "every agent serves /metrics; J/prometheus/targets.json lists them",
         "remove observability",
     ),
     (Recipe, "services"): ("tilert-agent starts no extra services", "remove services"),
-    (Recipe, "identity"): ("identity checks are not supported", "remove identity"),
+    (Recipe, "identity"): (
+        "srtctl's identity is informational (never enforced)",
+        "remove identity; pin versions with agent.frameworks (checked on the nodes)",
+    ),
     (Recipe, "extra_mount"): ("use container_mounts", "move the mounts to container_mounts"),
     (Recipe, "backend"): (
         "this is srtctl's pre-2.0 layout",
@@ -161,12 +171,6 @@ def _advice(cls: type, key: str, path: KeyPath) -> tuple[str, str] | None:
     return None
 
 
-def _local(value: str, base_dir: Path) -> str:
-    if value.startswith("~"):
-        return os.path.expanduser(value)
-    return relative_to_file(value, base_dir)
-
-
 def _model_location(
     value: str, path: str, cluster: ClusterConfig | None, base_dir: Path, out: list[Problem]
 ) -> str:
@@ -178,7 +182,7 @@ def _model_location(
         if not hub_id:
             out.append(error(path, "'hf:' names no model", "write hf:org/name"))
         return hub_id or value
-    local = _local(value, base_dir)
+    local = local_path(value, base_dir)
     if local != value or "/" in value:
         return local
     if cluster is not None:
@@ -233,6 +237,8 @@ def _cluster_defaults(
         partition=slurm.partition or cluster.default_partition,
         time_limit=slurm.time_limit or cluster.default_time_limit,
     )
+    if resources.gpu_type is None and cluster.default_gpu_type:
+        resources = msgspec.structs.replace(resources, gpu_type=cluster.default_gpu_type)
     if resources.gpus_per_node is None:
         resources = msgspec.structs.replace(resources, gpus_per_node=cluster.gpus_per_node)
     elif cluster.gpus_per_node and cluster.gpus_per_node != resources.gpus_per_node:
@@ -267,8 +273,8 @@ class _Resolver:
     def mounts(self, mounts: Any) -> Any:
         """Container mounts with their host paths made absolute."""
         if isinstance(mounts, list):
-            return [_mount(m, self.base_dir) for m in mounts]
-        return {_local(h, self.base_dir): c for h, c in mounts.items()}
+            return [mount_spec(m, self.base_dir) for m in mounts]
+        return {local_path(h, self.base_dir): c for h, c in mounts.items()}
 
     def model(self, model: Model) -> Model:
         """``model.path`` and ``model.container``."""
@@ -339,11 +345,6 @@ def _resolve(
     return replace(
         recipe, model=model, frontend=frontend, roles=Roles(**roles), resources=resources
     )
-
-
-def _mount(spec: str, base_dir: Path) -> str:
-    host, sep, rest = spec.partition(":")
-    return _local(host, base_dir) + sep + rest
 
 
 def _drop_unused(recipe: Recipe) -> Recipe:
@@ -457,10 +458,15 @@ def load_recipe_text(
     unsets: Sequence[str] = (),
     cluster: ClusterConfig | None = None,
     combination: Combination | None = None,
+    on_submit_host: bool = True,
 ) -> LoadedRecipe:
     """Parse, override, check, resolve and validate a recipe; InputError lists every error.
 
     ``combination``: the values of one combination of the recipe's ``sweep:`` section.
+    ``on_submit_host``: False for an agent re-checking ``J/recipe.yaml`` on its node (without
+    the cluster file): what only the submit host can check (the cluster's GPU variable, folders
+    it sees) was checked there. A srtctl schema-1 recipe (``backend.type: tilert``) is read as
+    the schema 2 it means, its problems told in its own keys (agent.recipe.schema1).
     """
     raw, lines, problems = _raw_recipe(text, source)
     swept = SWEEP_KEY in raw
@@ -470,15 +476,24 @@ def load_recipe_text(
         raise InputError([*problems, *exc.problems], source) from None
     overridden = [".".join(parse_override(item)[0]) for item in overrides]
     raw = _one_combination(raw, combination, swept=swept, problems=problems, source=source)
-    recipe, pruned = _typed(raw, problems, source)
+    origins = None
+    if schema1.is_schema1(raw):
+        raw, origins = schema1.translate(raw)
+    found: list[Problem] = []
+    typed, pruned = _typed(raw, found, source)
     gpus_unset = [
         name
         for name in ("prefill", "decode")
-        if (role := getattr(recipe.roles, name)) is not None and role.gpus is None
+        if (role := getattr(typed.roles, name)) is not None and role.gpus is None
     ]
-    recipe = _resolve(recipe, cluster, base_dir, problems)
+    recipe = _resolve(typed, cluster, base_dir, found)
     launcher = cluster.launcher if cluster is not None else None
-    problems.extend(p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, pruned))
+    found.extend(p for p in rules.check(recipe, launcher=launcher) if not _under(p.path, pruned))
+    if on_submit_host:
+        found += submit_host_problems(typed, recipe, cluster, base_dir)
+    if origins is not None:
+        found = [*origins.problems, *(origins.relocate(p) for p in found)]
+    problems.extend(found)
     recipe = _drop_unused(recipe)
     located = _located(problems, overridden, lines)
     if errors_of(located):
@@ -542,6 +557,7 @@ def load_recipe(
     unsets: Sequence[str] = (),
     cluster: ClusterConfig | None = None,
     combination: Combination | None = None,
+    on_submit_host: bool = True,
 ) -> LoadedRecipe:
     """Load a recipe file (relative paths inside it are relative to its folder)."""
     return load_recipe_text(
@@ -552,6 +568,7 @@ def load_recipe(
         unsets=unsets,
         cluster=cluster,
         combination=combination,
+        on_submit_host=on_submit_host,
     )
 
 

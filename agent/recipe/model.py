@@ -284,6 +284,11 @@ class AgentSection(_Strict):
     convert_lock_stale_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] = (
         DEFAULT_CONVERT_LOCK_STALE_S
     )
+    # Version pins checked in each node's preflight against what each image really has:
+    # package (tilert, vllm, nixl) -> version (docs/recipe.md; schema 1's identity.frameworks).
+    frameworks: dict[str, str] = {}
+    # pyxis flags added to every engine's srun step (schema 1's srun_options), from PYXIS_FLAGS.
+    pyxis_flags: list[str] = []
     # The node checks before the load and what each finding does (docs/preflight.md).
     preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
 

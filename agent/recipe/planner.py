@@ -283,6 +283,8 @@ def make_plan(
         slurm=_slurm_plan(recipe, cluster, prefill, decode),
         convert=convert_plan(recipe),
         benchmark=_benchmark(recipe, stop_grace_s=router.stop_grace_s),
+        frameworks=dict(recipe.agent.frameworks) if recipe.agent.frameworks else msgspec.UNSET,
+        pyxis_flags=list(recipe.agent.pyxis_flags) if recipe.agent.pyxis_flags else msgspec.UNSET,
     )
 
 

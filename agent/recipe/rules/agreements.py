@@ -326,7 +326,16 @@ def _mtp(prefill: Role, decode: Role, out: list[Problem]) -> None:
             )
         )
     num = find_arg(decode.args, "num-mtp")
-    if num is not None and strict_int(num[1]) not in NUM_MTP_CHOICES:
+    if num is not None and num[1] is not None and not decode_mtp:
+        out.append(
+            error(
+                f"roles.decode.args.{num[0]}",
+                "num-mtp sets the MTP depth of a decode that runs --with-mtp, and this one does "
+                "not",
+                "set with-mtp: true (with the prefill's MTP speculative-config), or remove num-mtp",
+            )
+        )
+    elif num is not None and strict_int(num[1]) not in NUM_MTP_CHOICES:
         out.append(
             error(
                 f"roles.decode.args.{num[0]}",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import posixpath
 
 from agent.facts import CONVERTER_MODEL_TYPES, DEFAULT_TILERT_MODEL, TILERT_MODELS
-from agent.problems import Problem, error
+from agent.problems import Problem, error, warning
 from agent.recipe.model import Convert, Recipe, Role, find_arg
 from agent.recipe.rules.values import program_path
 
@@ -76,11 +76,13 @@ def _decode_convert(decode: Role, convert: Convert, out: list[Problem]) -> None:
         )
     elif not posixpath.isabs(source):
         out.append(
-            error(
+            warning(
                 f"{CONVERT}.source",
-                f"{source!r} is not a folder: the converter reads a local checkpoint (a hub id "
-                "is not downloaded)",
-                "use an absolute or ./ path, or a cluster model_paths alias",
+                f"{source!r} is a hub id: the decode node takes its snapshot from the decode's "
+                "Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub), as srtctl's "
+                "snapshot_download(local_files_only=True) does; nothing is downloaded",
+                "download it into that cache first, or use an absolute or ./ path, or a cluster "
+                "model_paths alias",
             )
         )
     elif weights is not None:
