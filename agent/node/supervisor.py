@@ -522,7 +522,8 @@ class EngineSupervisor:
         return (
             f"no progress line for {now - last:.0f}s (agent.startup_silence_s "
             f"{policy.startup_silence_s:g}) after the startup budget of "
-            f"{policy.startup_budget_s:g}s; last progress: {text!r}"
+            f"{policy.startup_budget_s:g}s; last progress: {text!r}; raise "
+            "agent.startup_silence_s or agent.startup_budget_s"
         )
 
     def _port_taken(self) -> bool:
