@@ -9,12 +9,12 @@ The pace is read from the kernel's receive stamps and checked loosely ([0.2, 1.0
 from __future__ import annotations
 
 import itertools
-import json
 import signal
 from pathlib import Path
 
 from agent.node.servicenotes import EXTEND_BY_S
 from tests import kit
+from tests.kit.checkpoint import checkpoint
 from tests.kit.notifysocket import Note, abstract_address, index_of, listening, pets_after
 
 WATCHDOG_S = 2.0
@@ -76,10 +76,7 @@ def test_conversion_and_load_extend_the_start(tmp_path: Path) -> None:
     """A decode converting its weights, then loading: STATUS says so, each with more time asked
     (EXTEND_TIMEOUT_USEC), and READY=1 comes only once the engine is healthy."""
     weights = tmp_path / "weights"
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "m-1.safetensors"}}
-    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    hf = checkpoint(tmp_path / "hf")
     job = kit.make_job(
         tmp_path / "a",
         f"roles.decode.args.model-weights-dir={weights}",

@@ -34,6 +34,7 @@ from tests.kit import (
     wait_state,
     wait_status,
 )
+from tests.kit.checkpoint import checkpoint
 
 SLOW = "0.25"  # seconds per shard: a conversion of 4 shards takes about a second
 
@@ -43,15 +44,6 @@ def agents() -> Iterator[Agents]:
     """Agents of one test, killed (with their converters and engines) afterwards."""
     with running_agents() as started:
         yield started
-
-
-def checkpoint(folder: Path) -> Path:
-    """A Hugging Face checkpoint as far as the converter stand-in reads it: its index."""
-    folder.mkdir(parents=True, exist_ok=True)
-    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "m-1.safetensors"}}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    (folder / "config.json").write_text("{}")  # read by the converter, checked at submit
-    return folder
 
 
 def weights_job(root: Path, weights: Path, *sets: str, convert: bool = True) -> Path:

@@ -1,7 +1,8 @@
 """Chats through the router as a client sends them: one streamed chat (``stream_chat``), and a
-steady load (``ChatLoad``) that retries a refused connection (a router restarting) and records
-every attempt, so a test or benchmark can say what a router hand-over cost: how long connections
-were refused, and which requests failed otherwise."""
+steady load (``ChatLoad``) that retries a refused connection (a router restarting) and a
+``429 decode_busy`` (TileRT's router has no free decode: its backpressure, which a client retries)
+and records every attempt, so a test or benchmark can say what a router hand-over cost: how long
+connections were refused, how often the pool was busy, and which requests failed otherwise."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ import httpx
 RETRY_S = 0.05
 
 
+class Busy(AssertionError):
+    """The router answered 429: every decode in its list is busy (retry later)."""
+
+
 def stream_chat(url: str, model: str, started: threading.Event | None = None) -> dict[str, Any]:
     """One streaming chat: its text, its chunks and its finish reason (raises on an error;
     ``started`` is set once text arrived)."""
@@ -27,6 +32,8 @@ def stream_chat(url: str, model: str, started: threading.Event | None = None) ->
     }
     text, chunks, finish = "", 0, None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+        if response.status_code == 429:
+            raise Busy(f"router answered 429: {response.read()!r}")
         if response.status_code != 200:
             raise AssertionError(f"router answered {response.status_code}: {response.read()!r}")
         for line in response.iter_lines():
@@ -47,7 +54,8 @@ def stream_chat(url: str, model: str, started: threading.Event | None = None) ->
 @dataclass
 class ChatLoad:
     """``clients`` threads chatting one chat after another until ``stop``; a refused connection
-    is retried after ``RETRY_S`` (and its time kept), any other failure is kept."""
+    is retried after ``RETRY_S`` (and its time kept), so is a busy pool (counted), any other
+    failure is kept."""
 
     url: str
     model: str
@@ -57,6 +65,7 @@ class ChatLoad:
     refused_at: list[float] = field(default_factory=list)
     back_at: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    busy: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -71,6 +80,11 @@ class ChatLoad:
                 with self._lock:
                     self.refused_at.append(time.monotonic())
                 refused = True
+                time.sleep(RETRY_S)
+                continue
+            except Busy:
+                with self._lock:
+                    self.busy += 1
                 time.sleep(RETRY_S)
                 continue
             except (httpx.HTTPError, AssertionError) as exc:
