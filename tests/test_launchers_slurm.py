@@ -191,6 +191,9 @@ def test_sigkill_of_the_agent_ends_the_step(slurm: LocalSlurm, job: str) -> None
         )
     finally:
         agent.kill()
+        agent.wait()
+        if agent.stdout is not None:
+            agent.stdout.close()
         for p in pids:
             if alive(p):
                 os.kill(p, signal.SIGKILL)

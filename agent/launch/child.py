@@ -242,9 +242,13 @@ class Child:
             # It was in the group we just SIGKILLed (or acts on the EOF now): gone within a moment.
             with contextlib.suppress(ProcessLookupError):
                 watcher.kill()
-            # (If it is in uninterruptible sleep, subprocess reaps it later.)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 watcher.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                # Still busy (pyxis: its scancel waits for slurmctld) or in uninterruptible
+                # sleep: a thread reaps it whenever it ends, so no zombie and no Popen dropped
+                # while it runs.
+                threading.Thread(target=watcher.wait, name="lifeline-reaper", daemon=True).start()
 
     # -- the tree ------------------------------------------------------------------------------
 

@@ -266,8 +266,10 @@ class PyxisLauncher:
             step = await self._find_step(child, step_name)
             if step is not None:
                 child.attach_lifeline(_LIFELINE_STEP, [step], env=self._watcher_env())
-            else:
+            elif child.returncode is None:
                 child.attach_lifeline()
+            # else: the step already ended and was reaped while we looked for it; a watcher now
+            # would outlive it with nobody to reap it.
         except BaseException:
             await child.abandon()
             raise
