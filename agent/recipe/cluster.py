@@ -8,6 +8,7 @@ Recipe values win over the cluster defaults (the loader merges them).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -132,6 +133,19 @@ def relative_to_file(value: str, base_dir: Path) -> str:
     if value.startswith(("./", "../")) or value in (".", ".."):
         return str((base_dir / value).resolve())
     return value
+
+
+def local_path(value: str, base_dir: Path) -> str:
+    """A host path of the recipe as this host reads it (``~`` expanded, relative to the file)."""
+    if value.startswith("~"):
+        return os.path.expanduser(value)
+    return relative_to_file(value, base_dir)
+
+
+def mount_spec(spec: str, base_dir: Path) -> str:
+    """A mount spec with its host side as this host reads it."""
+    host, sep, rest = spec.partition(":")
+    return local_path(host, base_dir) + sep + rest
 
 
 def _semantic_problems(cluster: ClusterConfig) -> list[Problem]:

@@ -26,7 +26,9 @@ from agent.problems import InputError, Problem, error, errors_of, warning, warni
 from agent.recipe import rules, schema1
 from agent.recipe.cluster import (
     ClusterConfig,
+    local_path,
     merged_mounts,
+    mount_spec,
     resolve_image,
 )
 from agent.recipe.model import (
@@ -44,7 +46,7 @@ from agent.recipe.model import (
     role_layout,
 )
 from agent.recipe.overrides import FLAG, apply_overrides, apply_unsets, parse_override
-from agent.recipe.submithost import local_path, mount_spec, submit_host_problems
+from agent.recipe.submithost import submit_host_problems
 from agent.recipe.sweep import (
     MAX_JOBS,
     SWEEP_KEY,

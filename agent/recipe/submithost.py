@@ -16,18 +16,12 @@ from agent.recipe.cluster import (
     MOUNT_HINT,
     ClusterConfig,
     devices_problems,
+    local_path,
     mount_problem,
-    relative_to_file,
+    mount_spec,
 )
 from agent.recipe.model import Recipe
 from agent.recipe.rules.weights import CONVERT
-
-
-def local_path(value: str, base_dir: Path) -> str:
-    """A host path of the recipe as this host reads it (``~`` expanded, relative to the file)."""
-    if value.startswith("~"):
-        return os.path.expanduser(value)
-    return relative_to_file(value, base_dir)
 
 
 def submit_host_problems(
@@ -86,9 +80,3 @@ def _source_problems(recipe: Recipe) -> list[Problem]:
             "the shards)",
         )
     ]
-
-
-def mount_spec(spec: str, base_dir: Path) -> str:
-    """A mount spec with its host side as this host reads it."""
-    host, sep, rest = spec.partition(":")
-    return local_path(host, base_dir) + sep + rest
