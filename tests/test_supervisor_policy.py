@@ -87,7 +87,7 @@ async def running(h: Harness) -> AsyncIterator[trio.Nursery]:
 @pytest.mark.xfail(
     strict=False,
     reason="flaky since the merges of 2026-12-03: it sometimes stops after the second restart "
-    ""until the autojump clock passes fail_after(120); cause not found (session note)",
+    "until the autojump clock passes fail_after(120); cause not found (session note)",
 )
 async def test_a_crashing_engine_is_restarted_with_doubling_backoff_then_given_up(
     autojump_clock: trio.abc.Clock,  # noqa: ARG001
