@@ -6,7 +6,9 @@ The ``Launcher`` and ``ProcessHandle`` protocols of ``agent/launch/spec.py``, th
 once ``healthy_after`` has passed and exits with ``code`` after ``exit_after``, all on trio's
 clock (with pytest-trio's ``autojump_clock`` no real time passes). ``health_transport`` is the
 ``httpx.MockTransport`` that answers for the process started last, so a supervisor's probes see
-the scripted engine. ``run`` answers short commands (a preflight) from ``answers``.
+the scripted engine. ``run`` answers short commands (a preflight) from ``answers``. ``InlineSink``
+is the ``LogSink`` for a supervisor on that clock: it writes its file on the loop, because a
+worker thread makes the clock jump (docs/testing.md, "Worker threads and the autojump clock").
 
 Use it for what the supervisor and the head decide (restart, backoff, give up, gate); what a real
 process does (process groups, signals, pipes) stays with the real launchers' tests
@@ -25,6 +27,18 @@ import trio
 import trio.testing
 
 from agent.launch import LaunchSpec
+from agent.node.logpump import LogSink
+
+
+class InlineSink(LogSink):
+    """A ``LogSink`` that writes its file on the loop's thread, for trio's autojump clock.
+
+    That clock jumps to the next deadline whenever no task can run, and a task waiting for a
+    worker thread cannot: a write in a thread let the clock pass every deadline up to the test's
+    own ``fail_after`` while the thread took a few real milliseconds.
+    """
+
+    write_in_thread = False
 
 
 @dataclass(frozen=True)
