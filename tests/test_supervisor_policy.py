@@ -175,3 +175,36 @@ async def test_a_stubborn_engine_is_killed_after_the_grace(
     engine = h.launcher.started[0]
     assert [s.name for s in engine.signals] == ["SIGTERM", "SIGKILL"]
     assert h.states[-2:] == ["stopping", "stopped"]
+
+
+async def test_the_startup_budget_runs_on_trio_s_clock(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001
+    tmp_path: Path,
+) -> None:
+    # An engine that never answers: the budget ends it at 30 s of trio time (a deadline taken
+    # from time.monotonic() never came on this clock, and the test hit its fail_after).
+    policy = Policy(**{**vars(POLICY), "startup_budget_s": 30.0})
+    h = Harness(tmp_path, [Engine(healthy_after=None)], policy)
+    t0 = trio.current_time()
+    with trio.fail_after(120):
+        await h.sup.run()
+    assert h.sup.state == "failed"
+    assert "not healthy within the startup budget of 30s" in h.sup.reason
+    assert trio.current_time() - t0 == pytest.approx(30.0, abs=1.0)
+
+
+async def test_the_restart_window_runs_on_trio_s_clock(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Crashes 30 s apart with a 10 s window: each is the first in its window, so every restart
+    # waits the initial backoff and it never gives up (crash times taken from time.monotonic()
+    # all fell within the window and it gave up after four).
+    crash_late = Engine(healthy_after=None, exit_after=30.0)
+    h = Harness(tmp_path, [crash_late], Policy(**{**vars(POLICY), "restart_window_s": 10.0}))
+    with caplog.at_level(logging.WARNING, logger=h.log.name):
+        async with running(h):
+            await kit.until(lambda: len(h.launcher.started) >= 7, "seven generations", 600, 1.0)
+    assert h.sup.state == "stopped"
+    assert set(h.restart_delays(caplog)) == {"1.0s"}

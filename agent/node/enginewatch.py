@@ -15,6 +15,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import trio
+
 from agent.signatures import Finding, Where, best, for_role, match_block
 
 # Progress lines while an engine loads. vLLM: its loader and compile/capture messages and
@@ -61,14 +63,14 @@ class EngineWatch:
         self.starting = True
         self.progress: str | None = None
         self.progress_at: float | None = None  # wall clock
-        self.progress_mono: float | None = None
+        self.progress_trio: float | None = None  # trio clock: the supervisor's startup deadline
         self.fatal: Finding | None = None
         self.findings: deque[tuple[float, Finding]] = deque(maxlen=KEPT_FINDINGS)
 
     def new_generation(self) -> None:
         """A fresh engine process: forget the last one's progress and its fatal line."""
         self.starting = True
-        self.progress = self.progress_at = self.progress_mono = None
+        self.progress = self.progress_at = self.progress_trio = None
         self.fatal = None
         self.findings.clear()
 
@@ -102,7 +104,7 @@ class EngineWatch:
         text = matches[-1].group().decode("utf-8", "replace").split("\r")[-1].strip()
         self.progress = text[:PROGRESS_TEXT_CHARS]
         self.progress_at = time.time()
-        self.progress_mono = time.monotonic()
+        self.progress_trio = trio.current_time()  # compared with the supervisor's trio deadlines
 
     def diagnosis(self, *, recent_only: bool = False) -> Finding | None:
         """The signature that explains most of what the log showed (``recent_only``: the last

@@ -304,7 +304,7 @@ class EngineSupervisor:
                     self._set("restarting", reason)
                     self._mark(f"restart {self.restarts}: {reason}")
                     continue
-                now = time.monotonic()
+                now = trio.current_time()
                 self._restart_times.append(now)
                 while (
                     self._restart_times
@@ -355,7 +355,7 @@ class EngineSupervisor:
             self.watch.new_generation()
         if self.state != "restarting":
             self._set("starting", f"launching (generation {self.generation})")
-        start = time.monotonic()
+        start = trio.current_time()  # the startup deadline's origin: trio's clock, as its waits
         try:
             engine = await self.launcher.start(spec)
         except OSError as exc:
@@ -401,13 +401,13 @@ class EngineSupervisor:
         return result
 
     async def _probe(self, client: httpx.AsyncClient) -> bool:
-        t0 = time.monotonic()
+        t0 = trio.current_time()
         try:
             response = await client.get(self.health_url(), timeout=self.policy.probe_timeout_s)
             ok = response.status_code == 200
         except (httpx.HTTPError, OSError):
             ok = False
-        latency = time.monotonic() - t0
+        latency = trio.current_time() - t0
         self.stats.probe_latencies.append(latency)
         if self.observe_probe is not None:
             self.observe_probe(latency)
@@ -441,7 +441,7 @@ class EngineSupervisor:
             self.watch.starting = False
         if not healthy:
             return outcome
-        elapsed = time.monotonic() - start
+        elapsed = trio.current_time() - start
         self.healthy_at = time.time()
         self.ever_healthy = True
         self.stats.time_to_healthy_s = elapsed
@@ -496,11 +496,11 @@ class EngineSupervisor:
         The deadline is the budget, moved on by ``startup_silence_s`` from each progress line,
         never past ``startup_max_s`` (docs/agent.md "Startup deadlines that watch progress").
         """
-        policy, watch, now = self.policy, self.watch, time.monotonic()
+        policy, watch, now = self.policy, self.watch, trio.current_time()
         if watch is not None and watch.fatal is not None:
             return f"its log shows a fatal error: {watch.fatal.line.strip()[:200]}"
         deadline = start + policy.startup_budget_s
-        last = watch.progress_mono if watch is not None else None
+        last = watch.progress_trio if watch is not None else None
         if last is not None:
             deadline = min(
                 max(deadline, last + policy.startup_silence_s), start + policy.startup_max_s
