@@ -36,8 +36,10 @@ def test_srun_runs_once_per_node(slurm: LocalSlurm) -> None:
 
 
 def test_node_names_resolve_inside_jobs(slurm: LocalSlurm) -> None:
-    if not slurm.hostnames_isolated:
-        pytest.skip("unshare --uts --mount is not available here: node names do not resolve")
+    require(
+        slurm.hostnames_isolated,
+        "unshare --uts --mount is not available here: node names do not resolve",
+    )
     done = slurm.srun("-N1", "-w", "node2", "getent", "hosts", "node3")
     assert done.stdout.split()[0] == "127.0.0.1"
 

@@ -33,6 +33,7 @@ from agent.launch.pyxis import (
     pyxis_container_name,
     pyxis_srun_argv,
 )
+from tests.conftest import require
 from tests.kit import alive, wait_gone
 
 PY = sys.executable
@@ -199,8 +200,7 @@ def test_a_child_whose_parent_is_not_the_agent_never_runs() -> None:
     # The agent died before the prctl (so no PDEATHSIG will ever fire): the chain stops before the
     # program. Here the chain's parent is a shell in between, not this (the expected) process.
     prefix = child.die_with_parent_prefix(dict(BASE_ENV))
-    if not prefix:
-        pytest.skip("setpriv --pdeathsig is not available here")
+    require(bool(prefix), "setpriv --pdeathsig is not available here (util-linux 2.33 or later)")
     done = subprocess.run(
         ["/bin/sh", "-c", '"$@"; echo "exit $?"', "sh", *prefix, "sh", "-c", "echo ran"],
         capture_output=True,

@@ -29,6 +29,7 @@ from submit.logview.command import parse_since
 from submit.logview.follow import Session
 from submit.logview.options import Options
 from submit.logview.printer import Printer, wants_colour
+from tests.conftest import require
 
 PY = sys.executable
 
@@ -277,8 +278,7 @@ def test_follow_appended_and_late_sources_then_sigint(
 
 def test_console_script(job: JobDir) -> None:
     script = Path(sys.executable).parent / "tilert-submit"
-    if not script.exists():
-        pytest.skip(f"{script} is not installed")
+    require(script.exists(), f"{script} is not installed (pip install -e '.[test]')")
     done = subprocess.run(
         [str(script), "logs", str(job.root), "router"], capture_output=True, timeout=30
     )

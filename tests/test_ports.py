@@ -82,15 +82,18 @@ def test_port_with_only_time_wait_connections_is_free() -> None:
     listener.listen()
     client = socket.create_connection(("127.0.0.1", port))
     conn, _ = listener.accept()
-    conn.close()  # the server side closes first: its end of the connection enters TIME_WAIT
-    client.close()
     listener.close()
-    probe = socket.socket()  # what a bind without SO_REUSEADDR would say
+    # The server's side closes first and sees the client's FIN after: it is in TIME_WAIT once
+    # its recv returns EOF (each step waits for the one before; nothing is left to chance).
+    conn.shutdown(socket.SHUT_WR)
+    assert client.recv(1) == b""
+    client.close()
+    assert conn.recv(1) == b""
+    conn.close()
+    probe = socket.socket()  # a bind without SO_REUSEADDR fails: the TIME_WAIT entry is there
     try:
-        probe.bind(("0.0.0.0", port))
-        pytest.skip("no TIME_WAIT entry stayed on this port; nothing to check")
-    except OSError:
-        pass
+        with pytest.raises(OSError, match="in use"):
+            probe.bind(("0.0.0.0", port))
     finally:
         probe.close()
     assert is_bindable(port)

@@ -33,6 +33,7 @@ from submit.slurm.render import (
     render_sbatch,
     sbatch_template,
 )
+from tests.conftest import require
 from tests.golden import GOLDEN_DIR, RECIPES, match
 from tests.infra.slurm import LocalSlurm
 from tests.kit import wait_for
@@ -81,8 +82,8 @@ def plan_for(name: str) -> Plan:
 def check_shell(script: Path) -> None:
     done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    if SHELLCHECK is None:
-        pytest.skip("shellcheck is not installed")
+    require(SHELLCHECK is not None, "shellcheck is not installed")
+    assert SHELLCHECK is not None
     done = subprocess.run([SHELLCHECK, str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 

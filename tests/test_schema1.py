@@ -25,6 +25,7 @@ from agent.recipe.migrate import migrate_text
 from agent.recipe.planner import make_plan
 from submit.slurm.render import render_sbatch
 from tests import kit
+from tests.conftest import require
 
 WILD = Path(__file__).parent / "data" / "recipes" / "wild"
 SCHEMA1 = WILD / "inferencex-fixed-seq-len-1p1d-tp8-mtp.yaml"
@@ -207,8 +208,8 @@ def test_each_recipe_loads_plans_and_renders_a_script_shellcheck_accepts(
     script.write_text(render_sbatch(plan, JobDir(tmp_path / "J"), ["tilert-agent"]))
     done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    if SHELLCHECK is None:
-        pytest.skip("shellcheck is not installed")
+    require(SHELLCHECK is not None, "shellcheck is not installed")
+    assert SHELLCHECK is not None
     done = subprocess.run([SHELLCHECK, str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from agent.node.weightsfolder import MARKER_NAME, inspect
+from tests.conftest import require
 from tests.kit import (
     AgentProc,
     Agents,
@@ -357,16 +358,18 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 192 KiB tmpfs (root only); the stand-in converter writes more than that."""
     mount = tmp_path / "tiny"
     mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (the fill-a-small-disk switch covers this)")
+    require(
+        os.geteuid() == 0,
+        "mounting a tmpfs needs root (CI runs as root: .ci/run; the fill-a-small-disk switch "
+        "covers the rest)",
+    )
     done = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mount)],
         capture_output=True,
         text=True,
         check=False,
     )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    require(done.returncode == 0, f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
         yield mount
     finally:
