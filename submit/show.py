@@ -7,7 +7,9 @@ agent chooses on its node shown as placeholders, so what is printed is what will
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -22,6 +24,7 @@ from agent.launch.commands import (
     prefill_command,
     router_command,
 )
+from agent.recipe.model import agent_keys
 
 CHOSEN = "<agent>"
 
@@ -257,7 +260,6 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
     ):
         lines.append(f"  {label}:")
         lines += [f"    {line}" for line in _env_lines(env, secret)]
-    agent = plan.agent
     lines += [
         "Ports (probed on each node from these bases):",
         f"  prefill  {_ports(plan.prefill)}",
@@ -270,16 +272,9 @@ def render_plan(plan: Plan, job: JobDir, agent_command: list[str], *, local: boo
         f"  stop     prefill {_seconds(plan.prefill.stop_grace_s)}, decode "
         f"{_seconds(plan.decode.stop_grace_s)}, router {_seconds(plan.router.stop_grace_s)} "
         f"(fit in KillWait {_seconds(slurm.kill_wait_s)})",
-        f"  probes   every {_seconds(agent.probe_startup_interval_s)} while starting, then "
-        f"{_seconds(agent.probe_interval_s)}; timeout {_seconds(agent.probe_timeout_s)}, "
-        f"unhealthy after {agent.probe_failure_threshold} failures",
-        f"  restarts backoff {_seconds(agent.restart_backoff_initial_s)} .. "
-        f"{_seconds(agent.restart_backoff_max_s)}; failed after {agent.restart_max} within "
-        f"{_seconds(agent.restart_window_s)}",
-        f"  canary   {_seconds(agent.canary_timeout_s)} in all, each attempt at most "
-        f"{_seconds(agent.canary_attempt_timeout_s)}",
         *_weights_lines(plan),
         *_benchmark_lines(plan),
+        *policy_lines(plan),
         "Files:",
         f"  {job.recipe}",
         f"  {job.plan}",
@@ -320,4 +315,93 @@ def _benchmark_lines(plan: Plan) -> list[str]:
         + (f", image {bench.image}" if bench.image else "")
         + f"; then the job {after}"
     )
+    return lines
+
+
+def _unset_or(value: object, shown: Callable[[Any], str]) -> str:
+    return "(none)" if value is None or isinstance(value, msgspec.UnsetType) else shown(value)
+
+
+def _convert(plan: Plan, budget: bool) -> str:
+    convert = plan.convert
+    if isinstance(convert, msgspec.UnsetType):
+        return "(not used: no roles.decode.convert)"
+    return _seconds(convert.budget_s if budget else convert.lock_stale_s)
+
+
+def _port(role: RolePlan, kind: str) -> str:
+    port = role.port_base.get(kind)
+    return "(none)" if port is None else f"{port} and up"
+
+
+# Every ``agent:`` key as the plan resolved it; tests/test_submit_cli.py fails when a key of the
+# recipe model (agent.recipe.model.agent_keys) has no line here.
+_AGENT_VALUES: dict[str, Callable[[Plan], str]] = {
+    "agent.router_port": lambda p: str(p.router.port),
+    "agent.router_python": lambda p: p.router.python,
+    "agent.prefill_command": lambda p: shlex.join(p.prefill.program[:-1]),
+    "agent.decode_python": lambda p: p.decode.program[0],
+    "agent.scratch_dir": lambda p: p.agent.scratch_dir or "(the node's temp folder)",
+    "agent.bind": lambda p: p.agent.bind or "(the node's address)",
+    "agent.ports.prefill.http": lambda p: _port(p.prefill, "http"),
+    "agent.ports.prefill.agent": lambda p: _port(p.prefill, "agent"),
+    "agent.ports.prefill.ctrl": lambda p: _port(p.prefill, "ctrl"),
+    "agent.ports.decode.http": lambda p: _port(p.decode, "http"),
+    "agent.ports.decode.agent": lambda p: _port(p.decode, "agent"),
+    "agent.ports.decode.ctrl": lambda p: _port(p.decode, "ctrl"),
+    "agent.probe.startup_interval_s": lambda p: _seconds(p.agent.probe_startup_interval_s),
+    "agent.probe.interval_s": lambda p: _seconds(p.agent.probe_interval_s),
+    "agent.probe.timeout_s": lambda p: _seconds(p.agent.probe_timeout_s),
+    "agent.probe.failure_threshold": lambda p: str(p.agent.probe_failure_threshold),
+    "agent.restart.backoff_initial_s": lambda p: _seconds(p.agent.restart_backoff_initial_s),
+    "agent.restart.backoff_max_s": lambda p: _seconds(p.agent.restart_backoff_max_s),
+    "agent.restart.max_restarts": lambda p: str(p.agent.restart_max),
+    "agent.restart.window_s": lambda p: _seconds(p.agent.restart_window_s),
+    "agent.startup_budget_s.prefill": lambda p: _seconds(p.prefill.startup_budget_s),
+    "agent.startup_budget_s.decode": lambda p: _seconds(p.decode.startup_budget_s),
+    "agent.startup_budget_s.router": lambda p: _seconds(p.router.startup_budget_s),
+    "agent.startup_silence_s": lambda p: _seconds(p.agent.startup_silence_s),
+    "agent.startup_max_s": lambda p: _seconds(p.agent.startup_max_s),
+    "agent.stop_grace_s.prefill": lambda p: _seconds(p.prefill.stop_grace_s),
+    "agent.stop_grace_s.decode": lambda p: _seconds(p.decode.stop_grace_s),
+    "agent.stop_grace_s.router": lambda p: _seconds(p.router.stop_grace_s),
+    "agent.canary.prompt": lambda p: repr(p.agent.canary_prompt),
+    "agent.canary.max_tokens": lambda p: str(p.agent.canary_max_tokens),
+    "agent.canary.timeout_s": lambda p: _seconds(p.agent.canary_timeout_s),
+    "agent.canary.attempt_timeout_s": lambda p: _seconds(p.agent.canary_attempt_timeout_s),
+    "agent.max_rejoins": lambda p: str(p.agent.max_rejoins),
+    "agent.logs.max_bytes": lambda p: str(p.agent.log_max_bytes),
+    "agent.logs.backups": lambda p: str(p.agent.log_backups),
+    "agent.logs.location": lambda p: "job" if p.agent.log_node_dir is None else "node",
+    "agent.logs.node_dir": lambda p: p.agent.log_node_dir or "(not used: logs in the job)",
+    "agent.convert_budget_s": lambda p: _convert(p, budget=True),
+    "agent.convert_lock_stale_s": lambda p: _convert(p, budget=False),
+    "agent.frameworks": lambda p: _unset_or(
+        p.frameworks, lambda pins: ", ".join(f"{k} {v}" for k, v in pins.items())
+    ),
+    "agent.pyxis_flags": lambda p: _unset_or(p.pyxis_flags, shlex.join),
+    "agent.preflight.engine_flags": lambda p: p.agent.preflight.engine_flags,
+    "agent.preflight.flag_cache_dir": lambda p: (
+        p.agent.preflight.flag_cache_dir
+        or "(default: $TILERT_FLAG_CACHE, else the user's cache folder)"
+    ),
+    "agent.preflight.flag_timeout_s": lambda p: _seconds(p.agent.preflight.flag_timeout_s),
+    "agent.preflight.stale_processes": lambda p: p.agent.preflight.stale_processes,
+    "agent.preflight.gpu_processes": lambda p: p.agent.preflight.gpu_processes,
+    "agent.preflight.min_free_gpu_memory": lambda p: f"{p.agent.preflight.min_free_gpu_memory:g}",
+    "agent.preflight.stale_shm": lambda p: p.agent.preflight.stale_shm,
+    "agent.preflight.shm_dir": lambda p: p.agent.preflight.shm_dir,
+    "agent.preflight.disk": lambda p: p.agent.preflight.disk,
+    "agent.preflight.min_free_disk_gib": lambda p: f"{p.agent.preflight.min_free_disk_gib:g}",
+}
+
+
+def policy_lines(plan: Plan) -> list[str]:
+    """Every ``agent:`` key of the recipe model with its value in ``plan`` (docs/agent.md)."""
+    keys = agent_keys()
+    width = max(map(len, keys))
+    lines = ["Agent settings (every agent: key, as the agents will use it; docs/recipe.md):"]
+    for key in keys:
+        shown = _AGENT_VALUES.get(key)
+        lines.append(f"  {key:<{width}}  {shown(plan) if shown else '(not shown by --dry-run)'}")
     return lines

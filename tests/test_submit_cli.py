@@ -15,6 +15,7 @@ import pytest
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
 from agent.recipe.loader import load_recipe
+from agent.recipe.model import agent_keys
 from agent.recipe.planner import make_plan
 from submit.backend import Submitted
 from submit.cli import main, submitted_text
@@ -114,6 +115,32 @@ def test_dry_run_local_mock_demo(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert plan.launcher == "process"
     assert plan.network_interface == "lo"  # --local: everything on loopback
     assert "agent.standins.prefill" in captured.out
+
+
+@pytest.mark.parametrize("case", sorted(RECIPE_CASES))
+def test_dry_run_shows_every_agent_key(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The keys come from the recipe model: a key added to AgentSection without a line in
+    # submit/show.py's _AGENT_VALUES fails here.
+    assert main([*args_for(case, tmp_path / "J"), "--dry-run"]) == 0
+    rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.strip()}
+    for key in agent_keys():
+        assert key in rows, f"{key} is not in the --dry-run output"
+        assert "(not shown by --dry-run)" not in rows[key]
+
+
+def test_dry_run_shows_the_recipe_s_agent_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(DEMO), "--dry-run", "--job-dir", str(tmp_path / "J")]
+    argv += ["--set", "agent.max_rejoins=7", "--set", "agent.restart.window_s=123"]
+    assert main(argv) == 0
+    rows = {
+        ln.split()[0]: ln.split()[1:] for ln in capsys.readouterr().out.splitlines() if ln.strip()
+    }
+    assert rows["agent.max_rejoins"] == ["7"]
+    assert rows["agent.restart.window_s"] == ["123", "s"]
 
 
 def test_default_job_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -293,6 +293,21 @@ class AgentSection(_Strict):
     preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
 
 
+def agent_keys() -> list[str]:
+    """Every leaf key of the recipe's ``agent:`` section, dotted (``agent.probe.interval_s``)."""
+    keys: list[str] = []
+
+    def walk(struct: type[msgspec.Struct], prefix: str) -> None:
+        for field in msgspec.structs.fields(struct):
+            if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
+                walk(field.type, f"{prefix}{field.encode_name}.")
+            else:
+                keys.append(f"{prefix}{field.encode_name}")
+
+    walk(AgentSection, "agent.")
+    return keys
+
+
 class Recipe(_Strict):
     """A whole recipe file (srtctl schema 2 plus the ``agent:`` section)."""
 
