@@ -256,6 +256,25 @@ INVALID: list[tuple[str, Mutation, str]] = [
         "roles.prefill.env.TILERT_PD_SENDERS",
     ),
     (
+        "speculative-config on the decode",
+        setter(dargs, "speculative-config", '{"method":"mtp","num_speculative_tokens":3}'),
+        "roles.decode.args.speculative-config",
+    ),
+    (
+        "speculative-config on the decode without with-mtp",
+        both(
+            deleter(dargs, "with-mtp"),
+            deleter(pargs, "speculative-config"),
+            setter(dargs, "speculative-config", '{"method":"mtp","num_speculative_tokens":1}'),
+        ),
+        "roles.decode.args.speculative-config",
+    ),
+    (
+        "no-mtp on both sides with with-mtp",
+        both(setter(penv, "TILERT_PD_NO_MTP", "1"), setter(denv, "TILERT_PD_NO_MTP", "1")),
+        "roles.decode.env.TILERT_PD_NO_MTP",
+    ),
+    (
         "no-mtp on one side",
         setter(penv, "TILERT_PD_NO_MTP", "1"),
         "roles.prefill.env.TILERT_PD_NO_MTP",
@@ -412,6 +431,8 @@ def test_transport_defaults_agree_when_both_absent() -> None:
 def test_senders_agree_through_the_environment_and_cover_tp() -> None:
     data = b200()
     data["environment"] = {"TILERT_PD_SENDERS": "4", "TILERT_PD_NO_MTP": "1"}
+    # TILERT_PD_NO_MTP=1: no MTP layer, so neither side turns MTP on.
+    del pargs(data)["speculative-config"], dargs(data)["with-mtp"]
     pargs(data)["tensor-parallel-size"] = 4
     prefill(data)["gpus"] = 4
     load(data)

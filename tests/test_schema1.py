@@ -290,6 +290,7 @@ BAD = [
     (("  max_seq_len: 202752", "  max_seq_len: -5"), "backend.max_seq_len", "positive integer"),
     (("  with_mtp: true", '  with_mtp: "yes"'), "backend.with_mtp", "true or false"),
     (("  speculative_tokens: 1", "  speculative_tokens: 0"), "backend.speculative_tokens", "1 to"),
+    (("  with_mtp: true", "  with_mtp: false"), "backend.speculative_tokens", "with_mtp: false"),
     (
         ("      enforce-eager: true", "      max-model-len: 1000"),
         "backend.tilert_config.prefill.max-model-len",

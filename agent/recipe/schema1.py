@@ -407,6 +407,15 @@ def _prefill(
             "write speculative_tokens: 1 (TileRT's MTP layer; schema 2: num_speculative_tokens "
             "in roles.prefill.args.speculative-config)",
         )
+    if value["with_mtp"] is False and "speculative_tokens" in backend:
+        # The fork reads speculative_tokens only with MTP on: it would run without MTP, silently.
+        _refuse(
+            origins,
+            where["speculative_tokens"],
+            f"speculative_tokens: {tokens!r} is how many tokens MTP drafts, and with_mtp: false "
+            "turns MTP off (the job would run without MTP)",
+            "set with_mtp: true to run with MTP, or remove speculative_tokens to run without",
+        )
     if value["with_mtp"] is True:
         spec = {"method": "mtp", "num_speculative_tokens": tokens}
         args["speculative-config"] = _json(spec)

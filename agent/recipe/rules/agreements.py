@@ -49,6 +49,7 @@ def agreement(recipe: Recipe, prefill: Role, decode: Role, out: list[Problem]) -
     _kv_dtype(prefill, decode, out)
     _token_ids(prefill, out)
     _mtp(prefill, decode, out)
+    _mtp_contradictions(recipe, prefill, decode, out)
     _env_agreement(recipe, prefill, decode, out)
     _served_name(prefill, decode, out)
 
@@ -341,6 +342,38 @@ def _mtp(prefill: Role, decode: Role, out: list[Problem]) -> None:
                 f"roles.decode.args.{num[0]}",
                 f"TileRT 0.1.6 accepts num-mtp {', '.join(map(str, NUM_MTP_CHOICES))} only",
                 "set num-mtp: 3 or remove it",
+            )
+        )
+
+
+def _mtp_contradictions(recipe: Recipe, prefill: Role, decode: Role, out: list[Problem]) -> None:
+    """Keys that say MTP where another key turns it off (or where MTP is not set at all)."""
+    spec = find_arg(decode.args, "speculative-config")
+    if spec is not None:
+        # TileRT's decode server has no such flag: MTP is its with-mtp, the draft is vLLM's.
+        out.append(
+            error(
+                f"roles.decode.args.{spec[0]}",
+                "speculative-config is vLLM's flag (the prefill's); TileRT's decode server has "
+                "none, and turns MTP on with with-mtp",
+                "move speculative-config to roles.prefill.args and set with-mtp: true in "
+                "roles.decode.args, or remove it to run without MTP",
+            )
+        )
+    with_mtp = find_arg(decode.args, "with-mtp")
+    if with_mtp is None or with_mtp[1] is not True:
+        return
+    both = [("decode", decode), ("prefill", prefill)]
+    no_mtp = env_setting(role_env(recipe, decode), "TILERT_PD_NO_MTP")
+    if no_mtp == "1":
+        # glm5 then expects 78 MLA layers and the prefill's MTP draft sends 79: a startup failure.
+        out.append(
+            error(
+                env_path("TILERT_PD_NO_MTP", both),
+                f"TILERT_PD_NO_MTP=1 turns TileRT's MTP layer off, and "
+                f"roles.decode.args.{with_mtp[0]}: true turns it on",
+                "remove TILERT_PD_NO_MTP to run with MTP, or remove with-mtp (and the prefill's "
+                "MTP speculative-config) to run without",
             )
         )
 
