@@ -33,12 +33,13 @@ from agent.head.decisions import (
     version_mismatch,
     waiting_for,
 )
-from agent.head.peers import Peers
+from agent.head.peers import RETRY_S, UNREACHABLE_FAIL_S, Peers
 from agent.http.longpoll import ClientFetch
 from agent.job.names import HEAD_NAME, agent_name, agent_names, parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.records import AgentStatus, JobAgent, RendezvousRecord
 from agent.node.rendezvous import Records, read_records
+from tests import kit
 from tests.propkit import EXTREME_FLOATS, EXTREME_INTS, ODD_TEXT, VALUES, examples
 
 LOG = logging.getLogger("test_prop_head")
@@ -238,6 +239,38 @@ def test_the_heads_long_poll_survives_any_status_answer(scratch: Path, data: st.
     else:
         assert peer.failed_polls >= 1
     peers.entry(name)  # the status.json row builds from whatever it saw
+
+
+async def test_a_peer_that_stops_answering_is_lost_after_its_bound_of_trio_time(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001
+    scratch: Path,
+) -> None:
+    # Every poll fails: the peer is taken as lost UNREACHABLE_FAIL_S after the first failure, on
+    # trio's clock (with time.monotonic() for "since", 60 s of this clock never got there).
+    name = "decode-0"
+
+    async def handler(_request: httpx.Request) -> httpx.Response:
+        await trio.lowlevel.checkpoint()
+        return httpx.Response(503)
+
+    peers = Peers(
+        list(agent_names(1, 1)),
+        job=JobDir(scratch / "lost"),
+        own_status=lambda: msgspec.convert(_status(HEAD_NAME), AgentStatus),
+        log=LOG,
+        on_change=lambda: None,
+        fetch=lambda: ClientFetch(httpx.AsyncClient(transport=httpx.MockTransport(handler))),
+    )
+    peer = peers.by_name[name]
+    peer.record = msgspec.convert(_record(name), RendezvousRecord)
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(peers._poll, name)
+        await kit.until(lambda: peer.lost is not None, "the silent peer taken as lost", 60, 0.1)
+        nursery.cancel_scope.cancel()
+    assert peer.lost is not None
+    assert f"agent not answering for {UNREACHABLE_FAIL_S:g}s" in peer.lost
+    assert UNREACHABLE_FAIL_S <= trio.current_time() - t0 <= UNREACHABLE_FAIL_S + 2 * RETRY_S
 
 
 # ---- decisions -------------------------------------------------------------------------------

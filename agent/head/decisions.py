@@ -36,7 +36,7 @@ class JobView:
     # Every agent the job expects (the head first), as status.json shows it: state, node, reason,
     # log.
     agents: Mapping[str, JobAgent]
-    # The monotonic time the head saw each agent turn healthy.
+    # The time (trio's clock) the head saw each agent turn healthy.
     healthy_since: Mapping[str, float | None] = field(default_factory=dict)
     # When each agent turned healthy on its own (wall) clock, as its /status says (healthy_at).
     healthy_at: Mapping[str, float | None] = field(default_factory=dict)

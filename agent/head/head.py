@@ -261,7 +261,7 @@ class Head:
     async def _bring_up(self, nursery: trio.Nursery) -> bool:
         """Gate, router, canaries. False when a stop was requested first."""
         budget = max(self.plan.prefill.startup_budget_s, self.plan.decode.startup_budget_s)
-        deadline = time.monotonic() + budget
+        deadline = trio.current_time() + budget
         await self.router.preflight()
         if self.bench is not None:
             await self.bench.preflight()
@@ -272,15 +272,15 @@ class Head:
                 self._changes += 1
             view = self._view()
             self._check_fatal(view)
-            last = gate(view, time.monotonic())
+            last = gate(view, trio.current_time())
             if last is not None:
                 break  # status.json (an fsync) waits until the router runs
             missing = any(view.state(n) == "missing" for n in self.expected)
             self._set_state("starting" if missing else "waiting", waiting_for(view))
             if converting(view):
                 # The startup budget counts from when the last conversion ends.
-                deadline = max(deadline, time.monotonic() + budget)
-            if time.monotonic() > deadline:
+                deadline = max(deadline, trio.current_time() + budget)
+            if trio.current_time() > deadline:
                 raise JobFailed(startup_overrun(view, budget))
             await self._wait(GATE_POLL_S)
         for name in to_drop(view, self.dropped):
@@ -288,7 +288,7 @@ class Head:
         decodes = [n for n in view.decodes if n not in self.dropped]
         router = self.router.start(nursery, decodes)
         self._changes += 1  # the dropped decodes and the router's row
-        decision_s = time.monotonic() - last
+        decision_s = trio.current_time() - last
         self.ctx.figures.gate_latency_s = decision_s
         self.router_url = self.router.url
         while router.state != "healthy":
@@ -374,7 +374,7 @@ class Head:
         except JobFailed as exc:
             # Degrade, don't die: say why and try again.
             self._proof = f"healthy again, but the canary failed: {exc}"
-            self._next_proof_at = time.monotonic() + PROOF_RETRY_S
+            self._next_proof_at = trio.current_time() + PROOF_RETRY_S
             self.log.warning("head: re-proof failed; retrying in %gs: %s", PROOF_RETRY_S, exc)
         else:
             self.ctx.figures.canary_latency_s = latencies
@@ -450,7 +450,7 @@ class Head:
                 self.log.info("head: %s has left the pool", name)
                 del pool.leaving[name]
         ready = [n for n in pool.joining if self.peers.state(n) == "healthy"]
-        if ready and not pool.trying and time.monotonic() >= pool.retry_at:
+        if ready and not pool.trying and trio.current_time() >= pool.retry_at:
             pool.trying = True
             nursery.start_soon(self._admit, ready)
 
@@ -503,7 +503,7 @@ class Head:
         except JobFailed as exc:
             for name in names:
                 pool.note[name] = f"its canary through a trial router failed: {exc}"
-            pool.retry_at = time.monotonic() + TRIAL_RETRY_S
+            pool.retry_at = trio.current_time() + TRIAL_RETRY_S
             self.log.warning("head: %s not taken into the pool yet: %s", ", ".join(names), exc)
         else:
             joined = [n for n in names if n in pool.joining]
@@ -541,14 +541,14 @@ class Head:
             if (
                 proof_due(view, self.dropped, self.proven)
                 and not self._proving
-                and time.monotonic() >= self._next_proof_at
+                and trio.current_time() >= self._next_proof_at
             ):
                 self._proving = True
                 live = [n for n in view.decodes if n not in self.dropped]
                 nursery.start_soon(self._prove, restart_marks(view), len(live))
             proven = restart_marks(view) == self.proven
             self._set_state(*serving_state(view, self.dropped, proven=proven, proof=self._proof))
-            retry = self._next_proof_at - time.monotonic()
+            retry = self._next_proof_at - trio.current_time()
             await self._wait(min(SERVE_POLL_S, retry) if retry > 0 else SERVE_POLL_S)
 
     async def run(self) -> int:

@@ -16,7 +16,6 @@ agent under the same name: either may report healthy again, and the head may tak
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -66,7 +65,7 @@ class Peer:
     record: RendezvousRecord | None = None
     status: AgentStatus | None = None
     reachable: bool = False
-    healthy_seen_at: float | None = None  # monotonic time the head saw it healthy
+    healthy_seen_at: float | None = None  # trio time the head saw it healthy
     # Why its record cannot be read (lasting past the retry); it keeps its last good one if any.
     record_problem: str | None = None
     # Monotonic time of the first failed poll of the current outage, its error, the failed polls.
@@ -213,7 +212,7 @@ class Peers:
         """Take the head's own status into its peer (for the gate's healthy times); True when it
         changed."""
         me = self.by_name[HEAD_NAME]
-        return me.observe(self.own_status(), time.monotonic())
+        return me.observe(self.own_status(), trio.current_time())
 
     def records(self) -> dict[str, RendezvousRecord]:
         """The records published so far, in listing order."""
@@ -227,7 +226,7 @@ class Peers:
         return record
 
     def healthy_since(self) -> dict[str, float | None]:
-        """When the head saw each agent turn healthy (monotonic)."""
+        """When the head saw each agent turn healthy (trio's clock)."""
         return {n: p.healthy_seen_at for n, p in self.by_name.items()}
 
     def versions(self) -> dict[str, str]:
@@ -355,7 +354,7 @@ class Peers:
                 status = msgspec.json.decode(body, type=AgentStatus)
             except (PollFailed, msgspec.DecodeError) as exc:
                 error = printable(str(exc) or type(exc).__name__)[:200]
-                if peer.unanswered(error, time.monotonic()):
+                if peer.unanswered(error, trio.current_time()):
                     if peer.lost is not None:
                         self.log.warning("head: %s: %s", name, peer.lost)
                     else:
@@ -368,5 +367,5 @@ class Peers:
             if peer.failed_polls >= UNREACHABLE_AFTER_POLLS:
                 self.log.info("head: %s answers again at %s", name, url)
             version = status.version
-            if peer.observe(status, time.monotonic()):
+            if peer.observe(status, trio.current_time()):
                 self.on_change()  # an answer that changed nothing does not wake the head

@@ -91,7 +91,7 @@ class Membership:
     # Why a joining decode is still out (its trial failed), shown as its reason.
     note: dict[str, str] = field(default_factory=dict)
     trying: bool = False  # a trial router runs
-    retry_at: float = 0.0  # monotonic; no trial before
+    retry_at: float = 0.0  # trio clock; no trial before
 
     def changes(
         self, wanted: Collection[str], members: Collection[str]
