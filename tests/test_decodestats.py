@@ -7,10 +7,12 @@ figures from a running job: tests/test_decode_metrics.py.
 
 from __future__ import annotations
 
+import httpx
 import pytest
+import trio
 
 from agent.http.metrics import AgentMetrics
-from agent.node.decodestats import DecodeStats, PoolFigures
+from agent.node.decodestats import DecodeStats, PoolFigures, poll_decode_status
 from tests.infra.prometheus import promtool_binary, promtool_check_metrics
 
 # The exact lines of TileRT 0.1.6.post3 (decode_server.py), and of its router (pd_router.py).
@@ -61,6 +63,23 @@ def test_busy_time_is_sampled_from_decode_status() -> None:
     stats.sample(None, 1.0)  # idle for the one before; no answer now
     assert stats.busy_seconds == 1.0
     assert stats.status_polls == {"busy": 1, "idle": 1, "failed": 1}
+
+
+async def test_the_busy_time_of_the_poll_is_trio_time(autojump_clock: trio.abc.Clock) -> None:  # noqa: ARG001
+    # A decode busy at every answer: ten polls 1 s apart are 9 s busy (the first has nothing
+    # before it). Measured with time.monotonic() between trio's sleeps, this was ~0 s.
+    stats = DecodeStats()
+
+    def handler(_request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"status": "busy", "current_rid": "r1"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        with trio.move_on_after(10.5):
+            await poll_decode_status(
+                stats, client, lambda: "http://decode/decode_status", lambda: True, interval_s=1.0
+            )
+    assert stats.status_polls["busy"] == 10
+    assert stats.busy_seconds == pytest.approx(9.0)
 
 
 def test_router_refusals_and_pool() -> None:

@@ -278,7 +278,7 @@ class WeightsGate:
         # The holder's lock this agent has been waiting on, and when it vanished.
         waited_on: Observed | None = None
         vanished: float | None = None
-        waiting_since = time.monotonic()
+        waiting_since = trio.current_time()
         while True:
             # Without a marker nothing changed that matters: no need to read every shard again.
             if found is None or await trio.to_thread.run_sync(marker.exists):
@@ -290,8 +290,8 @@ class WeightsGate:
             if seen is None and waited_on is not None:
                 # The holder let go and the folder is still incomplete: its conversion failed or
                 # was stopped. Unless someone is just taking a stale lock over: a moment for them.
-                vanished = vanished or time.monotonic()
-                if time.monotonic() - vanished < self.stale_s / 2:
+                vanished = vanished or trio.current_time()
+                if trio.current_time() - vanished < self.stale_s / 2:
                     await trio.sleep(self.poll_s)
                     continue
                 raise WeightsError(self._holder_failed(paths, waited_on, found))
@@ -310,13 +310,13 @@ class WeightsGate:
                 )
             waited_on, vanished = seen, None
             self._waiting(paths, seen)
-            if watch.stale(seen):
+            if watch.stale(seen, trio.current_time()):
                 if self.convert is not None:
                     await self._check_converter(self.convert)  # before: take over, then lock
                 await self._stale(paths, siblings, seen, found)
                 watch, waited_on = StaleWatch(self.stale_s), None
                 continue
-            if time.monotonic() - waiting_since > self.budget_s + self.stale_s:
+            if trio.current_time() - waiting_since > self.budget_s + self.stale_s:
                 raise WeightsError(
                     f"waited {self.budget_s + self.stale_s:g}s (agent.convert_budget_s + "
                     f"agent.convert_lock_stale_s) for {self._holder(seen)} to convert "
@@ -498,7 +498,7 @@ class WeightsGate:
         while True:
             written = await trio.to_thread.run_sync(folder_bytes, temp)
             written = max(0, written - self._baseline) if self.pid else 0
-            now = time.monotonic()
+            now = trio.current_time()
             per_s = rate.add(now, written)
             if now - beaten >= self.heartbeat_s:
                 beaten = now

@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 import logging
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -211,10 +210,10 @@ async def poll_decode_status(
 ) -> None:
     """Sample ``url`` (the decode's ``/decode_status``) every ``interval_s`` while ``serving()``;
     runs until cancelled."""
-    last = time.monotonic()
+    last = trio.current_time()  # the clock of the sleeps between samples
     while True:
         await trio.sleep(interval_s)
-        now = time.monotonic()
+        now = trio.current_time()
         if not serving():
             stats.busy, last = None, now
             continue

@@ -168,9 +168,9 @@ class StaleWatch:
         self._last: tuple[int, bytes] | None = None
         self._since = 0.0
 
-    def stale(self, seen: Observed, now: float | None = None) -> bool:
-        """Record a reading; whether the lock has been frozen for ``stale_s``."""
-        now = time.monotonic() if now is None else now
+    def stale(self, seen: Observed, now: float) -> bool:
+        """Record a reading at ``now`` (the caller's clock: trio's, as its sleeps); whether the
+        lock has been frozen for ``stale_s``."""
         key = (seen.ino, seen.content)
         if key != self._last:
             self._last, self._since = key, now

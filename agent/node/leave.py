@@ -10,7 +10,6 @@ then stops its engine: no request in flight is cut.
 from __future__ import annotations
 
 import logging
-import time
 
 import httpx
 import msgspec
@@ -37,7 +36,7 @@ async def wait_idle(
 ) -> str:
     """Wait until the decode engine at ``url`` (its ``/decode_status``) is idle, at most
     ``bound_s``; how the wait ended, in words (for the agent's last word)."""
-    start = time.monotonic()
+    start = trio.current_time()
     said = ""
     last = "no answer yet"
     with trio.move_on_after(bound_s):
@@ -50,7 +49,7 @@ async def wait_idle(
                 # An engine that cannot answer serves nobody: nothing to wait for.
                 return f"its engine did not answer {url} ({exc or type(exc).__name__})"
             if answer.status == "idle":
-                return f"its engine was idle after {time.monotonic() - start:.1f}s"
+                return f"its engine was idle after {trio.current_time() - start:.1f}s"
             last = f"busy with {answer.current_rid}"
             if last != said:
                 log.info("leaving the pool: waiting for the engine to finish (%s)", last)
