@@ -237,5 +237,9 @@ async def _bounded_body(request: Request, limit: int, timeout_s: float) -> bytes
                 raise BodyError(413, _too_big(limit), "request_too_large")
             parts.append(part)
     if scope.cancelled_caught:
-        raise BodyError(408, f"the request body did not arrive within {timeout_s:g} s", "timeout")
+        raise BodyError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s (agent.front.body_timeout_s)",
+            "timeout",
+        )
     return b"".join(parts)
