@@ -16,6 +16,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 Outcome = Literal["ok", "retried_ok", "failed", "truncated", "rejected", "cancelled"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "retried_ok", "failed", "truncated", "rejected", "cancelled")
+# The retries' reasons (agent.front.retry): each served from 0; another status adds its own.
+REASONS = (
+    "connect",
+    "status_502",
+    "status_503",
+    "status_504",
+    "busy",
+    "stream_error",
+    "engine_restarted",
+)
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -63,6 +73,8 @@ class FrontFigures:
         self._values = values
         for outcome in OUTCOMES:  # every outcome's series from the start: rates need no gap
             self._requests.labels(*values, outcome)
+        for reason in REASONS:
+            self._retries.labels(*values, reason)
 
     def started(self) -> None:
         """A request arrived."""
