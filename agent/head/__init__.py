@@ -16,7 +16,8 @@ prove the router, keep the job serving, and write status.json and targets.json.
   ``agent.node.statuswriter`` (a convert job writes its status.json with it too).
 
 May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``,
-``agent.node``, ``agent.benchmark``, ``agent.http``, ``agent.front``. Imported by ``agent.nodeagent`` only.
+``agent.node``, ``agent.benchmark``, ``agent.http``, ``agent.front``. Imported by
+``agent.nodeagent`` only.
 """
 
 from agent.head.context import HeadContext
