@@ -15,6 +15,7 @@ from agent.front.openai import models_body, unsupported, upstream_error, wants_u
 from agent.front.retry import (
     BACKOFF_MAX_S,
     BUSY_DELAY_S,
+    REFUSED_DELAY_S,
     RetryBudget,
     connect_failure,
     retriable,
@@ -231,3 +232,14 @@ def test_usage_asked_and_router_errors_in_openais_shape() -> None:
     typed = upstream_error(400, b'{"error": "bad", "error_type": "invalid_parameter"}')
     assert typed["error"]["type"] == "invalid_parameter"
     assert upstream_error(502, b"oops")["error"]["message"] == "oops"
+
+
+def test_a_refused_connection_is_no_try_but_the_seconds_still_bound_it() -> None:
+    """Nothing listens (the router died; the head restarts it): tried again at a steady pace,
+    past the attempts, until the budget's seconds are spent."""
+    budget = RetryBudget(attempts=2, budget_s=10)
+    refused = connect_failure("refused", refused=True)
+    assert refused.reason == "refused"
+    assert budget.next_delay(refused, 2, 0.0) == REFUSED_DELAY_S
+    assert budget.next_delay(refused, 2, 9.9) is None
+    assert budget.next_delay(connect_failure("reset"), 2, 0.0) is None

@@ -19,6 +19,7 @@ OUTCOMES: tuple[Outcome, ...] = ("ok", "retried_ok", "failed", "truncated", "rej
 # The retries' reasons (agent.front.retry): each served from 0; another status adds its own.
 REASONS = (
     "connect",
+    "refused",
     "status_502",
     "status_503",
     "status_504",

@@ -134,17 +134,18 @@ class Proxy:
         """Try ``body`` at the router's ``path`` until an answer passes or the budget ends."""
         start = trio.current_time()
         deadline = start + self.budget.budget_s
-        tries = 0
+        tries = made = 0  # the tries counted (a refused connection is not), and all of them
         while True:
             url = await self.router_url(deadline)
-            tries += 1
-            result = await self._try(url + path, body, stream, tries, want_usage)
+            made += 1
+            result = await self._try(url + path, body, stream, made, want_usage)
             if isinstance(result, Opened):
                 return result
+            tries += 0 if result.refused else 1
             delay = self.budget.next_delay(result, tries, trio.current_time() - start)
             if delay is None:
                 content = result.message.encode()
-                return Refused(result, tries, content)
+                return Refused(result, made, content)
             self.on_retry(result.reason)
             await trio.sleep(delay)
             await self.settle(deadline)
@@ -174,6 +175,9 @@ class Proxy:
                 try:
                     response = await self.client.send(request, stream=True)
                     result = await _answer(response, tries, stream, want_usage)
+                except httpx.ConnectError as exc:
+                    why = f"the router at {url} refused the connection: {exc!r}"
+                    result = connect_failure(why, refused=True)
                 except httpx.TransportError as exc:
                     result = connect_failure(f"the router at {url} failed to answer: {exc!r}")
                 nursery.cancel_scope.cancel()

@@ -6,7 +6,8 @@ backpressure, tried again after the router's own pace), and a stream that ended 
 before its first event. Never retried: any other 4xx (the request itself is wrong), and anything
 once a byte reached the client. Each try is bounded by ``agent.front.retry.attempts`` and the
 whole request by ``agent.front.retry.budget_s``; waiting for a router being handed over is not a
-try (``agent.front.proxy``).
+try (``agent.front.proxy``), nor is a refused connection (no router listens: it died, and the
+head restarts it), which is tried again every ``REFUSED_DELAY_S`` within the budget.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ BUSY_STATUS = 429
 BUSY_DELAY_S = 0.5  # the router's own pace for a busy decode (it retries a 429 after 0.5 s)
 BACKOFF_INITIAL_S = 0.25
 BACKOFF_MAX_S = 4.0
+REFUSED_DELAY_S = 0.25  # until the head sees the router down (then the try waits for its restart)
 
 
 @dataclass(frozen=True)
@@ -27,11 +29,14 @@ class Failure:
     status: int | None
     reason: str  # the retries' label: connect, status_502, busy, stream_error, ...
     message: str
+    # The connection was refused: no router listens (not counted against the attempts).
+    refused: bool = False
 
 
-def connect_failure(message: str) -> Failure:
-    """The router could not be reached or dropped the connection before answering."""
-    return Failure(None, "connect", message)
+def connect_failure(message: str, *, refused: bool = False) -> Failure:
+    """The router could not be reached (``refused``: nothing listens) or dropped the
+    connection before answering."""
+    return Failure(None, "refused" if refused else "connect", message, refused)
 
 
 def status_failure(status: int, message: str) -> Failure:
@@ -62,6 +67,8 @@ def backoff_s(failure: Failure, tries: int) -> float:
     ``BACKOFF_INITIAL_S`` up to ``BACKOFF_MAX_S``."""
     if failure.reason == "busy":
         return BUSY_DELAY_S
+    if failure.refused:
+        return REFUSED_DELAY_S
     return float(min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2.0 ** max(0, tries - 1)))
 
 
@@ -74,7 +81,7 @@ class RetryBudget:
 
     def next_delay(self, failure: Failure, tries: int, elapsed_s: float) -> float | None:
         """The pause before trying again, or None: give up (not retriable, or out of budget)."""
-        if not retriable(failure) or tries >= self.attempts:
+        if not retriable(failure) or (tries >= self.attempts and not failure.refused):
             return None
         delay = backoff_s(failure, tries)
         if elapsed_s + delay >= self.budget_s:
