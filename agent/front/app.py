@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import trio
 
+from agent.errors import BadInput
 from agent.front.figures import FrontFigures, Outcome
 from agent.front.openai import (
     CHAT,
@@ -33,7 +34,14 @@ from agent.front.openai import (
 from agent.front.proxy import Proxy, Refused, RouterNow, StreamStart, Unavailable, make_client
 from agent.front.retry import RetryBudget
 from agent.job.frontpolicy import FrontPolicy
-from agent.web.asgi import App, Request, Response, StreamingResponse, json_response, serve
+from agent.web.asgi import (
+    App,
+    Request,
+    Response,
+    StreamingResponse,
+    json_response,
+    serve,
+)
 
 RETRY_AFTER_S = 2
 SSE = "text/event-stream; charset=utf-8"
@@ -41,8 +49,9 @@ SSE = "text/event-stream; charset=utf-8"
 log = logging.getLogger(__name__)
 
 
-class BodyError(Exception):
-    """A request body the front refuses before it reaches the router (413, 408, 400)."""
+class BodyError(BadInput):
+    """A request body the front refuses before it reaches the router (413, 408, 400): the
+    client's to fix; answered, never an exit."""
 
     def __init__(self, status: int, message: str, kind: str) -> None:
         super().__init__(message)

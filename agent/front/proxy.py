@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import httpx
 import trio
 
+from agent.errors import RuntimeFailure
 from agent.front.retry import (
     Failure,
     RetryBudget,
@@ -53,7 +54,7 @@ class RouterNow:
     marks: tuple[tuple[str, int], ...] = ()
 
 
-class Unavailable(Exception):
+class Unavailable(RuntimeFailure):
     """No router can take the request within its budget: 503 with Retry-After."""
 
 
