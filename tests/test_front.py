@@ -232,6 +232,30 @@ def test_killed_decode_engines_under_load_lose_nothing(job: kit.LocalJob) -> Non
     assert after["retried_ok"] > before["retried_ok"]
 
 
+def test_a_killed_router_under_load_refuses_nothing(job: kit.LocalJob) -> None:
+    """SIGKILL the router while two clients chat: requests meanwhile wait for the restarted
+    router (nothing refused, nothing failed); only the streams it was serving are cut, each
+    with the visible stream_truncated error."""
+    url = front(job)
+    before = front_figures(job)
+    load = ChatLoad(url, MODEL, clients=2).start()
+    kit.wait_for("chats served", lambda: load.served >= 2, 60)
+    head = kit.agent_status(kit.agent_entry(job.status(), "prefill-0")["status_url"])
+    psutil.Process(head["router"]["pid"]).kill()
+    served = load.served
+    kit.wait_for("chats after the router's restart", lambda: load.served >= served + 4, 120)
+    load.finish()
+    after = front_figures(job)
+    print(f"\nserved {load.served}, failures {load.failures}, front {before} -> {after}")
+    assert not load.refused_at
+    assert load.busy == 0
+    assert len(load.failures) <= 2, load.failures
+    for failure in load.failures:
+        assert "stream_truncated" in failure, failure
+    assert after["failed"] == before["failed"]
+    kit.wait_state(job.job, "ready", READY_S)
+
+
 def test_a_hand_over_under_load_refuses_nothing(router_python: Path, tmp_path: Path) -> None:
     """``scale --decode 3`` then ``--decode 1`` (two router hand-overs each) while a client
     chats through the front: not one chat refused or failed; the front's address unchanged."""
