@@ -13,6 +13,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── SelectionError        submit.logview.catalogue: ``logs J NAME`` names no log
     │   ├── BenchFlagsError       submit.bench: a ``bench`` flag out of the recipe's rules
     │   ├── PoolFileError         agent.job.pool: ``J/pool.json`` cannot be used
+    │   ├── BodyError             agent.front.app: a request body the front refuses (413/408/400)
     │   └── FaultConfigError      agent.standins.faults: a stand-in's fault switch is malformed
     ├── RuntimeFailure            exit 1: what failed, where, and what to do next
     │   ├── JobFailed             agent.head.decisions: the job can no longer serve
@@ -23,6 +24,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── RecordProblem         agent.node.rendezvous: a rendezvous file that is no record
     │   ├── UpstreamError         agent.http.upstream: vLLM's /metrics answer is unusable
     │   ├── PollFailed            agent.http.longpoll: a peer's long poll got no usable answer
+    │   ├── Unavailable           agent.front.proxy: no router takes a request in time (503)
     │   ├── PageError             agent.http.reexport: vLLM's /metrics page does not parse
     │   ├── RunTimeout            agent.launch.spec: a one-shot process ran past its bound
     │   ├── ResultsError          agent.benchmark.results: a level's export is unreadable

@@ -10,11 +10,14 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``pool``: the decode pool ``tilert-submit scale`` asks for (``J/pool.json``) and where each
   decode stands in it.
 - ``benchstage``: the recipe's benchmark, checked before the load and run once ready.
+- ``frontdoor``: the job's front door (``agent.front``), served from the head's start, told where
+  the router is and whether its pool is whole at every request.
 - ``head``: ``Head``, which runs them in order, writing status.json and targets.json through
   ``agent.node.statuswriter`` (a convert job writes its status.json with it too).
 
 May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``,
-``agent.node``, ``agent.benchmark``, ``agent.http``. Imported by ``agent.nodeagent`` only.
+``agent.node``, ``agent.benchmark``, ``agent.http``, ``agent.front``. Imported by
+``agent.nodeagent`` only.
 """
 
 from agent.head.context import HeadContext

@@ -66,7 +66,9 @@ def check_ready_contract(job: Path) -> dict[str, Any]:
     by_agent = {t["labels"]["agent"]: t for t in targets}
     for entry in status["agents"]:
         target = by_agent[entry["name"]]
-        assert set(target["labels"]) == {"agent"}, target  # no role/node/slurm_job_id
+        # No role/node/slurm_job_id; the head's names the front door (the job's client address).
+        front = {"front_url": status["front_url"]} if entry["name"] == "prefill-0" else {}
+        assert target["labels"] == {"agent": entry["name"], **front}, target
         assert target["targets"] == [entry["metrics_url"].split("//")[1].split("/")[0]]
     # The real router, not the stand-in.
     router_log = (job / "logs" / "prefill-0" / "router.log").read_text()

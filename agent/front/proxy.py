@@ -1,0 +1,247 @@
+"""The front door's way to the router: tries, waits for a router being handed over, and the
+streamed reply passed on event by event.
+
+The router's address is asked for at every try (``RouterNow``), so a restarted or handed-over
+router is followed. While the head's supervisor says the router is (re)starting, a try waits for
+it (woken by the head's changes, bounded by the request's budget) instead of being refused; that
+wait is not a try. A try that failed before the client's first byte is tried again as the recipe's
+``agent.front.retry`` allows (the rules are ``agent.front.retry``'s). A stream's first byte is its
+first content (or its end): events before it (the role chunk) are held, so a stream that fails
+before its first token is tried again too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+import trio
+
+from agent.errors import RuntimeFailure
+from agent.front.retry import (
+    Failure,
+    RetryBudget,
+    connect_failure,
+    stale_failure,
+    status_failure,
+    stream_failure,
+)
+from agent.front.sse import EventSplitter, StreamWatch
+
+WAIT_POLL_S = 0.5  # a safety net: the head's changes wake waiting requests before this
+# A stream with no first event this long after an engine restarted and the pool is whole again
+# is given up and tried again: its request was lost with the engine (the router would wait for
+# KV that never comes, 120 s).
+STALE_AFTER_RESTART_S = 5.0
+MAX_REPLY_BYTES = 64 << 20  # a non-streamed reply, or a refusal's body, read at most this far
+CONNECT_TIMEOUT_S = 5.0
+# A stream may wait this long for its next event (TileRT's own bound: TILERT_PD_HTTP_TIMEOUT_S).
+READ_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class RouterNow:
+    """The router as the head sees it now: its URL (None: none started, or the job ended) and
+    whether its supervisor says it serves (False: starting, restarting, unhealthy)."""
+
+    url: str | None
+    serving: bool
+    why: str = ""
+    # Why the router's pool is not whole now (the prefill or a decode in its list restarting),
+    # or None; and the engines' restart counts (a change: an engine restarted).
+    settling: str | None = None
+    marks: tuple[tuple[str, int], ...] = ()
+
+
+class Unavailable(RuntimeFailure):
+    """No router can take the request within its budget: 503 with Retry-After."""
+
+
+@dataclass
+class StreamStart:
+    """A stream that passed its first content: the events for the client so far, the rest."""
+
+    first: list[bytes]
+    chunks: AsyncIterator[bytes]
+    splitter: EventSplitter
+    watch: StreamWatch
+
+
+@dataclass
+class Opened:
+    """A router reply that passed: a stream (``stream``) or a whole body."""
+
+    response: httpx.Response
+    tries: int
+    body: bytes = b""
+    stream: StreamStart | None = None
+
+
+@dataclass
+class Refused:
+    """The router's last answer when it was not retried (or out of budget)."""
+
+    failure: Failure
+    tries: int
+    content: bytes = b""
+
+
+def make_client() -> httpx.AsyncClient:
+    """The front's own client to the router: keep-alive, no overall timeout on a stream."""
+    timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S, write=60.0, pool=60.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
+class Proxy:
+    """Tries a request at the router until one answer passes or the budget is spent."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        router: Callable[[], RouterNow],
+        budget: RetryBudget,
+        on_retry: Callable[[str], None],
+    ) -> None:
+        self.client = client
+        self.router = router
+        self.budget = budget
+        self.on_retry = on_retry
+        self._wake = trio.Event()
+
+    def changed(self) -> None:
+        """The head saw a change (the router's state among them): waiting tries look again."""
+        self._wake.set()
+        self._wake = trio.Event()
+
+    async def router_url(self, deadline: float) -> str:
+        """The serving router's URL; waits while it is being (re)started, up to ``deadline``."""
+        while True:
+            now = self.router()
+            if now.url is None:
+                raise Unavailable(now.why or "no router serves this job yet")
+            if now.serving:
+                return now.url
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                raise Unavailable(f"the router did not come back within the budget: {now.why}")
+            with trio.move_on_after(min(remaining, WAIT_POLL_S)):
+                await self._wake.wait()
+
+    async def send(
+        self, path: str, body: bytes, *, stream: bool, want_usage: bool = False
+    ) -> Opened | Refused:
+        """Try ``body`` at the router's ``path`` until an answer passes or the budget ends."""
+        start = trio.current_time()
+        deadline = start + self.budget.budget_s
+        tries = made = 0  # the tries counted (a refused connection is not), and all of them
+        while True:
+            url = await self.router_url(deadline)
+            made += 1
+            result = await self._try(url + path, body, stream, made, want_usage)
+            if isinstance(result, Opened):
+                return result
+            tries += 0 if result.refused else 1
+            delay = self.budget.next_delay(result, tries, trio.current_time() - start)
+            if delay is None:
+                content = result.message.encode()
+                return Refused(result, made, content)
+            self.on_retry(result.reason)
+            await trio.sleep(delay)
+            await self.settle(deadline)
+
+    async def settle(self, deadline: float) -> None:
+        """After a failed try: wait (up to ``deadline``) while the router's pool is not whole:
+        TileRT's router hands a request to the first free decode, dead or not, so a try before
+        the restarting engine is back would fail the same way."""
+        while self.router().settling is not None:
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                return
+            with trio.move_on_after(min(remaining, WAIT_POLL_S)):
+                await self._wake.wait()
+
+    async def _try(
+        self, url: str, body: bytes, stream: bool, tries: int, want_usage: bool
+    ) -> Opened | Failure:
+        headers = {"content-type": "application/json", "accept": "*/*"}
+        request = self.client.build_request("POST", url, content=body, headers=headers)
+        response: httpx.Response | None = None
+        result: Opened | Failure = stale_failure("an engine restarted and the stream had not begun")
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                if stream:
+                    nursery.start_soon(self._give_up_if_lost, scope, self.router().marks)
+                try:
+                    response = await self.client.send(request, stream=True)
+                    result = await _answer(response, tries, stream, want_usage)
+                except httpx.ConnectError as exc:
+                    why = f"the router at {url} refused the connection: {exc!r}"
+                    result = connect_failure(why, refused=True)
+                except httpx.TransportError as exc:
+                    result = connect_failure(f"the router at {url} failed to answer: {exc!r}")
+                nursery.cancel_scope.cancel()
+        if scope.cancelled_caught:
+            result = stale_failure("an engine restarted and the stream had not begun")
+        if isinstance(result, Failure) and response is not None:
+            with trio.CancelScope(shield=True):
+                await response.aclose()
+        return result
+
+    async def _give_up_if_lost(self, scope: trio.CancelScope, marks: object) -> None:
+        """Cancel ``scope`` once an engine restarted since ``marks``, the pool is whole again
+        and ``STALE_AFTER_RESTART_S`` passed: the try's request may have died with the engine."""
+        while True:
+            now = self.router()
+            if now.marks != marks and now.settling is None:
+                await trio.sleep(STALE_AFTER_RESTART_S)
+                scope.cancel()
+                return
+            with trio.move_on_after(WAIT_POLL_S):
+                await self._wake.wait()
+
+
+async def _answer(
+    response: httpx.Response, tries: int, stream: bool, want_usage: bool
+) -> Opened | Failure:
+    """The router's answer: a failure (its status), a whole body, or a stream begun."""
+    if response.status_code != 200:
+        content = await _read_bounded(response)
+        return status_failure(response.status_code, content.decode(errors="replace"))
+    if not stream:
+        return Opened(response, tries, body=await _read_bounded(response))
+    return await _first_events(response, tries, StreamWatch(want_usage=want_usage))
+
+
+async def _read_bounded(response: httpx.Response) -> bytes:
+    """A whole reply body, at most ``MAX_REPLY_BYTES`` (the rest dropped), the reply closed."""
+    parts, size = [], 0
+    try:
+        async for part in response.aiter_raw():
+            parts.append(part)
+            size += len(part)
+            if size > MAX_REPLY_BYTES:
+                break
+    finally:
+        await response.aclose()
+    return b"".join(parts)
+
+
+async def _first_events(
+    response: httpx.Response, tries: int, watch: StreamWatch
+) -> Opened | Failure:
+    """Read the stream up to its first content (or its end); a cut before that is a failure
+    (nothing reached the client yet: it may be tried again)."""
+    chunks = response.aiter_raw()
+    splitter = EventSplitter()
+    out: list[bytes] = []
+    async for data in chunks:
+        for event in splitter.feed(data):
+            out += watch.push(event)
+        if watch.truncated is not None:
+            return stream_failure(f"the stream failed before its first token: {watch.truncated}")
+        if watch.chunks > 0 or watch.done:
+            return Opened(response, tries, stream=StreamStart(out, chunks, splitter, watch))
+    watch.end()
+    return stream_failure(f"the stream ended before its first event: {watch.truncated}")
