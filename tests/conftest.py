@@ -37,6 +37,7 @@ UNIT_MODULES = frozenset(
     {
         "test_backends",
         "test_bad_input",
+        "test_bench_chaos",
         "test_benchmark",
         "test_canaries",
         "test_decodestats",

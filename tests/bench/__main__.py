@@ -1,4 +1,5 @@
-"""``python -m tests.bench [--quick] [--only NAME,...] [--out bench-results.json]``."""
+"""``python -m tests.bench [--quick] [--only NAME,...] [--out bench-results.json]``, or one of
+the benchmarks with a command line of its own: ``python -m tests.bench chaos [...]``."""
 
 from __future__ import annotations
 
@@ -27,11 +28,21 @@ GROUPS = {
     ),
     "tests.bench.handover": ("handover_gap_s", "handover_failed"),
 }
+# The benchmarks with a command line of their own (``python -m tests.bench NAME --help``).
+COMMANDS = {"chaos": "tests.bench.chaos"}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen benchmarks, print the table, write the results file."""
-    parser = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        command: int = importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+        return command
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.bench",
+        description=__doc__,
+        epilog="commands: " + ", ".join(COMMANDS),
+    )
     parser.add_argument("--quick", action="store_true", help="fewer runs of each (a smoke run)")
     parser.add_argument(
         "--only",
