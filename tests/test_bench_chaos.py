@@ -29,9 +29,12 @@ def test_faults_parse_in_order_with_their_targets() -> None:
         "prefill-engine",
         "decode-agent:decode-1",
     ]
-    assert faults[0].kills_a_decode and faults[4].kills_a_decode
-    assert faults[1].kills_the_path and faults[3].kills_the_path
-    assert not faults[2].kills_a_decode and not faults[2].kills_the_path
+    assert faults[0].kills_a_decode
+    assert faults[4].kills_a_decode
+    assert faults[1].kills_the_path
+    assert faults[3].kills_the_path
+    assert not faults[2].kills_a_decode
+    assert not faults[2].kills_the_path
 
 
 @pytest.mark.parametrize(
@@ -103,7 +106,8 @@ def test_lost_requests_and_no_ready_are_misses() -> None:
     cost = account([failed], struck, bound_s=90)[1]
     assert cost.misses == ["scale:3: 1 request(s) lost", "scale:3: not ready again within 90 s"]
     assert cost.errors == ["HTTP 502"]
-    assert "scale:3" in render([cost]) and " no" in render([cost])
+    assert "scale:3" in render([cost])
+    assert " no" in render([cost])
 
 
 def test_a_prefill_or_router_kill_loses_at_most_what_was_in_flight() -> None:
