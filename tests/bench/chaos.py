@@ -202,7 +202,7 @@ def report(
     print(f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
     misses = [m for c in costs for m in c.misses]
     for c in costs:
-        for e in c.errors:
+        for e in c.errors[:3]:  # every one is in --out
             print(f"  {c.label}: {e}")
     if misses:
         print("\ntargets missed:")

@@ -199,7 +199,7 @@ def account(requests: Sequence[Request], struck: Sequence[Struck], bound_s: floa
             cost.cut += r.outcome == "cut"
             cost.lost += r.outcome in ("failed", "cut")
             cost.client_retries += r.client_retries
-            if r.outcome != "ok" and r.error and len(cost.errors) < 3:
+            if r.outcome != "ok" and r.error and r.error not in cost.errors:
                 cost.errors.append(r.error)
         flying = [r for r in group if s is not None and r.start < s.at]
         cost.in_flight = len(flying)
