@@ -18,6 +18,7 @@ import msgspec
 import trio
 
 from agent.errors import EXIT_OK, EXIT_RUNTIME
+from agent.front import FrontFigures
 from agent.head import Head, HeadContext
 from agent.http.client import open_client
 from agent.http.endpoint import LogStreams, StatusFeed, build_app
@@ -83,8 +84,16 @@ def _engine_sink(job: JobDir, identity: Identity, plan: Plan) -> LogSink:
     )
 
 
+def _front_figures(metrics: AgentMetrics) -> FrontFigures:
+    """The front door's figures (tilert_front_*) in the agent's registry."""
+    return FrontFigures(metrics.registry, metrics.base)
+
+
 class NodeAgent:
     """The supervisor of one node's engine (and, in prefill-0, of the router)."""
+
+    # The head's front door socket (agent.front.port), bound with the agent's own port.
+    front_socket: socket.socket | None = None
 
     def __init__(self, *, job: JobDir, plan: Plan, identity: Identity, log: logging.Logger) -> None:
         self.job = job
@@ -126,6 +135,8 @@ class NodeAgent:
             decode=self.decode_stats,
             pool=(self.pool, decode_namer(job, plan)) if self.pool is not None else None,
         )
+        # The head's front door: its figures in this agent's one registry.
+        self.front_figures = _front_figures(self.metrics) if identity.is_head else None
         self.sink = _engine_sink(job, identity, plan)
         self.preflight_failure: str | None = None
         self.start_failure: str | None = None  # why the agent could not start at all
@@ -193,7 +204,7 @@ class NodeAgent:
                 )
             )
         # The agent's ports (agent, http, ctrl), not only the engine's; the router has its own.
-        engine["ports"] = {k: v for k, v in self.ports.items() if k != "router"}
+        engine["ports"] = {k: v for k, v in self.ports.items() if k not in ("router", "front")}
         router = self.head.router_status() if self.head is not None else None
         return AgentStatus(
             **engine,
@@ -244,6 +255,8 @@ class NodeAgent:
             scratch_folder=self.scratch.folder,
             on_state=self.notes.poke,
             pool=self.pool,
+            front_socket=self.front_socket,
+            front_figures=self.front_figures,
         )
 
     # ---- the engine ------------------------------------------------------------------------
@@ -460,9 +473,10 @@ class NodeAgent:
         else:
             raise OSError(f"no free agent port from {start} on {self.bind_host}")
         self.ports["agent"] = sock.getsockname()[1]
-        self.record.choose_engine_ports()
         if self.id.is_head:
             self.ports["router"] = self.plan.router.port
+            self._open_front(avoid | {self.ports["agent"], self.plan.router.port})
+        self.record.choose_engine_ports()
         self.record.publish()
         self.upstream.url = self.engine_url("/metrics")
         self.upstream.reserved_names = frozenset(self.metrics.family_names())
@@ -475,6 +489,21 @@ class NodeAgent:
             self.job.record(self.id.name),
         )
         return sock
+
+    def _open_front(self, avoid: set[int]) -> None:
+        """Bind the front door's port (agent.front.port, probed upward), fixed for the job's
+        life: the head serves it."""
+        start = self.plan.agent.front.port
+        for _ in range(MAX_AGENT_PORT_TRIES):
+            port = choose_port(start, avoid)
+            try:
+                self.front_socket = bound_socket(self.bind_host, port)
+                break
+            except OSError:
+                avoid.add(port)
+        else:
+            raise OSError(f"no free front port from {start} on {self.bind_host} (agent.front.port)")
+        self.ports["front"] = self.front_socket.getsockname()[1]
 
     def _start_engine(self, nursery: trio.Nursery) -> None:
         """Start supervising the engine (the preflight and the weights let it)."""

@@ -19,7 +19,7 @@ from agent.errors import EXIT_BAD_INPUT
 from agent.job.benchmark import BenchmarkStatus
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
-from agent.job.records import JobAgent, JobStatus
+from agent.job.records import FrontSummary, JobAgent, JobStatus
 from agent.job.vocab import LIVE_STATES
 from agent.problems import printable
 from submit.choice import backend_of
@@ -132,11 +132,23 @@ def benchmark_line(bench: BenchmarkStatus) -> str:
     return text
 
 
+def front_line(front: FrontSummary) -> str:
+    """``front requests: ok 10, retried_ok 2; retries: connect 3; in flight 1``."""
+    requests = ", ".join(f"{k} {v}" for k, v in sorted(front.requests.items())) or "none yet"
+    text = f"front requests: {requests}"
+    if front.retries:
+        text += "; retries: " + ", ".join(f"{k} {v}" for k, v in sorted(front.retries.items()))
+    return f"{text}; in flight {front.in_flight}"
+
+
 def render_table(status: JobStatus, stale: str | None) -> str:
     """The human view: a header and one row per agent and the router."""
     lines = [f"job: {status.state}{' (STALE: ' + stale + ')' if stale else ''}"]
     lines.append(f"model: {status.model}")
+    lines.append(f"front: {status.front_url or '-'}")
     lines.append(f"router: {status.router_url or '-'}")
+    if status.front is not None:
+        lines.append(front_line(status.front))
     if status.standins:
         lines.append(f"stand-ins: {', '.join(status.standins)} (--mock)")
     backend = backend_of(status)

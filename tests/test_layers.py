@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "agent.standins": 2,  # separate programs (the engines' stand-ins): facts and the toolkit only
     "agent.recipe": 2,
     "agent.launch": 2,
+    "agent.front": 2,  # the front door: the toolkit and the job's formats only (the head runs it)
     "agent.node": 3,
     "agent.benchmark": 3,  # the benchmark client's runner: the head's, and tilert-submit bench's
     "agent.http": 4,
@@ -43,6 +44,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "agent.job": ("agent.web",),
     "agent.recipe": ("agent.launch", "agent.standins"),
     "agent.launch": ("agent.recipe", "agent.standins"),
+    "agent.front": ("agent.recipe", "agent.launch", "agent.standins"),
     "agent.standins": ("agent.job", "agent.recipe", "agent.launch", "agent.problems"),
     "agent": ("submit",),
 }

@@ -7,11 +7,13 @@ the head): the node agent builds a ``HeadContext`` and the head reads only that.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
 
+from agent.front import FrontFigures
 from agent.http.longpoll import BarePoll, Fetch
 from agent.http.metrics import HeadFigures
 from agent.job.paths import JobDir
@@ -59,3 +61,6 @@ class HeadContext:
     # Makes the fetcher of one peer's /status long polls: a bare connection per peer
     # (agent.http.longpoll); tests pass one through a mock client.
     peer_fetch: Callable[[], Fetch] = BarePoll
+    # The front door's bound socket (agent.front.port) and its figures; None: no front door.
+    front_socket: socket.socket | None = None
+    front_figures: FrontFigures | None = None

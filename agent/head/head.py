@@ -45,6 +45,7 @@ from agent.head.decisions import (
     to_rejoin,
     waiting_for,
 )
+from agent.head.frontdoor import FrontDoor
 from agent.head.peers import Peers
 from agent.head.pool import TRIAL_RETRY_S, Membership, PoolFile
 from agent.head.router import Router
@@ -85,6 +86,8 @@ class Head:
             fetch=ctx.peer_fetch,
         )
         self.router = Router(ctx, self.peers.records)
+        # The job's one stable client address, in front of the router (agent.front).
+        self.front = FrontDoor(ctx, self.router, lambda: self.router_url)
         # Decodes the router no longer uses, with the failure that dropped each.
         self.dropped: dict[str, str] = {}
         # How often each decode was taken back once healthy again (bounded by agent.max_rejoins),
@@ -141,6 +144,7 @@ class Head:
         """Something changed: re-evaluate now."""
         self._changes += 1
         self._poke.set()
+        self.front.changed()
 
     def request_stop(self) -> None:
         """SIGTERM/SIGINT: drain and stop."""
@@ -209,6 +213,8 @@ class Head:
             state=self.state,
             model=self.plan.model,
             router_url=self.router_url,
+            front_url=self.front.url,
+            front=self.front.summary(),
             slurm_job_id=self.ctx.identity.slurm_job_id,
             local_pid=self.local_pid,
             local_started_at=self.local_started_at,
@@ -302,16 +308,18 @@ class Head:
         self.ctx.figures.canary_latency_s = await self._canaries(len(decodes))
         self.proven = marks
         self._set_state("degraded" if self.dropped else "ready", "canaries answered")
+        url = self.front.url or self.router.url
         self.log.info(
-            "READY: %s serving model %r at %s (%d decode node(s)); "
+            "READY: %s serving model %r at %s (front door; router %s, %d decode node(s)); "
             "try: curl -sN %s/v1/chat/completions "
             '-H \'Content-Type: application/json\' -d \'{"model": "%s", "stream": true, '
             '"messages": [{"role": "user", "content": "Hello"}]}\'',
             self.plan.name,
             self.plan.model,
+            url,
             self.router.url,
             len(decodes),
-            self.router.url,
+            url,
             self.plan.model,
         )
         return True
@@ -555,6 +563,7 @@ class Head:
         """The head's whole life; returns the agent's exit code."""
         code = EXIT_OK
         async with trio.open_nursery() as nursery:
+            await self.front.start(nursery)
             nursery.start_soon(self.peers.follow, self._on_records)
             nursery.start_soon(self.pool_file.watch, self.poke)
             nursery.start_soon(self.status_file.heartbeat)

@@ -16,6 +16,7 @@ from typing import Literal, get_args
 import msgspec
 
 from agent.job.benchmark import BenchmarkPlan
+from agent.job.frontpolicy import FrontPolicy
 from agent.job.preflightpolicy import PreflightPolicy
 from agent.job.vocab import PROCESSES, Process, Role
 
@@ -138,6 +139,8 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
     # agent.max_rejoins: how often a dropped decode healthy again is taken back (the head's).
     max_rejoins: int = DEFAULT_MAX_REJOINS
+    # agent.front: the front door's port, retries and bounds (omitted when all are the defaults).
+    front: FrontPolicy = msgspec.field(default_factory=FrontPolicy)
 
 
 class ConvertPlan(msgspec.Struct, kw_only=True):

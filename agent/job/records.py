@@ -160,6 +160,16 @@ class Gate(msgspec.Struct, kw_only=True):
     decision_s: float
 
 
+class FrontSummary(msgspec.Struct, kw_only=True):
+    """The front door's request counts since the head started (status.json ``front``)."""
+
+    # outcome (ok, retried_ok, failed, truncated, rejected, cancelled) -> requests
+    requests: dict[str, int] = {}
+    # reason (connect, status_502, busy, stream_error, ...) -> tries again
+    retries: dict[str, int] = {}
+    in_flight: int = 0
+
+
 class JobStatus(msgspec.Struct, kw_only=True):
     """``J/status.json``: the submitter writes ``pending``; the head agent every change and every 5
     s."""
@@ -167,6 +177,10 @@ class JobStatus(msgspec.Struct, kw_only=True):
     state: JobState
     model: str
     router_url: str | None = None
+    # The front door (the head agent's, agent.front.port): the job's one stable client address.
+    front_url: str | None = None
+    # What the front door has seen (absent before the head runs one).
+    front: FrontSummary | None = None
     # Both are acted on by `tilert-submit stop` (scancel ID, kill PID): a status.json with
     # anything else is refused when it is read (a pid of -1 would signal every process).
     slurm_job_id: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,20}$")] | None = None

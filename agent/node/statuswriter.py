@@ -71,7 +71,10 @@ class StatusWriter:
             if not hostport:
                 continue  # an agent that exited before it had an endpoint
             # No role/node/slurm_job_id here: the pages carry them (docs/design.md, Observability).
-            targets.append({"targets": [hostport], "labels": {"agent": name}})
+            labels = {"agent": name}
+            if "front" in record.ports:  # the head's: where the job's clients go (agent.front)
+                labels["front_url"] = f"http://{record.address}:{record.ports['front']}"
+            targets.append({"targets": [hostport], "labels": labels})
         data = msgspec.json.encode(targets) + b"\n"
         self.writes.write(
             str(self.job.targets), lambda: write_atomic(self.job.targets, data, mode=0o644)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from agent.facts import DECODE_PYTHON, PREFILL_PROGRAM, ROUTER_PYTHON
+from agent.job.frontpolicy import FrontPolicy
 from agent.job.logfiles import DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES
 from agent.job.plan import (
     DEFAULT_CONVERT_BUDGET_S,
@@ -291,6 +292,8 @@ class AgentSection(_Strict):
     pyxis_flags: list[str] = []
     # The node checks before the load and what each finding does (docs/preflight.md).
     preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
+    # The front door: the job's one stable OpenAI address, its retries (docs/agent.md).
+    front: FrontPolicy = msgspec.field(default_factory=FrontPolicy)
 
 
 class Recipe(_Strict):

@@ -39,14 +39,17 @@ class Request:
     async def body(self) -> bytes:
         """The whole request body (read once, cached)."""
         if self._body is None:
-            chunks = []
-            while True:
-                message = await self._receive()
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body"):
-                    break
-            self._body = b"".join(chunks)
+            self._body = b"".join([chunk async for chunk in self.stream()])
         return self._body
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The request body part by part as it arrives (read once; a caller that must bound
+        its size or its time reads it this way)."""
+        while True:
+            message = await self._receive()
+            yield message.get("body", b"")
+            if not message.get("more_body"):
+                break
 
     async def json(self) -> Any:
         """The body decoded as JSON; raises ``HTTPError(400)`` when it is not."""

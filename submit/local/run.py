@@ -224,7 +224,7 @@ class LocalRun:
             status.state = "stopped"
             reason = "stopped by tilert-submit" + (" (killed)" if self.forced else "")
         status = with_last_states(status, reason)
-        status.router_url = None
+        status.router_url = status.front_url = None
         status.updated_at = time.time()
         self._write(status)
 
@@ -330,7 +330,7 @@ class LocalRun:
             # cause (it may be any agent's progress line), the exit is. Say it at once.
             self.failure = f"{who} {how} before it could say why (log: {agent_log})"
             status.state, status.error = "failed", self.failure
-            status.router_url = None
+            status.router_url = status.front_url = None
             status.updated_at = time.time()
             for row in status.agents:
                 if row.name == self.lead:
@@ -343,9 +343,10 @@ class LocalRun:
         return 1 if code else 0
 
     def _say_ready(self, status: JobStatus, elapsed: float) -> None:
-        url = status.router_url
+        url = status.front_url or status.router_url
         _say(
-            f"READY after {elapsed:.1f}s: {status.state}, model {status.model!r} at {url}\n"
+            f"READY after {elapsed:.1f}s: {status.state}, model {status.model!r} at {url}"
+            f" (front door; router {status.router_url})\n"
             f"  try: curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{status.model}", "stream": true, '
             f'"messages": [{{"role": "user", "content": "Hello"}}]}}\'\n'

@@ -72,6 +72,7 @@ def isolated_sets(router_python: Path | None, *extra: str) -> tuple[list[str], i
         *([f"agent.router_python={router_python}"] if router_python else []),
         f"agent.router_port={port}",
         f"agent.ports={bases}",
+        f"agent.front.port={b + 80}",
         *extra,
     ]
     return [arg for s in sets for arg in ("--set", s)], port

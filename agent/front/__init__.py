@@ -1,0 +1,23 @@
+"""The front door: the job's one stable OpenAI-compatible address, served by the head agent in
+front of TileRT's router (docs/agent.md, "The front door").
+
+- ``app``: ``Front``, the ASGI app (``/v1/models``, ``/health``, chats and completions), served
+  with ``agent.web.asgi`` on hypercorn.
+- ``proxy``: the way to the router: its URL asked at every try, a wait while it is handed over,
+  tries again before the client's first byte; httpx's AsyncClient.
+- ``retry``: which failures are tried again, the pause, the budget (pure).
+- ``sse``: a proxied stream event by event; a cut stream marked with the ``stream_truncated``
+  error event (pure).
+- ``openai``: ``/v1/models``, what TileRT 0.1.6 cannot serve, OpenAI's error shape (pure).
+- ``figures``: the ``tilert_front_*`` series, in the registry the head agent hands over.
+
+May import: the standard library, trio, httpx, msgspec, prometheus_client, ``agent.web``,
+``agent.errors`` and ``agent.job`` (its settings, ``agent.job.frontpolicy``). Imported by
+``agent.head`` (which runs it) and ``agent.nodeagent`` (which builds its figures).
+"""
+
+from agent.front.app import Front
+from agent.front.figures import FrontFigures
+from agent.front.proxy import RouterNow
+
+__all__ = ["Front", "FrontFigures", "RouterNow"]

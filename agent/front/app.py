@@ -1,0 +1,237 @@
+"""The front door: the job's one OpenAI-compatible address, in front of the router.
+
+Served by the head agent from its start (before the router) on ``agent.front.port``, fixed for the
+job's life. ``GET /v1/models`` and the refusals of what TileRT 0.1.6 cannot serve are answered
+here; chats and completions go to the router through ``agent.front.proxy`` (tries, waits for a
+hand-over); a streamed reply is passed on event by event through ``agent.front.sse``. Before a
+router serves, and after the job ended, every request gets 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+
+from agent.front.figures import FrontFigures, Outcome
+from agent.front.openai import (
+    CHAT,
+    COMPLETIONS,
+    NO_ENGINE,
+    error_body,
+    models_body,
+    unsupported,
+    upstream_error,
+    wants_usage,
+)
+from agent.front.proxy import Proxy, Refused, RouterNow, StreamStart, Unavailable, make_client
+from agent.front.retry import RetryBudget
+from agent.job.frontpolicy import FrontPolicy
+from agent.web.asgi import App, Request, Response, StreamingResponse, json_response, serve
+
+RETRY_AFTER_S = 2
+SSE = "text/event-stream; charset=utf-8"
+
+log = logging.getLogger(__name__)
+
+
+class BodyError(Exception):
+    """A request body the front refuses before it reaches the router (413, 408, 400)."""
+
+    def __init__(self, status: int, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def _error(status: int, message: str, kind: str, **headers: str) -> Response:
+    response = json_response(error_body(message, kind, code=status), status)
+    response.headers.update(headers)
+    return response
+
+
+class Front:
+    """The front door of one job: its app, its client to the router, its figures."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        policy: FrontPolicy,
+        router: Callable[[], RouterNow],
+        figures: FrontFigures,
+        log: logging.Logger = log,
+    ) -> None:
+        self.model = model
+        self.policy = policy
+        self.figures = figures
+        self.log = log
+        self.created = int(time.time())
+        self.budget = RetryBudget(policy.retry.attempts, policy.retry.budget_s)
+        self.router = router
+        self.proxy: Proxy | None = None
+        self.app = self._build()
+
+    def changed(self) -> None:
+        """The head saw a change: requests waiting for the router look again."""
+        if self.proxy is not None:
+            self.proxy.changed()
+
+    def _build(self) -> App:
+        app = App()
+        app.route("GET", "/v1/models")(self._models)
+        app.route("GET", "/health")(self._health)
+        for path in (CHAT, COMPLETIONS):
+            app.route("POST", path)(self._generate)
+        for path in NO_ENGINE:
+            app.route("POST", path)(self._no_engine)
+        return app
+
+    async def run(
+        self, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve on ``sock`` until cancelled."""
+        async with make_client() as client:
+            self.proxy = Proxy(client, self.router, self.budget, self.figures.retried)
+            await serve(self.app, sock, task_status=task_status)
+
+    async def _models(self, _request: Request) -> Response:
+        return json_response(models_body(self.model, self.created))
+
+    async def _health(self, _request: Request) -> Response:
+        now = self.router()
+        if now.url is None or not now.serving:
+            why = now.why or "no router serves yet"
+            return _error(503, why, "unavailable", **{"retry-after": str(RETRY_AFTER_S)})
+        return json_response({"status": "ok", "router": now.url})
+
+    async def _no_engine(self, request: Request) -> Response:
+        self.figures.started()
+        self.figures.ended("rejected", 0.0)
+        return _error(404, NO_ENGINE[request.path], "unsupported")
+
+    async def _read_json(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+        """The request's body within ``agent.front.max_body_bytes`` and ``body_timeout_s``."""
+        limit = self.policy.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise BodyError(413, _too_big(limit), "request_too_large")
+        body = await _bounded_body(request, limit, self.policy.body_timeout_s)
+        try:
+            value = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            message = f"the request body is not JSON: {exc}"
+            raise BodyError(400, message, "invalid_request") from None
+        if not isinstance(value, dict):
+            raise BodyError(400, "the request body must be a JSON object", "invalid_request")
+        return body, value
+
+    async def _generate(self, request: Request) -> Response | StreamingResponse:
+        started = trio.current_time()
+        self.figures.started()
+        try:
+            response, outcome = await self._answer(request, started)
+        except BaseException:
+            self.figures.ended("cancelled", trio.current_time() - started)
+            raise
+        if outcome is not None:  # a stream ends its own count when it ends
+            self.figures.first_byte(trio.current_time() - started)
+            self.figures.ended(outcome, trio.current_time() - started)
+        return response
+
+    async def _answer(
+        self, request: Request, started: float
+    ) -> tuple[Response | StreamingResponse, Outcome | None]:
+        try:
+            body, value = await self._read_json(request)
+        except BodyError as exc:
+            return _error(exc.status, exc.message, exc.kind), "rejected"
+        why = unsupported(request.path, value)
+        if why is not None:
+            return _error(400, why, "unsupported"), "rejected"
+        stream = bool(value.get("stream"))
+        if self.proxy is None:  # not serving yet: run() makes it before the socket serves
+            return _error(503, "the front is starting", "unavailable"), "rejected"
+        try:
+            result = await self.proxy.send(
+                request.path, body, stream=stream, want_usage=wants_usage(value)
+            )
+        except Unavailable as exc:
+            retry = {"retry-after": str(RETRY_AFTER_S)}
+            return _error(503, str(exc), "unavailable", **retry), "rejected"
+        if isinstance(result, Refused):
+            return self._refused(result)
+        outcome: Outcome = "ok" if result.tries == 1 else "retried_ok"
+        if result.stream is None:
+            ctype = result.response.headers.get("content-type", "application/json")
+            return Response(result.body, 200, ctype), outcome
+        chunks = self._relay(result.response, result.stream, started, outcome)
+        return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}), None
+
+    def _refused(self, refused: Refused) -> tuple[Response, Outcome]:
+        """The router's last answer: its 4xx passed on (a 501 said as 400), a failure as 502/503."""
+        failure = refused.failure
+        status = failure.status
+        if status is not None and 400 <= status < 500 and failure.reason != "busy":
+            return json_response(upstream_error(status, refused.content), status), "rejected"
+        if status == 501:
+            body = upstream_error(400, refused.content)
+            body["error"]["type"] = "unsupported"
+            return json_response(body, 400), "rejected"
+        message = f"the router could not serve the request in {refused.tries} tries: "
+        answer = 503 if status in (None, 429, 503) else 502
+        body = error_body(message + failure.message[:500], "upstream_failed", code=answer)
+        response = json_response(body, answer)
+        response.headers["retry-after"] = str(RETRY_AFTER_S)
+        return response, "failed"
+
+    async def _relay(
+        self, response: httpx.Response, start: StreamStart, started: float, outcome: Outcome
+    ) -> AsyncIterator[bytes]:
+        """The stream passed on event by event; its outcome counted when it ends."""
+        watch, splitter, chunks = start.watch, start.splitter, start.chunks
+        ended: Outcome = "cancelled"
+        try:
+            self.figures.first_byte(trio.current_time() - started)
+            for event in start.first:
+                yield event
+            try:
+                async for data in chunks:
+                    for event in splitter.feed(data):
+                        for out in watch.push(event):
+                            yield out
+            except httpx.HTTPError as exc:
+                self.log.warning("front: the router's stream broke: %r", exc)
+            for out in watch.end():
+                yield out
+            ended = "truncated" if watch.truncated else outcome
+            if watch.truncated:
+                self.log.warning("front: a stream was cut: %s", watch.truncated)
+        finally:
+            with trio.CancelScope(shield=True):
+                await response.aclose()
+            self.figures.ended(ended, trio.current_time() - started)
+
+
+def _too_big(limit: int) -> str:
+    return f"the request body is larger than {limit} bytes (agent.front.max_body_bytes)"
+
+
+async def _bounded_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body read within ``limit`` bytes and ``timeout_s`` (a slow client gets 408)."""
+    parts: list[bytes] = []
+    size = 0
+    with trio.move_on_after(timeout_s) as scope:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise BodyError(413, _too_big(limit), "request_too_large")
+            parts.append(part)
+    if scope.cancelled_caught:
+        raise BodyError(408, f"the request body did not arrive within {timeout_s:g} s", "timeout")
+    return b"".join(parts)

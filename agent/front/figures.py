@@ -1,0 +1,87 @@
+"""The front door's request-level figures (``tilert_front_*``), in the head agent's registry.
+
+Outcomes: ``ok`` (served at the first try), ``retried_ok`` (served after a retry), ``failed``
+(the router could not serve it within the retry budget), ``truncated`` (a stream cut after its
+first byte: the client got the error event), ``rejected`` (a 4xx: the request itself, or no
+router yet), ``cancelled`` (the client went away first). docs/metrics.md lists the series.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Mapping
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+Outcome = Literal["ok", "retried_ok", "failed", "truncated", "rejected", "cancelled"]
+OUTCOMES: tuple[Outcome, ...] = ("ok", "retried_ok", "failed", "truncated", "rejected", "cancelled")
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class FrontFigures:
+    """Counters, histograms and the in-flight gauge; the tallies ``status`` shows."""
+
+    def __init__(self, registry: CollectorRegistry | None, base: Mapping[str, str]) -> None:
+        self.tally: Tally[str] = Tally()
+        self.retry_tally: Tally[str] = Tally()
+        self.in_flight = 0
+        names = list(base)
+        values = list(base.values())
+        self._requests = Counter(
+            "tilert_front_requests",
+            "Requests at the front door by outcome",
+            labelnames=[*names, "outcome"],
+            registry=registry,
+        )
+        self._retries = Counter(
+            "tilert_front_retries",
+            "Tries again of requests that failed before their first byte, by reason",
+            labelnames=[*names, "reason"],
+            registry=registry,
+        )
+        self._ttfb = Histogram(
+            "tilert_front_ttfb_seconds",
+            "Request arrival to the first byte of the reply sent",
+            labelnames=names,
+            buckets=BUCKETS,
+            registry=registry,
+        ).labels(*values)
+        self._latency = Histogram(
+            "tilert_front_latency_seconds",
+            "Request arrival to the reply's last byte sent",
+            labelnames=names,
+            buckets=BUCKETS,
+            registry=registry,
+        ).labels(*values)
+        self._in_flight = Gauge(
+            "tilert_front_in_flight",
+            "Requests at the front door not answered yet",
+            labelnames=names,
+            registry=registry,
+        ).labels(*values)
+        self._values = values
+        for outcome in OUTCOMES:  # every outcome's series from the start: rates need no gap
+            self._requests.labels(*values, outcome)
+
+    def started(self) -> None:
+        """A request arrived."""
+        self.in_flight += 1
+        self._in_flight.inc()
+
+    def ended(self, outcome: Outcome, latency_s: float) -> None:
+        """A request ended with ``outcome`` after ``latency_s``."""
+        self.in_flight -= 1
+        self._in_flight.dec()
+        self.tally[outcome] += 1
+        self._requests.labels(*self._values, outcome).inc()
+        self._latency.observe(latency_s)
+
+    def first_byte(self, ttfb_s: float) -> None:
+        """The reply's first byte is about to be sent."""
+        self._ttfb.observe(ttfb_s)
+
+    def retried(self, reason: str) -> None:
+        """A request is tried again after ``reason``."""
+        self.retry_tally[reason] += 1
+        self._retries.labels(*self._values, reason).inc()

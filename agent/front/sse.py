@@ -1,0 +1,182 @@
+"""A proxied OpenAI stream, event by event: what to pass on, and how it ended.
+
+Each server-sent event is passed on as soon as its blank line arrives, except the one chunk that
+carries a ``finish_reason``: it is held until the next event says whether the stream really ended
+(a usage chunk or ``[DONE]``: passed on) or was cut. TileRT 0.1.6's router ends a stream whose
+decode died with a normal ``stop`` chunk, then ``data: {"error": ...}``, then ``[DONE]``; a
+decode's untyped error becomes the text ``\\n[decode error: ...]`` before that ``stop``. The
+front turns both, and a stream that ends without ``[DONE]`` or without a finish reason, into the
+contract's ``stream_truncated`` error event, so no cut reads as an answer (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+DONE = b"data: [DONE]\n\n"
+# The text TileRT's router puts in the reply when the decode sent an untyped error.
+DECODE_ERROR_TEXT = "\n[decode error: "
+MAX_EVENT_BYTES = 1 << 20  # one event larger than this is passed on as it is, unparsed
+
+
+class EventSplitter:
+    """Bytes as they arrive -> whole events (each with its blank line), the rest kept."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The whole events ``data`` completes."""
+        buf = self._rest + data.replace(b"\r\n", b"\n")
+        events = []
+        while True:
+            end = buf.find(b"\n\n")
+            if end < 0:
+                break
+            events.append(buf[: end + 2])
+            buf = buf[end + 2 :]
+        if len(buf) > MAX_EVENT_BYTES:
+            events.append(buf)
+            buf = b""
+        self._rest = buf
+        return events
+
+    def rest(self) -> bytes:
+        """What arrived after the last whole event (a stream cut mid-event)."""
+        return self._rest
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The ``data:`` payload of one event (its data lines joined); None without one."""
+    lines = [
+        line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+    ]
+    return b"\n".join(lines) if lines else None
+
+
+def error_event(message: str, kind: str, **extra: Any) -> bytes:
+    """An SSE error event in OpenAI's error shape."""
+    body = {"error": {"message": message, "type": kind, **extra}}
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def _decoded(data: bytes) -> dict[str, Any] | None:
+    try:
+        value = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _finish_reason(chunk: dict[str, Any]) -> str | None:
+    for choice in chunk.get("choices") or []:
+        if isinstance(choice, dict) and choice.get("finish_reason"):
+            return str(choice["finish_reason"])
+    return None
+
+
+def _content(chunk: dict[str, Any]) -> str:
+    text = ""
+    for choice in chunk.get("choices") or []:
+        if isinstance(choice, dict):
+            text += ((choice.get("delta") or {}).get("content")) or ""
+            text += choice.get("text") or ""
+    return text
+
+
+@dataclass
+class StreamWatch:
+    """One proxied stream's state: what it passed on and how it ended."""
+
+    want_usage: bool = False
+    held: bytes | None = None  # the finish chunk, until the next event
+    finish: str | None = None
+    done: bool = False
+    truncated: str | None = None  # why the stream is a cut, once it is one
+    usage_seen: bool = False
+    chunks: int = 0  # content-bearing chunks passed on (the completion tokens when counted)
+    model: str = ""
+    chunk_id: str = ""
+    created: int = 0
+    upstream_error: dict[str, Any] | None = field(default=None)
+
+    def push(self, event: bytes) -> list[bytes]:
+        """One event from the router -> what the client gets now."""
+        if self.done or self.truncated:
+            return []  # after [DONE] or the cut's own events: nothing more
+        data = event_data(event)
+        if data is None:
+            return [event]  # a comment or keep-alive
+        if data.strip() == b"[DONE]":
+            return self._end()
+        chunk = _decoded(data)
+        if chunk is None:
+            return [event]
+        if "error" in chunk:
+            error = chunk["error"]
+            self.upstream_error = error if isinstance(error, dict) else {"error": error}
+            return self._cut("the router sent an error mid-stream")
+        if _content(chunk).startswith(DECODE_ERROR_TEXT):
+            self.upstream_error = {"error": _content(chunk).strip()}
+            return self._cut("the decode sent an error mid-stream")
+        self.chunk_id = chunk.get("id") or self.chunk_id
+        self.model = chunk.get("model") or self.model
+        self.created = chunk.get("created") or self.created
+        out = self._release()
+        if "usage" in chunk and not chunk.get("choices"):
+            self.usage_seen = True
+        if _content(chunk):
+            self.chunks += 1
+        reason = _finish_reason(chunk)
+        if reason is not None:
+            self.finish = reason
+            self.held = event
+            return out
+        return [*out, event]
+
+    def end(self) -> list[bytes]:
+        """The router's stream ended (cleanly or not) -> the client's last events."""
+        if self.done or self.truncated:
+            return []
+        if self.finish is None:
+            return self._cut("the stream ended without a finish reason")
+        return self._cut("the stream ended without [DONE]")
+
+    def _release(self) -> list[bytes]:
+        held, self.held = self.held, None
+        return [held] if held is not None else []
+
+    def _end(self) -> list[bytes]:
+        if self.finish is None:
+            return self._cut("the stream ended without a finish reason")
+        self.done = True
+        out = self._release()
+        if self.want_usage and not self.usage_seen:
+            out.append(self._usage())
+        return [*out, DONE]
+
+    def _usage(self) -> bytes:
+        """A usage chunk the router did not send: completion tokens counted from the chunks."""
+        usage = {"prompt_tokens": None, "completion_tokens": self.chunks, "total_tokens": None}
+        body = {
+            "id": self.chunk_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        }
+        return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+    def _cut(self, why: str) -> list[bytes]:
+        """The stream is a cut: the held ``stop`` is dropped, the error event and [DONE] sent."""
+        self.truncated = why
+        self.held = None
+        extra: dict[str, Any] = {"code": 502, "chunks": self.chunks}
+        if self.upstream_error is not None:
+            extra["upstream"] = self.upstream_error
+        message = f"the reply was cut after {self.chunks} chunk(s): {why}"
+        return [error_event(message, "stream_truncated", **extra), DONE]

@@ -1,0 +1,36 @@
+"""The front door's settings (recipe ``agent.front``, carried in the plan as is).
+
+The front door is the job's one stable OpenAI-compatible address, served by the head agent in front
+of the router (docs/agent.md, "The front door"). These are its port and how much it may spend
+saving a request that failed before its first byte reached the client.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+DEFAULT_FRONT_PORT = 8080
+MiB = 1 << 20
+
+
+class FrontRetry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """``agent.front.retry``: a request failed before its first byte is tried again within both."""
+
+    # Tries in all (1: never retried). Waiting for a router being handed over is not a try.
+    attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 5
+    # Seconds from the request's arrival: it must cover a router hand-over (its own start).
+    budget_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+
+
+class FrontPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """``agent.front``: the front door's port, retries and bounds."""
+
+    # Where the head starts probing for a free port at its start; fixed for the job's life then.
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = DEFAULT_FRONT_PORT
+    retry: FrontRetry = msgspec.field(default_factory=FrontRetry)
+    # A request body larger than this is refused with 413.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 * MiB
+    # A client that has not sent its whole body within this is answered 408.
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
