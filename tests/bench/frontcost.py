@@ -11,6 +11,7 @@ the stand-in decode streaming without delay), the same requests sent in turn to 
 
 from __future__ import annotations
 
+import random
 import statistics
 import tempfile
 import time
@@ -25,6 +26,15 @@ from tests.kit import FAST, LocalJob, isolated_sets
 from tests.kit.jobdir import read_status
 
 LONG_TOKENS = 3000
+BOOTSTRAP = 2000
+
+
+def median_ci(values: list[float], seed: int = 28) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (the pairs' noise, said beside the
+    figure: the router's own time varies by tens of ms on a shared 2-core machine)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP))
+    return meds[int(0.025 * BOOTSTRAP)], meds[int(0.975 * BOOTSTRAP) - 1]
 
 
 def _chat(client: httpx.Client, url: str, model: str, max_tokens: int, long: bool) -> int:
@@ -46,7 +56,9 @@ def _chat(client: httpx.Client, url: str, model: str, max_tokens: int, long: boo
     return size
 
 
-def _timed(client: httpx.Client, url: str, model: str, max_tokens: int, long: bool) -> tuple[float, int]:
+def _timed(
+    client: httpx.Client, url: str, model: str, max_tokens: int, long: bool
+) -> tuple[float, int]:
     start = time.perf_counter()
     size = _chat(client, url, model, max_tokens, long)
     return time.perf_counter() - start, size
@@ -85,7 +97,7 @@ def measure(names: set[str], *, quick: bool) -> list[Figure]:
     """The front's cost figures among ``names``, from one job."""
     python = router_python()
     which = "TileRT's router" if python else "the router stand-in (no router venv)"
-    short_pairs, long_pairs = (40, 4) if quick else (200, 12)
+    short_pairs, long_pairs = (60, 4) if quick else (400, 12)
     figures = []
     with tempfile.TemporaryDirectory(prefix="tilert-bench-front-") as tmp:
         args, _ = isolated_sets(python, *FAST, "agent.probe.timeout_s=5")
@@ -98,8 +110,10 @@ def measure(names: set[str], *, quick: bool) -> list[Figure]:
             if "front_added_ms_p50" in names:
                 through, direct = _pairs(front, router, model, short_pairs, 64, long=False)
                 added = [(f[0] - d[0]) * 1000 for f, d in zip(through, direct, strict=True)]
+                low, high = median_ci(added)
                 note = (
                     f"{which}; {short_pairs} pairs of the stand-in's whole answer streamed; "
+                    f"95% interval of the p50 {low:.2f} .. {high:.2f} ms; "
                     f"front p50 {statistics.median(t for t, _ in through) * 1000:.2f} ms"
                 )
                 figures.append(
@@ -113,7 +127,10 @@ def measure(names: set[str], *, quick: bool) -> list[Figure]:
                 )
             if "front_stream_ratio" in names:
                 through, direct = _pairs(front, router, model, long_pairs, LONG_TOKENS, long=True)
-                ratios = [(fs / ft) / (ds / dt) for (ft, fs), (dt, ds) in zip(through, direct)]
+                ratios = [
+                    (fs / ft) / (ds / dt)
+                    for (ft, fs), (dt, ds) in zip(through, direct, strict=True)
+                ]
                 mb_s = [s / t / 1e6 for t, s in direct]
                 note = (
                     f"{which}; {long_pairs} pairs of {LONG_TOKENS}-token streams "
