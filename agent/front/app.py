@@ -195,7 +195,7 @@ class Front:
     ) -> AsyncIterator[bytes]:
         """The stream passed on event by event; its outcome counted when it ends."""
         watch, splitter, chunks = start.watch, start.splitter, start.chunks
-        ended: Outcome = "cancelled"
+        finished = False
         try:
             self.figures.first_byte(trio.current_time() - started)
             for event in start.first:
@@ -209,13 +209,17 @@ class Front:
                 self.log.warning("front: the router's stream broke: %r", exc)
             for out in watch.end():
                 yield out
-            ended = "truncated" if watch.truncated else outcome
+            finished = True
             if watch.truncated:
                 self.log.warning("front: a stream was cut: %s", watch.truncated)
         finally:
             with trio.CancelScope(shield=True):
                 await response.aclose()
-            self.figures.ended(ended, trio.current_time() - started)
+            # A cut counts as truncated even when the client left on its error event.
+            ended: Outcome = "truncated" if watch.truncated else outcome
+            self.figures.ended(
+                ended if finished or watch.truncated else "cancelled", trio.current_time() - started
+            )
 
 
 def _too_big(limit: int) -> str:
@@ -233,5 +237,9 @@ async def _bounded_body(request: Request, limit: int, timeout_s: float) -> bytes
                 raise BodyError(413, _too_big(limit), "request_too_large")
             parts.append(part)
     if scope.cancelled_caught:
-        raise BodyError(408, f"the request body did not arrive within {timeout_s:g} s", "timeout")
+        raise BodyError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s (agent.front.body_timeout_s)",
+            "timeout",
+        )
     return b"".join(parts)

@@ -22,12 +22,17 @@ from agent.front.retry import (
     Failure,
     RetryBudget,
     connect_failure,
+    stale_failure,
     status_failure,
     stream_failure,
 )
 from agent.front.sse import EventSplitter, StreamWatch
 
 WAIT_POLL_S = 0.5  # a safety net: the head's changes wake waiting requests before this
+# A stream with no first event this long after an engine restarted and the pool is whole again
+# is given up and tried again: its request was lost with the engine (the router would wait for
+# KV that never comes, 120 s).
+STALE_AFTER_RESTART_S = 5.0
 MAX_REPLY_BYTES = 64 << 20  # a non-streamed reply, or a refusal's body, read at most this far
 CONNECT_TIMEOUT_S = 5.0
 # A stream may wait this long for its next event (TileRT's own bound: TILERT_PD_HTTP_TIMEOUT_S).
@@ -42,6 +47,10 @@ class RouterNow:
     url: str | None
     serving: bool
     why: str = ""
+    # Why the router's pool is not whole now (the prefill or a decode in its list restarting),
+    # or None; and the engines' restart counts (a change: an engine restarted).
+    settling: str | None = None
+    marks: tuple[tuple[str, int], ...] = ()
 
 
 class Unavailable(Exception):
@@ -138,30 +147,66 @@ class Proxy:
                 return Refused(result, tries, content)
             self.on_retry(result.reason)
             await trio.sleep(delay)
+            await self.settle(deadline)
+
+    async def settle(self, deadline: float) -> None:
+        """After a failed try: wait (up to ``deadline``) while the router's pool is not whole:
+        TileRT's router hands a request to the first free decode, dead or not, so a try before
+        the restarting engine is back would fail the same way."""
+        while self.router().settling is not None:
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                return
+            with trio.move_on_after(min(remaining, WAIT_POLL_S)):
+                await self._wake.wait()
 
     async def _try(
         self, url: str, body: bytes, stream: bool, tries: int, want_usage: bool
     ) -> Opened | Failure:
         headers = {"content-type": "application/json", "accept": "*/*"}
         request = self.client.build_request("POST", url, content=body, headers=headers)
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx.TransportError as exc:
-            return connect_failure(f"the router at {url} did not answer: {exc!r}")
-        try:
-            if response.status_code != 200:
-                content = await _read_bounded(response)
-                return status_failure(response.status_code, content.decode(errors="replace"))
-            if not stream:
-                return Opened(response, tries, body=await _read_bounded(response))
-            opened = await _first_events(response, tries, StreamWatch(want_usage=want_usage))
-        except httpx.TransportError as exc:
-            await response.aclose()
-            return connect_failure(f"the router at {url} dropped the reply: {exc!r}")
-        if isinstance(opened, Failure):
-            await response.aclose()
-            return opened
-        return opened
+        response: httpx.Response | None = None
+        result: Opened | Failure = stale_failure("an engine restarted and the stream had not begun")
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                if stream:
+                    nursery.start_soon(self._give_up_if_lost, scope, self.router().marks)
+                try:
+                    response = await self.client.send(request, stream=True)
+                    result = await _answer(response, tries, stream, want_usage)
+                except httpx.TransportError as exc:
+                    result = connect_failure(f"the router at {url} failed to answer: {exc!r}")
+                nursery.cancel_scope.cancel()
+        if scope.cancelled_caught:
+            result = stale_failure("an engine restarted and the stream had not begun")
+        if isinstance(result, Failure) and response is not None:
+            with trio.CancelScope(shield=True):
+                await response.aclose()
+        return result
+
+    async def _give_up_if_lost(self, scope: trio.CancelScope, marks: object) -> None:
+        """Cancel ``scope`` once an engine restarted since ``marks``, the pool is whole again
+        and ``STALE_AFTER_RESTART_S`` passed: the try's request may have died with the engine."""
+        while True:
+            now = self.router()
+            if now.marks != marks and now.settling is None:
+                await trio.sleep(STALE_AFTER_RESTART_S)
+                scope.cancel()
+                return
+            with trio.move_on_after(WAIT_POLL_S):
+                await self._wake.wait()
+
+
+async def _answer(
+    response: httpx.Response, tries: int, stream: bool, want_usage: bool
+) -> Opened | Failure:
+    """The router's answer: a failure (its status), a whole body, or a stream begun."""
+    if response.status_code != 200:
+        content = await _read_bounded(response)
+        return status_failure(response.status_code, content.decode(errors="replace"))
+    if not stream:
+        return Opened(response, tries, body=await _read_bounded(response))
+    return await _first_events(response, tries, StreamWatch(want_usage=want_usage))
 
 
 async def _read_bounded(response: httpx.Response) -> bytes:

@@ -45,17 +45,16 @@ def stream_failure(message: str) -> Failure:
     return Failure(502, "stream_error", message)
 
 
+def stale_failure(message: str) -> Failure:
+    """A stream given up before its first event: an engine restarted meanwhile."""
+    return Failure(None, "engine_restarted", message)
+
+
 def retriable(failure: Failure) -> bool:
     """Whether trying again can help."""
-    return (
-        failure.status is None
-        or failure.status in RETRIED_STATUS
-        or failure.reason
-        in (
-            "busy",
-            "stream_error",
-        )
-    )
+    if failure.status is None or failure.status in RETRIED_STATUS:
+        return True
+    return failure.reason in ("busy", "stream_error")
 
 
 def backoff_s(failure: Failure, tries: int) -> float:

@@ -21,10 +21,18 @@ from agent.job.records import FrontSummary
 class FrontDoor:
     """The job's front door, run by the head in its nursery."""
 
-    def __init__(self, ctx: HeadContext, router: Router, router_url: Callable[[], str | None]):
+    def __init__(
+        self,
+        ctx: HeadContext,
+        router: Router,
+        router_url: Callable[[], str | None],
+        pool: Callable[[], tuple[str | None, tuple[tuple[str, int], ...]]],
+    ) -> None:
         self.ctx = ctx
         self.router = router
         self.router_url = router_url
+        # Why the router's pool is not whole (or None), and every engine's restart count.
+        self.pool = pool
         self.front: Front | None = None
         self.url: str | None = None
         sock, figures = ctx.front_socket, ctx.front_figures
@@ -45,7 +53,8 @@ class FrontDoor:
         if url is None or sup is None:
             return RouterNow(None, False, "no router serves this job yet (or any more)")
         why = f"the router is {sup.state}: {sup.reason}"
-        return RouterNow(url, sup.state == "healthy", why)
+        settling, marks = self.pool()
+        return RouterNow(url, sup.state == "healthy", why, settling, marks)
 
     def summary(self) -> FrontSummary | None:
         """The request counts status.json shows; None without a front door."""

@@ -87,7 +87,7 @@ class Head:
         )
         self.router = Router(ctx, self.peers.records)
         # The job's one stable client address, in front of the router (agent.front).
-        self.front = FrontDoor(ctx, self.router, lambda: self.router_url)
+        self.front = FrontDoor(ctx, self.router, lambda: self.router_url, self._pool_now)
         # Decodes the router no longer uses, with the failure that dropped each.
         self.dropped: dict[str, str] = {}
         # How often each decode was taken back once healthy again (bounded by agent.max_rejoins),
@@ -202,6 +202,17 @@ class Head:
             else:
                 row.pool, row.pool_since = "member", pool.member_since.get(name, self.started_at)
         return row
+
+    def _pool_now(self) -> tuple[str | None, tuple[tuple[str, int], ...]]:
+        """For the front door: why the router's pool is not whole now (the head's engine or a
+        decode in the router's list not healthy), or None; and every restart mark."""
+        view = self._view()
+        down = [
+            f"{name} is {view.agents[name].state}"
+            for name in (HEAD_NAME, *self.router.decodes)
+            if name in view.agents and view.agents[name].state != "healthy"
+        ]
+        return "; ".join(down) or None, tuple(sorted(restart_marks(view).items()))
 
     def _healthy_at(self, name: str) -> float | None:
         status = self.ctx.own_status() if name == HEAD_NAME else self.peers.by_name[name].status

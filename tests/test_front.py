@@ -1,0 +1,256 @@
+"""The front door (agent/front/) of a local mock job with the REAL TileRT router: one stable
+address that loses no request (docs/agent.md, "The front door"; docs/reliability.md).
+
+The decodes are stand-ins with slow tokens (a chat streams for about 3 s), so an engine killed
+under load is killed mid-stream. Clients here are unchanged OpenAI clients: they retry nothing
+(``ChatLoad`` would retry a refused connection or a 429, and counts both: none may happen).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests import kit
+from tests.kit import FAST
+from tests.kit.chatload import ChatLoad, stream_chat
+from tests.kit.metrics import one, samples
+from tests.test_scale import PROBE, scale
+
+pytestmark = pytest.mark.router
+
+READY_S = 120.0
+TOKEN_DELAY = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.05"
+SMALL_BODY = "agent.front.max_body_bytes=65536"
+SHORT_BODY_WAIT = "agent.front.body_timeout_s=2"
+MODEL = "demo-model"  # recipes/local-demo.yaml's served name
+CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def job(router_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[kit.LocalJob]:
+    """One ready job for the module's tests (none of them changes its pool)."""
+    sets, _ = kit.isolated_sets(
+        router_python, *FAST, TOKEN_DELAY, PROBE, SMALL_BODY, SHORT_BODY_WAIT
+    )
+    with kit.LocalJob(tmp_path_factory.mktemp("front") / "job", sets) as running:
+        running.wait_state("ready", timeout=READY_S)
+        yield running
+
+
+def front(job: kit.LocalJob) -> str:
+    """The job's front door URL (status.json ``front_url``)."""
+    url = job.status()["front_url"]
+    assert isinstance(url, str)
+    return url
+
+
+def front_figures(job: kit.LocalJob) -> dict[str, float]:
+    """The head's tilert_front_requests_total by outcome, and tilert_front_in_flight."""
+    url = kit.agent_entry(job.status(), "prefill-0")["metrics_url"]
+    page = samples(httpx.get(url, timeout=5).text)
+    out = {s.labels["outcome"]: s.value for s in page if s.name == "tilert_front_requests_total"}
+    out["in_flight"] = one(page, "tilert_front_in_flight").value
+    return out
+
+
+def engine_pid(job: kit.LocalJob, name: str) -> int:
+    """The pid of agent ``name``'s engine."""
+    pid = kit.agent_status(kit.agent_entry(job.status(), name)["status_url"])["pid"]
+    assert isinstance(pid, int)
+    return pid
+
+
+def busy_decode(job: kit.LocalJob) -> str:
+    """The decode serving a request now (its /decode_status)."""
+
+    def busy() -> str | None:
+        for name in ("decode-0", "decode-1"):
+            http = kit.record(job.job, name)["ports"]["http"]
+            with_status = httpx.get(f"http://127.0.0.1:{http}/decode_status", timeout=5)
+            if with_status.json().get("status") == "busy":
+                return name
+        return None
+
+    name = kit.wait_for("a busy decode", busy, 30)
+    assert name is not None
+    return name
+
+
+def events(lines: Iterator[str]) -> list[dict[str, Any] | str]:
+    """Every SSE data payload of a streamed reply's lines (``[DONE]`` as the string)."""
+    out: list[dict[str, Any] | str] = []
+    for line in lines:
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_the_front_is_published_and_serves_models_and_usage(job: kit.LocalJob) -> None:
+    """front_url in status.json, the head's record (ports.front), targets.json and ``status``;
+    /v1/models answers the served name; a stream asked for usage ends with a usage chunk."""
+    status = job.status()
+    url = front(job)
+    port = kit.record(job.job, "prefill-0")["ports"]["front"]
+    assert url == f"http://127.0.0.1:{port}"
+    assert url != status["router_url"]
+    targets = json.loads((job.job / "prometheus" / "targets.json").read_text())
+    assert {"agent": "prefill-0", "front_url": url} in [t["labels"] for t in targets]
+    assert f"front: {url}" in kit.submit_cmd("status", str(job.job)).stdout
+    models = httpx.get(f"{url}/v1/models", timeout=10).json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [status["model"]]
+    body = {**CHAT, "model": status["model"], "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        got = events(r.iter_lines())
+    assert got[-1] == "[DONE]"
+    usage = got[-2]
+    assert isinstance(usage, dict)
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] > 0
+    whole = httpx.post(
+        f"{url}/v1/chat/completions", json={**CHAT, "model": status["model"]}, timeout=60
+    )
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0]["message"]["content"]
+    # status.json's counts are as fresh as its last write (on a change, and every 5 s).
+    kit.wait_status(
+        job.job, lambda s: s["front"]["requests"].get("ok", 0) >= 2, "the front's counts", 15
+    )
+    view = json.loads(kit.submit_cmd("status", str(job.job), "--json").stdout)
+    assert view["status"]["front_url"] == url
+    assert view["status"]["front"]["requests"]["ok"] >= 2
+    assert "front requests: ok " in kit.submit_cmd("status", str(job.job)).stdout
+
+
+def test_bad_input_gets_a_clear_4xx(job: kit.LocalJob) -> None:
+    """A huge body 413 (declared or chunked), malformed JSON 400, what TileRT cannot serve 400,
+    an endpoint it has no engine for 404: each in OpenAI's error shape, none reaching the
+    router."""
+    url = front(job)
+    chat = f"{url}/v1/chat/completions"
+    huge = b'{"x": "' + b"a" * 70000 + b'"}'
+    cases = [
+        (httpx.post(chat, content=huge, timeout=10), 413, "agent.front.max_body_bytes"),
+        (httpx.post(chat, content=iter([huge[:40000], huge[40000:]]), timeout=10), 413, "larger"),
+        (httpx.post(chat, content=b"{bad", timeout=10), 400, "not JSON"),
+        (httpx.post(chat, content=b"[1]", timeout=10), 400, "JSON object"),
+        (httpx.post(chat, json={**CHAT, "n": 2}, timeout=10), 400, "n=2"),
+        (httpx.post(f"{url}/v1/embeddings", json={}, timeout=10), 404, "embeddings"),
+    ]
+    for response, status, word in cases:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert word in error["message"], error
+        assert error["type"]
+
+
+def test_a_slow_client_and_a_client_gone_mid_stream_block_nothing(job: kit.LocalJob) -> None:
+    """A client that never sends its body gets 408 after agent.front.body_timeout_s while other
+    chats pass; a client that hangs up mid-stream frees its decode (the router cancels it)."""
+    url = front(job)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as slow:
+        slow.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        assert kit.chat_concurrently(url, MODEL, 2)  # served while the slow one waits
+        reply = slow.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert b"did not arrive within 2 s (agent.front.body_timeout_s)" in reply
+    body = {**CHAT, "model": MODEL, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data:")
+    # Hung up: both decodes free again, nothing in flight at the front.
+    kit.wait_for("the front and the decodes idle", lambda: front_figures(job)["in_flight"] == 0, 30)
+    assert len(kit.chat_concurrently(url, MODEL, 2)) == 2
+    assert front_figures(job)["cancelled"] >= 1
+
+
+def test_a_stream_cut_by_a_dead_decode_is_marked_truncated(job: kit.LocalJob) -> None:
+    """SIGKILL the decode serving a stream: the client's stream ends with the stream_truncated
+    error event and [DONE], never a ``stop`` chunk; the front counts it truncated."""
+    url = front(job)
+    before = front_figures(job)["truncated"]
+    body = {**CHAT, "model": MODEL, "stream": True}
+    got: list[dict[str, Any] | str] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if '"content"' in line:
+                break
+        psutil.Process(engine_pid(job, busy_decode(job))).kill()
+        got = events(lines)
+    assert got[-1] == "[DONE]"
+    error = got[-2]
+    assert isinstance(error, dict)
+    assert error["error"]["type"] == "stream_truncated", error
+    finishes = [
+        c.get("finish_reason") for e in got if isinstance(e, dict) for c in e.get("choices") or []
+    ]
+    assert not any(finishes), got
+    assert front_figures(job)["truncated"] == before + 1
+    kit.wait_state(job.job, "ready", READY_S)
+
+
+def test_killed_decode_engines_under_load_lose_nothing(job: kit.LocalJob) -> None:
+    """Three clients chatting while decode engines are SIGKILLed four times: nothing refused,
+    nothing busy, no 5xx; only chats streaming on a killed decode fail, each with the visible
+    stream_truncated error."""
+    url = front(job)
+    before = front_figures(job)
+    load = ChatLoad(url, MODEL, clients=3).start()
+
+    def served_at_least(count: int) -> None:
+        kit.wait_for(f"{count} chats served", lambda: load.served >= count, 120)
+
+    for kill in range(4):
+        served_at_least(2 * (kill + 1))
+        psutil.Process(engine_pid(job, f"decode-{kill % 2}")).kill()
+    served_at_least(12)
+    load.finish()
+    after = front_figures(job)
+    print(f"\nserved {load.served}, failures {load.failures}, front {before} -> {after}")
+    assert not load.refused_at
+    assert load.busy == 0
+    assert len(load.failures) <= 4, load.failures
+    for failure in load.failures:
+        assert "stream_truncated" in failure, failure
+    assert after["failed"] == before["failed"]
+    assert after["retried_ok"] > before["retried_ok"]
+
+
+def test_a_hand_over_under_load_refuses_nothing(router_python: Path, tmp_path: Path) -> None:
+    """``scale --decode 3`` then ``--decode 1`` (two router hand-overs each) while a client
+    chats through the front: not one chat refused or failed; the front's address unchanged."""
+    sets, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, PROBE)
+    with kit.LocalJob(tmp_path / "job", sets) as job:
+        status = job.wait_state("ready", timeout=READY_S)
+        url = status["front_url"]
+        load = ChatLoad(url, status["model"], clients=2).start()
+        for count in ("3", "1"):
+            done = scale(job.job, "--decode", count)
+            assert done.returncode == 0, done.stdout + done.stderr
+        served = load.served
+        kit.wait_for("chats after the hand-overs", lambda: load.served >= served + 2, 60)
+        load.finish()
+        assert job.status()["front_url"] == url
+        head_log = (job.job / "logs" / "prefill-0" / "agent.log").read_text()
+        assert head_log.count("restarting the router") >= 2
+        print(f"\nserved {load.served} through 2 hand-overs; failures {load.failures}")
+        assert not load.failures
+        assert not load.refused_at
+        assert load.busy == 0
+        assert stream_chat(url, status["model"])["finish"]
