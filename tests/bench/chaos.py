@@ -72,6 +72,8 @@ def job_sets(
         f"roles.decode.nodes={decodes}",
         f"roles.decode.workers={decodes}",
         f"roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S={token_delay_s:g}",
+        # The schedule kills the same decode agent round after round: each must rejoin.
+        "agent.max_rejoins=1000",
         *extra,
     )
     return args
