@@ -90,6 +90,7 @@ def test_a_decode_kill_may_truncate_only_what_was_in_flight_and_visibly() -> Non
     assert (base.requests, base.misses) == (1, [])
     assert (cost.requests, cost.ok, cost.truncated, cost.lost, cost.in_flight) == (2, 1, 1, 0, 1)
     assert (cost.client_retries, cost.ready_s, cost.misses) == (2, 2, [])
+    assert cost.slowest_s == pytest.approx(2.8)  # the retried one
     # One that started after the kill and was truncated is a miss; so is a silent cut.
     late = [*requests, Request(11, 11.5, "truncated", 11.1), Request(11, 12, "cut", 11.1)]
     cost = account(late, struck, bound_s=60)[1]

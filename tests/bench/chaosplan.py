@@ -149,6 +149,9 @@ class Cost:
     client_retries: int = 0
     front_retries: float | None = None
     ready_s: float | None = None
+    # The longest any request of the fault took (start -> end): what waiting for a router being
+    # handed over, or for a decode back, cost the clients.
+    slowest_s: float | None = None
     misses: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -201,6 +204,7 @@ def account(requests: Sequence[Request], struck: Sequence[Struck], bound_s: floa
             cost.client_retries += r.client_retries
             if r.outcome != "ok" and r.error and r.error not in cost.errors:
                 cost.errors.append(r.error)
+        cost.slowest_s = max((r.end - r.start for r in group), default=None)
         flying = [r for r in group if s is not None and r.start < s.at]
         cost.in_flight = len(flying)
         truncated_in_flight = sum(r.outcome == "truncated" for r in flying)
@@ -231,6 +235,7 @@ def render(costs: Sequence[Cost]) -> str:
         "client retries",
         "front retries",
         "back to ready s",
+        "slowest s",
         "met",
     ]
     rows = [header]
@@ -246,6 +251,7 @@ def render(costs: Sequence[Cost]) -> str:
                 str(c.client_retries),
                 _cell(c.front_retries, 0),
                 _cell(c.ready_s),
+                _cell(c.slowest_s),
                 "no" if c.misses else "yes",
             ]
         )
