@@ -88,7 +88,9 @@ def front_counters(metrics_url: str | None) -> tuple[float | None, dict[str, flo
         page = httpx.get(metrics_url, timeout=10).text
     except httpx.HTTPError:
         return None, {}
-    retries: float | None = None
+    # A counter with labels shows no sample before its first increment: the page's front
+    # families say the front is there.
+    retries: float | None = 0.0 if "tilert_front_" in page else None
     outcomes: dict[str, float] = {}
     for s in samples(page):
         if s.name == "tilert_front_retries_total":
@@ -216,7 +218,10 @@ def report(
         "load_average": load,
         "options": {k: v for k, v in vars(args).items() if k != "func"},
         "costs": [asdict(c) for c in costs],
-        "faults": [{"fault": s.fault.label, "front_outcomes": s.front_outcomes} for s in struck],
+        "faults": [
+            {"fault": s.fault.label, "at": s.at, "front_outcomes": s.front_outcomes} for s in struck
+        ],
+        "requests": [asdict(r) for r in requests],
     }
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     print(f"written to {args.out}")

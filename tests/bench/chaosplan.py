@@ -152,6 +152,8 @@ class Cost:
     # The longest any request of the fault took (start -> end): what waiting for a router being
     # handed over, or for a decode back, cost the clients.
     slowest_s: float | None = None
+    # Requests answered whole per second while it lasted (its strike -> the next one's).
+    ok_per_s: float | None = None
     misses: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -193,6 +195,7 @@ def account(requests: Sequence[Request], struck: Sequence[Struck], bound_s: floa
     """Per fault (the baseline first): requests, lost, truncated, retries, time back to ready,
     and the targets missed (``bound_s``: the bound a fault had to be ready again within)."""
     costs = []
+    last_end = max((r.end for r in requests), default=0.0)
     for k, group in enumerate(buckets(requests, struck)):
         s = struck[k - 1] if k else None
         cost = Cost(s.fault.label if s else "baseline", requests=len(group))
@@ -210,6 +213,9 @@ def account(requests: Sequence[Request], struck: Sequence[Struck], bound_s: floa
         truncated_in_flight = sum(r.outcome == "truncated" for r in flying)
         cost.misses = _misses(cost, s.fault if s else None, truncated_in_flight)
         if s is not None:
+            until = struck[k].at if k < len(struck) else last_end
+            if until > s.at:
+                cost.ok_per_s = cost.ok / (until - s.at)
             cost.front_retries = s.front_retries
             if s.ready_at is None:
                 cost.misses.append(f"{s.fault.label}: not ready again within {bound_s:g} s")
@@ -236,6 +242,7 @@ def render(costs: Sequence[Cost]) -> str:
         "front retries",
         "back to ready s",
         "slowest s",
+        "ok/s",
         "met",
     ]
     rows = [header]
@@ -252,6 +259,7 @@ def render(costs: Sequence[Cost]) -> str:
                 _cell(c.front_retries, 0),
                 _cell(c.ready_s),
                 _cell(c.slowest_s),
+                _cell(c.ok_per_s),
                 "no" if c.misses else "yes",
             ]
         )
