@@ -37,6 +37,7 @@ UNIT_MODULES = frozenset(
     {
         "test_backends",
         "test_bad_input",
+        "test_bench_chaos",
         "test_benchmark",
         "test_canaries",
         "test_decodestats",
@@ -46,6 +47,7 @@ UNIT_MODULES = frozenset(
         "test_errors",
         "test_front_units",
         "test_head",
+        "test_head_down",
         "test_head_gate",
         "test_init",
         "test_jobspecs",

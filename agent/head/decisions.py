@@ -1,9 +1,11 @@
 """The head's decisions, as plain functions over what it knows at one moment (a ``JobView``).
 
 May the router start (``gate``), which decode to drop (``to_drop``) or take back once healthy
-again (``to_rejoin``, bounded per decode: one that flaps stays out, ``held_out``), can the job
-still serve (``fatal``), must a canary prove it again (``proof_due``: after any restart), which
-state to show while serving (``serving_state``: ``ready`` only once proven). No processes,
+again (``to_rejoin``, bounded per decode: one that flaps stays out, ``held_out``), which decode
+to take out of the router's list while its engine is down (``to_rest``) and put back once healthy
+(``to_wake``), can the job still serve (``fatal``), must a canary prove it again (``proof_due``:
+after any restart), which state to show while serving (``serving_state``: ``ready`` only once
+proven). No processes,
 sockets or clocks here (the caller passes ``now``), so tests/test_head.py drives every decision
 with data.
 
@@ -15,7 +17,7 @@ when the prefill, the router or every decode has failed, or when the agents cann
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -108,6 +110,37 @@ def startup_overrun(view: JobView, budget_s: float) -> str:
 def to_drop(view: JobView, dropped: Collection[str]) -> list[str]:
     """The decodes that failed and are not dropped yet (never the prefill: its failure is fatal)."""
     return [n for n in view.decodes if view.state(n) == "failed" and n not in dropped]
+
+
+# A decode in these states has an agent that knows its engine is down (restarting after a crash,
+# starting again, failing its probes) or cannot be asked (its agent not answering, probably dead
+# with its engine): TileRT's router would still hand it requests.
+DOWN_STATES = frozenset({"restarting", "starting", "unhealthy", "unreachable"})
+
+
+def down_decodes(view: JobView, in_router: Collection[str]) -> list[str]:
+    """The decodes of the router's list (``in_router``) that are down now."""
+    return [n for n in view.decodes if n in in_router and view.state(n) in DOWN_STATES]
+
+
+def to_rest(
+    down_since: Mapping[str, float],
+    in_router: Sequence[str],
+    now: float,
+    after_s: float | None,
+) -> list[str]:
+    """The decodes to take out of the router's list now (``agent.down_decode_out_after_s``):
+    down for ``after_s`` (None: never), never every one (a router needs a decode; requests then
+    wait for one at the front)."""
+    if after_s is None:
+        return []
+    due = [n for n in in_router if n in down_since and now - down_since[n] >= after_s]
+    return due if len(due) < len(in_router) else due[: len(in_router) - 1]
+
+
+def to_wake(view: JobView, resting: Collection[str]) -> list[str]:
+    """The decodes out of the router's list while down that are healthy again."""
+    return [n for n in view.decodes if n in resting and view.state(n) == "healthy"]
 
 
 def to_rejoin(

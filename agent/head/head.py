@@ -555,6 +555,8 @@ class Head:
             if newly or back:
                 self._change_pool(view, newly, back)
                 view = self._view()  # the router is restarting now
+            out_after_s = self.plan.agent.down_decode_out_after_s
+            due = self.router.follow_down(view, trio.current_time(), out_after_s)
             self._hold_out(view)
             self._apply_pool(view, nursery)
             if (
@@ -568,7 +570,8 @@ class Head:
             proven = restart_marks(view) == self.proven
             self._set_state(*serving_state(view, self.dropped, proven=proven, proof=self._proof))
             retry = self._next_proof_at - trio.current_time()
-            await self._wait(min(SERVE_POLL_S, retry) if retry > 0 else SERVE_POLL_S)
+            waits = [SERVE_POLL_S, *([retry] if retry > 0 else []), *([due] if due else [])]
+            await self._wait(min(waits))
 
     async def run(self) -> int:
         """The head's whole life; returns the agent's exit code."""

@@ -109,6 +109,9 @@ class SlurmPlan(msgspec.Struct, kw_only=True):
 
 # How often the head takes a dropped decode back, unless the recipe says (agent.max_rejoins).
 DEFAULT_MAX_REJOINS = 3
+# How long a decode in the router's list may be down before the head takes it out of the list
+# (agent.down_decode_out_after_s; docs/performance.md, "A decode that is down").
+DEFAULT_DOWN_DECODE_OUT_AFTER_S = 2.0
 
 
 class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -139,6 +142,9 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
     # agent.max_rejoins: how often a dropped decode healthy again is taken back (the head's).
     max_rejoins: int = DEFAULT_MAX_REJOINS
+    # agent.down_decode_out_after_s: a decode down this long leaves the router's list (the
+    # head's); None: never (the front's retries wait for it).
+    down_decode_out_after_s: float | None = DEFAULT_DOWN_DECODE_OUT_AFTER_S
     # agent.front: the front door's port, retries and bounds (omitted when all are the defaults).
     front: FrontPolicy = msgspec.field(default_factory=FrontPolicy)
 

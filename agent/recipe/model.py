@@ -18,6 +18,7 @@ from agent.job.logfiles import DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES
 from agent.job.plan import (
     DEFAULT_CONVERT_BUDGET_S,
     DEFAULT_CONVERT_LOCK_STALE_S,
+    DEFAULT_DOWN_DECODE_OUT_AFTER_S,
     DEFAULT_MAX_REJOINS,
 )
 from agent.job.preflightpolicy import PreflightPolicy
@@ -278,6 +279,11 @@ class AgentSection(_Strict):
     # How many times the head takes a dropped decode back once it is healthy again (a decode that
     # flaps past it stays out, with the reason); 0: a dropped decode never comes back.
     max_rejoins: Annotated[int, msgspec.Meta(ge=0, le=1000)] = DEFAULT_MAX_REJOINS
+    # How long a decode in the router's list may be down (its engine restarting, its agent not
+    # answering) before the head takes it out of the list until it is healthy again; null: never.
+    down_decode_out_after_s: Annotated[float, msgspec.Meta(ge=0, le=_DAY_S)] | None = (
+        DEFAULT_DOWN_DECODE_OUT_AFTER_S
+    )
     logs: LogSettings = msgspec.field(default_factory=LogSettings)
     # The weights conversion's own budget, apart from the engine's startup budget, and when a
     # conversion lock nobody refreshes is taken over (docs/weights.md).

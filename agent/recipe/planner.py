@@ -354,6 +354,7 @@ def _agent_plan(agent: AgentSection) -> AgentPlan:
         startup_max_s=agent.startup_max_s,
         preflight=agent.preflight,
         max_rejoins=agent.max_rejoins,
+        down_decode_out_after_s=agent.down_decode_out_after_s,
         front=agent.front,
     )
 

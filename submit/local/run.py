@@ -113,6 +113,11 @@ class LocalRun:
         self.failure: str | None = None
         # J/pool.json as last acted on (tilert-submit scale): its stat, and where agents start.
         self._pool_key: tuple[int, int, int] | None = None
+        # The decode indexes of the pool as last acted on (the plan's until J/pool.json exists):
+        # only an index a new pool adds is started; one already in the pool whose agent exited is
+        # not ours to start again (it failed and was dropped, or was restarted elsewhere: two
+        # agents under one name would fight over its record).
+        self._pool_indexes: set[int] = set(range(plan.decode.workers))
         self._nursery: trio.Nursery | None = None
 
     async def _start(self, nursery: trio.Nursery, role: Role, index: int) -> None:
@@ -288,9 +293,11 @@ class LocalRun:
         except (OSError, PoolFileError) as exc:
             _say(f"cannot use {self.job.pool}: {exc}; the pool stays as it is")
             return
+        before, self._pool_indexes = self._pool_indexes, set(pool.decode)
         for index in sorted(pool.decode):
             agent = self.agents.get(agent_name("decode", index))
-            if agent is None or agent.returncode is not None:
+            added = index not in before
+            if added and (agent is None or agent.returncode is not None):
                 await self._start(self._nursery, "decode", index)
 
     @staticmethod

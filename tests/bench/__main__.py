@@ -1,4 +1,5 @@
-"""``python -m tests.bench [--quick] [--only NAME,...] [--out bench-results.json]``."""
+"""``python -m tests.bench [--quick] [--only NAME,...] [--out bench-results.json]``, or one of
+the benchmarks with a command line of its own: ``python -m tests.bench chaos [...]``."""
 
 from __future__ import annotations
 
@@ -26,12 +27,27 @@ GROUPS = {
         "heal_s",
     ),
     "tests.bench.handover": ("handover_gap_s", "handover_failed"),
+    "tests.bench.frontcost": ("front_added_ms_p50", "front_stream_ratio"),
 }
+# The benchmarks with a command line of their own (``python -m tests.bench NAME --help``).
+COMMANDS = {"chaos": "tests.bench.chaos"}
+# Shorthands for a group of figures: ``python -m tests.bench front [--quick] [--out FILE]``.
+SHORTHANDS = {"front": "tests.bench.frontcost"}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen benchmarks, print the table, write the results file."""
-    parser = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        command: int = importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+        return command
+    if argv and argv[0] in SHORTHANDS:
+        argv = ["--only", ",".join(GROUPS[SHORTHANDS[argv[0]]]), *argv[1:]]
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.bench",
+        description=__doc__,
+        epilog=f"commands: {', '.join(COMMANDS)}; shorthands for --only: {', '.join(SHORTHANDS)}",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer runs of each (a smoke run)")
     parser.add_argument(
         "--only",

@@ -35,6 +35,9 @@ FIGURES: dict[str, tuple[str, float, Literal["lower", "higher"], str]] = {
     "heal_s": ("s", 0.5, "lower", "decode SIGKILL -> serving again, minus the stand-in's start"),
     "handover_gap_s": ("s", math.inf, "lower", "router hand-over: refused connections, longest"),
     "handover_failed": ("", 0, "lower", "router hand-over: requests failed otherwise (worst run)"),
+    # Issue 28's front door, measured beside the router in the same job.
+    "front_added_ms_p50": ("ms", 1, "lower", "the front's added latency per streamed chat, p50"),
+    "front_stream_ratio": ("x", 0.95, "higher", "streamed bytes/s through the front / direct"),
 }
 
 Statistic = Literal["median", "mean", "p50", "p95", "max"]
