@@ -370,6 +370,16 @@ _AGENT_VALUES: dict[str, Callable[[Plan], str]] = {
     "agent.canary.timeout_s": lambda p: _seconds(p.agent.canary_timeout_s),
     "agent.canary.attempt_timeout_s": lambda p: _seconds(p.agent.canary_attempt_timeout_s),
     "agent.max_rejoins": lambda p: str(p.agent.max_rejoins),
+    "agent.down_decode_out_after_s": lambda p: (
+        "never (null)"
+        if p.agent.down_decode_out_after_s is None
+        else _seconds(p.agent.down_decode_out_after_s)
+    ),
+    "agent.front.port": lambda p: f"{p.agent.front.port} and up",
+    "agent.front.retry.attempts": lambda p: str(p.agent.front.retry.attempts),
+    "agent.front.retry.budget_s": lambda p: _seconds(p.agent.front.retry.budget_s),
+    "agent.front.max_body_bytes": lambda p: str(p.agent.front.max_body_bytes),
+    "agent.front.body_timeout_s": lambda p: _seconds(p.agent.front.body_timeout_s),
     "agent.logs.max_bytes": lambda p: str(p.agent.log_max_bytes),
     "agent.logs.backups": lambda p: str(p.agent.log_backups),
     "agent.logs.location": lambda p: "job" if p.agent.log_node_dir is None else "node",
