@@ -3,8 +3,10 @@ its agent only (never a crash, never another agent's record), retried before it 
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -397,3 +399,34 @@ def test_a_removed_record_and_a_new_stray_are_changes(job: JobDir) -> None:
     (job.rendezvous / "notes.json").write_text("{}")
     found, changed = reader.read(0.1)
     assert (changed, found.by_name, found.strays) == (True, {}, ["notes.json"])
+
+
+async def test_the_watcher_looks_less_often_once_the_folder_is_quiet_and_at_once_again_after(
+    job: JobDir,
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    """Every 0.1 s while records change, every 0.5 s after 5 s without a change, every 0.1 s again
+    after the next change (an idle head's CPU; docs/performance.md, "An idle head")."""
+    looks: list[float] = []
+    changes = [0.0, 10.0]  # the first look at or after each is told a change
+
+    class Reader(RecordReader):
+        def read(self, now: float) -> tuple[Records, bool]:
+            looks.append(now)
+            found, _ = super().read(now)
+            if changes and now >= changes[0]:
+                changes.pop(0)
+                return found, True
+            return found, False
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(watch_records, reader=Reader(job, NAMES)), job, NAMES, print)
+        await trio.sleep(12.0)
+        nursery.cancel_scope.cancel()
+    gaps = [(round(a, 3), round(b - a, 3)) for a, b in itertools.pairwise(looks)]
+    changed_again = next(t for t in looks if t >= 10.0)
+    busy = [g for t, g in gaps if t < 4.9 or changed_again <= t < 11.9]
+    quiet = [g for t, g in gaps if 5.2 <= t < 9.5]
+    assert changed_again < 10.5, gaps  # the slow look saw the change within its 0.5 s
+    assert set(busy) == {0.1}, gaps
+    assert set(quiet) == {0.5}, gaps

@@ -36,6 +36,13 @@ MAX_RECORD_BYTES = 64 * 1024
 # half-written, or not yet replaced, for about its attribute cache time).
 RECORD_RETRY_S = 3.0
 WATCH_INTERVAL_S = 0.1
+# Once no record has changed for WATCH_QUIET_S (a job that is up: its agents rewrite their records
+# only when they restart, rejoin or leave), the folder is looked at every WATCH_IDLE_INTERVAL_S: a
+# look ten times a second was half of an idle head's CPU (docs/performance.md, "An idle head").
+# The head learns of a peer's death from its status connection, not from the folder, so only a
+# rejoining agent's new ports wait for the slower look (at most 0.5 s beside its engine's start).
+WATCH_QUIET_S = 5.0
+WATCH_IDLE_INTERVAL_S = 0.5
 
 
 class RecordProblem(RuntimeFailure):
@@ -277,6 +284,7 @@ async def watch_records(
     on_change: Callable[[Records], None],
     *,
     interval_s: float = WATCH_INTERVAL_S,
+    idle_interval_s: float = WATCH_IDLE_INTERVAL_S,
     retry_s: float = RECORD_RETRY_S,
     reader: RecordReader | None = None,
 ) -> None:
@@ -284,15 +292,19 @@ async def watch_records(
 
     A record that cannot be read is retried for ``retry_s`` before it is reported; meanwhile its
     agent keeps its last good record. Records are read again only when their files may have
-    changed (``RecordReader``).
+    changed (``RecordReader``); every ``interval_s``, every ``idle_interval_s`` once nothing has
+    changed for ``WATCH_QUIET_S``.
     """
     # A caller that passes its reader may make it expect more agents meanwhile.
     reader = reader if reader is not None else RecordReader(job, expected)
     retry = RecordRetry(retry_s)
     last: bytes | None = None
+    changed_at = trio.current_time()
     while True:
         now = trio.current_time()
         found, changed = reader.read(now)
+        if changed:
+            changed_at = now
         # Unchanged files and no problem waiting out its retry: nothing to tell.
         if changed or retry.pending or last is None:
             records = retry.take(found, now)
@@ -308,4 +320,5 @@ async def watch_records(
             if fingerprint != last:
                 last = fingerprint
                 on_change(records)
-        await trio.sleep(interval_s)
+        quiet = now - changed_at >= WATCH_QUIET_S and not retry.pending
+        await trio.sleep(max(idle_interval_s, interval_s) if quiet else interval_s)
