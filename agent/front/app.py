@@ -207,17 +207,20 @@ class Front:
         finished = False
         try:
             self.figures.first_byte(trio.current_time() - started)
-            for event in start.first:
-                yield event
+            # What one read from the router completes goes out as one write: each write costs
+            # the ASGI server a send (docs/performance.md, "The front's cost"); nothing waits
+            # for more than what has arrived.
+            if start.first:
+                yield b"".join(start.first)
             try:
                 async for data in chunks:
-                    for event in splitter.feed(data):
-                        for out in watch.push(event):
-                            yield out
+                    out = [o for event in splitter.feed(data) for o in watch.push(event)]
+                    if out:
+                        yield b"".join(out)
             except httpx.HTTPError as exc:
                 self.log.warning("front: the router's stream broke: %r", exc)
-            for out in watch.end():
-                yield out
+            if tail := b"".join(watch.end()):
+                yield tail
             finished = True
             if watch.truncated:
                 self.log.warning("front: a stream was cut: %s", watch.truncated)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from agent.recipe.model import Probe
 from tests.bench.chaos import READY_TIMEOUT_S, router_python
 from tests.bench.procs import env
 from tests.bench.results import Figure
@@ -100,7 +101,12 @@ def measure(names: set[str], *, quick: bool) -> list[Figure]:
     short_pairs, long_pairs = (60, 4) if quick else (400, 12)
     figures = []
     with tempfile.TemporaryDirectory(prefix="tilert-bench-front-") as tmp:
-        args, _ = isolated_sets(python, *FAST, "agent.probe.timeout_s=5")
+        # The probes at their default pace: the front shares the head's process with the
+        # supervisors probing the prefill engine and the router, and FAST's 0.1 s probes (twenty
+        # a second) were a third of that process's samples (docs/performance.md, "The front's
+        # cost").
+        probe = f"agent.probe.interval_s={Probe().interval_s:g}"
+        args, _ = isolated_sets(python, *FAST, probe, "agent.probe.timeout_s=5")
         with LocalJob(Path(tmp) / "job", args, env=env()) as job:
             status = _ready(job)
             front, router, model = status.get("front_url"), status["router_url"], status["model"]
