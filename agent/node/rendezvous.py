@@ -130,7 +130,7 @@ class Records:
 
 
 # The folder is looked at every WATCH_INTERVAL_S, yet records are read only when something may have
-# changed (docs/performance.md, "Following 1,024 peers"): the folder's own stat first (agents
+# changed (docs/performance.md, "The head at scale"): the folder's own stat first (agents
 # write by rename, which changes it), every file's stat (inode, size, mtime_ns) when it changed,
 # was changed within RECENT_S (a file system's time stamps are coarse: two renames within one
 # tick leave the same mtime) or every STAT_PASS_S (a file rewritten in place changes only its
