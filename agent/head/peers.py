@@ -68,7 +68,7 @@ class Peer:
     healthy_seen_at: float | None = None  # trio time the head saw it healthy
     # Why its record cannot be read (lasting past the retry); it keeps its last good one if any.
     record_problem: str | None = None
-    # Monotonic time of the first failed poll of the current outage, its error, the failed polls.
+    # When (trio's clock) the current outage's first poll failed, its error, the failed polls.
     unreachable_since: float | None = None
     unreachable_error: str = ""
     failed_polls: int = 0

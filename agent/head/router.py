@@ -54,7 +54,7 @@ class Router:
         # resting (taken out while their engine is down: agent.down_decode_out_after_s).
         self.wanted: list[str] = []
         self.resting: set[str] = set()
-        # When each decode of ``wanted`` was first seen down (monotonic), while it is.
+        # When each decode of ``wanted`` was first seen down (trio's clock), while it is.
         self.down_since: dict[str, float] = {}
         self.standin = False
         self.supervisor: EngineSupervisor | None = None
