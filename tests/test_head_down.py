@@ -5,32 +5,15 @@ pure decisions, driven with data)."""
 from __future__ import annotations
 
 from agent.head.decisions import JobView, down_decodes, to_rest, to_wake
-from agent.job.names import agent_names, parse_agent_name
-from agent.job.records import JobAgent
 from agent.job.vocab import AgentState
+from tests.test_head import view as job_view
 
 IN_ROUTER = ["decode-0", "decode-1", "decode-2"]
 
 
 def view(states: dict[str, AgentState]) -> JobView:
     """prefill-0 and three decodes, healthy unless ``states`` says."""
-    agents = {}
-    for name in agent_names(1, 3):
-        parsed = parse_agent_name(name)
-        assert parsed is not None
-        agents[name] = JobAgent(
-            name=name,
-            role=parsed[0],
-            index=parsed[1],
-            node="node",
-            state=states.get(name, "healthy"),
-            restarts=0,
-            reason="",
-            log="",
-            metrics_url=None,
-            status_url=None,
-        )
-    return JobView(agents=agents)
+    return job_view(states, decodes=3)
 
 
 def test_down_means_restarting_starting_unhealthy_or_unreachable() -> None:

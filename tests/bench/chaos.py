@@ -105,7 +105,8 @@ def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
 
 
-def _wait_job_ready(job: LocalJob) -> dict[str, Any]:
+def wait_job_ready(job: LocalJob) -> dict[str, Any]:
+    """status.json once the job is ``ready`` (raises when it failed, ended or took too long)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         status = read_status(job.job)
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
     sets = job_sets(python, 3, args.token_delay, args.set)
     root.mkdir(parents=True, exist_ok=True)
     with LocalJob(root / "job", sets, env=env()) as job:
-        status = _wait_job_ready(job)
+        status = wait_job_ready(job)
         front = status.get("front_url")
         url = front if front and args.target != "router" else status["router_url"]
         target = (

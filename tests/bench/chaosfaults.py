@@ -22,14 +22,13 @@ from typing import Any
 import httpx
 
 from tests.bench.chaosplan import Fault
-from tests.bench.procs import env
-from tests.kit.commands import AGENT, REPO, SUBMIT
+from tests.bench.procs import env, scale
+from tests.kit.commands import AGENT, REPO
 from tests.kit.jobdir import read_status
 from tests.kit.processes import agent_process
 
 Check = Callable[[dict[str, Any]], bool]
 DROP_TIMEOUT_S = 60.0
-SCALE_TIMEOUT_S = 600.0
 
 
 def rows(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -116,16 +115,7 @@ class Faults:
 
     def _scale(self, count: int) -> tuple[float, Check]:
         at = time.monotonic()
-        done = subprocess.run(
-            [*SUBMIT, "scale", str(self.job), "--decode", str(count)],
-            cwd=REPO,
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=SCALE_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"scale --decode {count} failed:\n{done.stdout}\n{done.stderr}")
+        scale(self.job, count)
 
         def sized(status: dict[str, Any]) -> bool:
             decodes = [n for n in rows(status) if n.startswith("decode-")]

@@ -20,11 +20,10 @@ from pathlib import Path
 import httpx
 
 from agent.recipe.model import Probe
-from tests.bench.chaos import READY_TIMEOUT_S, router_python
+from tests.bench.chaos import router_python, wait_job_ready
 from tests.bench.procs import env
 from tests.bench.results import Figure
 from tests.kit import FAST, LocalJob, isolated_sets
-from tests.kit.jobdir import read_status
 
 LONG_TOKENS = 3000
 BOOTSTRAP = 2000
@@ -65,18 +64,6 @@ def _timed(
     return time.perf_counter() - start, size
 
 
-def _ready(job: LocalJob) -> dict[str, object]:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        status = read_status(job.job)
-        if status is not None and status["state"] == "ready":
-            return status
-        if job.ended():
-            raise RuntimeError(f"the job did not come up:\n{job.output()[-3000:]}")
-        time.sleep(0.1)
-    raise RuntimeError(f"not ready within {READY_TIMEOUT_S:g} s (see {job.job}/logs)")
-
-
 def _pairs(
     front: str, router: str, model: str, count: int, max_tokens: int, long: bool
 ) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
@@ -108,7 +95,7 @@ def measure(names: set[str], *, quick: bool) -> list[Figure]:
         probe = f"agent.probe.interval_s={Probe().interval_s:g}"
         args, _ = isolated_sets(python, *FAST, probe, "agent.probe.timeout_s=5")
         with LocalJob(Path(tmp) / "job", args, env=env()) as job:
-            status = _ready(job)
+            status = wait_job_ready(job)
             front, router, model = status.get("front_url"), status["router_url"], status["model"]
             if not isinstance(front, str) or not isinstance(router, str):
                 raise RuntimeError("status.json has no front_url: this job has no front door")

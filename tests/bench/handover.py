@@ -14,33 +14,18 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 
-from tests.bench.procs import READY_TIMEOUT_S, env, wait_status
+from tests.bench.procs import READY_TIMEOUT_S, env, scale, wait_status
 from tests.bench.results import Figure
-from tests.kit import FAST, REPO, SUBMIT, LocalJob, isolated_sets
+from tests.kit import FAST, LocalJob, isolated_sets
 from tests.kit.chatload import ChatLoad
 
-SCALE_TIMEOUT_S = 600.0
 CLIENTS = 2
 ROUTER_UP = re.compile(
     r"router: (?:starting|restarting) -> healthy: .* answered 200 after ([\d.]+)s"
 )
-
-
-def _scale(job: Path, count: int) -> None:
-    done = subprocess.run(
-        [*SUBMIT, "scale", str(job), "--decode", str(count)],
-        cwd=REPO,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=SCALE_TIMEOUT_S,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"scale --decode {count} failed:\n{done.stdout}\n{done.stderr}")
 
 
 def _one_round(root: Path, router_python: str | None) -> tuple[list[float], int, list[float]]:
@@ -54,8 +39,8 @@ def _one_round(root: Path, router_python: str | None) -> tuple[list[float], int,
         status = wait_status(job.job, ("ready",), READY_TIMEOUT_S)
         load = ChatLoad(status.router_url or "", status.model, clients=CLIENTS).start()
         try:
-            _scale(job.job, 3)
-            _scale(job.job, 2)
+            scale(job.job, 3)
+            scale(job.job, 2)
         finally:
             load.finish()
             job.stop(60)

@@ -14,11 +14,13 @@ import msgspec
 
 from agent.job.paths import JobDir
 from agent.job.records import JobAgent, JobStatus
+from tests.kit.commands import SUBMIT
 from tests.kit.jobs import LocalJob, isolated_sets
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 READY_TIMEOUT_S = 120.0
+SCALE_TIMEOUT_S = 600.0
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -27,6 +29,20 @@ def env(**extra: str) -> dict[str, str]:
     out["PYTHONPATH"] = str(REPO)
     out.update(extra)
     return out
+
+
+def scale(job: Path, count: int) -> None:
+    """``tilert-submit scale J --decode COUNT`` as a user runs it (it must exit 0)."""
+    done = subprocess.run(
+        [*SUBMIT, "scale", str(job), "--decode", str(count)],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=SCALE_TIMEOUT_S,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"scale --decode {count} failed:\n{done.stdout}\n{done.stderr}")
 
 
 def timed(argv: Sequence[str], *, cwd: Path = REPO) -> float:
