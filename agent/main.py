@@ -107,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     from agent.nodeagent import NodeAgent
 
     agent = NodeAgent(job=job, plan=plan, identity=identity, log=log)
-    return trio.run(agent.run)
+    code = trio.run(agent.run)
+    # Drained: Python restores the default action while it shuts down, and a late SIGTERM (a
+    # second scancel, the submitter's stop) would turn this exit code into 143.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":

@@ -367,7 +367,12 @@ def run_local(job: JobDir, plan: Plan) -> int:
     # and the default action would end this process with 143 before its last line.
     for signum in STOP_SIGNALS:
         signal.signal(signum, _held)
-    return trio.run(LocalRun(job, plan).run)
+    code = trio.run(LocalRun(job, plan).run)
+    # The stop is done. Python puts the default action back while it shuts down, so a late
+    # `stop` (one that read status.json before it said stopping) would turn exit 0 into 143.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
