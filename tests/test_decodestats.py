@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from agent.http.metrics import AgentMetrics
-from agent.node.decodestats import DecodeStats, PoolFigures, poll_decode_status
+from agent.node.decodestats import POOL_KEEP_S, DecodeStats, PoolFigures, poll_decode_status
 from tests.infra.prometheus import promtool_binary, promtool_check_metrics
 
 # The exact lines of TileRT 0.1.6.post3 (decode_server.py), and of its router (pd_router.py).
@@ -84,14 +84,25 @@ async def test_the_busy_time_of_the_poll_is_trio_time(autojump_clock: trio.abc.C
 
 def test_router_refusals_and_pool() -> None:
     pool = PoolFigures()
+
+    def figures() -> tuple[int | None, int | None]:
+        return pool.free, pool.busy
+
     pool.feed(ROUTER_LINES)
     assert pool.refusals == {"http://10.0.0.2:5557": {429: 1}, "http://10.0.0.3:5557": {504: 1}}
     pool.pool(
-        b'{"nodes": [{"host": "10.0.0.2", "busy": true}, {"host": "10.0.0.3", "busy": false}]}'
+        b'{"nodes": [{"host": "10.0.0.2", "busy": true}, {"host": "10.0.0.3", "busy": false}]}',
+        now=10.0,
     )
-    assert (pool.free, pool.busy) == (1, 1)
-    pool.pool(b"<html>")
-    assert pool.free is None
+    assert figures() == (1, 1)
+    pool.pool(None, now=10.0 + POOL_KEEP_S / 2)  # one poll timed out: the last answer stands
+    assert figures() == (1, 1)
+    pool.pool(b"<html>", now=10.0 + POOL_KEEP_S)
+    assert figures() == (None, None)
+    pool.pool(b'{"nodes": []}', now=20.0)
+    assert figures() == (0, 0)
+    pool.forget()  # the router stopped
+    assert figures() == (None, None)
 
 
 def test_page_passes_promtool() -> None:
@@ -102,7 +113,7 @@ def test_page_passes_promtool() -> None:
     stats.feed(REQSTAT_LINES + REFUSAL_LINES)
     stats.sample(True, 1.0)
     pool.feed(ROUTER_LINES)
-    pool.pool(b'{"nodes": [{"host": "10.0.0.2", "busy": true}]}')
+    pool.pool(b'{"nodes": [{"host": "10.0.0.2", "busy": true}]}', now=1.0)
     for kw in ({"decode": stats}, {"pool": (pool, lambda _url: "decode-0")}):
         page = AgentMetrics(
             role="decode", node="n1", slurm_job_id="1", supervisors=dict, **kw

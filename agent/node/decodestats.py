@@ -79,6 +79,9 @@ STAGES = {
     "decode": "generation",
 }
 DECODE_STATUS_POLL_S = 1.0
+# A router busy serving (its /pool_status runs in its thread pool) may miss one poll's timeout on
+# a loaded machine: that is not a change of its pool, so the last answer stands this long.
+POOL_KEEP_S = 5.0
 
 
 @dataclass
@@ -252,6 +255,7 @@ class PoolFigures:
     refusals: dict[str, dict[int, int]] = field(default_factory=dict)
     free: int | None = None
     busy: int | None = None
+    answered_at: float | None = None  # trio's clock: the last readable /pool_status
 
     def feed(self, block: bytes) -> None:
         """Count the router's refusal lines in a block of its log (a log pump watcher)."""
@@ -262,17 +266,24 @@ class PoolFigures:
             node = self.refusals.setdefault(m["node"].decode("utf-8", "replace"), {})
             node[status] = node.get(status, 0) + 1
 
-    def pool(self, raw: bytes | None) -> None:
-        """Take one ``/pool_status`` answer (None or unreadable: unknown)."""
+    def pool(self, raw: bytes | None, now: float) -> None:
+        """Take one ``/pool_status`` answer at ``now``; None or unreadable keeps the last one
+        for ``POOL_KEEP_S``, then the pool is unknown."""
         try:
             nodes = msgspec.json.decode(raw, type=_PoolStatus).nodes if raw else None
         except (msgspec.DecodeError, msgspec.ValidationError):
             nodes = None
         if nodes is None:
-            self.free = self.busy = None
+            if self.answered_at is None or now - self.answered_at >= POOL_KEEP_S:
+                self.forget()
             return
+        self.answered_at = now
         self.busy = sum(1 for n in nodes if n.busy)
         self.free = len(nodes) - self.busy
+
+    def forget(self) -> None:
+        """No router runs: the pool is unknown at once."""
+        self.free = self.busy = self.answered_at = None
 
 
 async def poll_pool_status(
@@ -286,14 +297,16 @@ async def poll_pool_status(
     """Read the router's ``/pool_status`` every ``interval_s`` (None from ``url``: not running)."""
     while True:
         target = url()
-        raw: bytes | None = None
-        if target is not None:
+        if target is None:
+            figures.forget()
+        else:
+            raw: bytes | None = None
             try:
                 response = await client.get(target, timeout=timeout_s)
                 raw = response.content if response.status_code == 200 else None
             except (httpx.HTTPError, OSError):
                 raw = None
-        figures.pool(raw)
+            figures.pool(raw, trio.current_time())
         await trio.sleep(interval_s)
 
 
