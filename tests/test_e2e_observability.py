@@ -487,10 +487,10 @@ def test_secret_reaches_the_engine_and_nothing_else(job: kit.LocalJob) -> None:
     assert SECRET not in job.output()
     # The submitter's own argv holds it because this test put it there with --set; no process
     # the job started (agents, engines, router) may.
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc, cmd in kit.command_lines():
         if proc.pid == job.proc.pid:
             continue
-        assert SECRET not in " ".join(proc.info["cmdline"] or []), proc
+        assert SECRET not in cmd, proc
     pid = get(job.agent("prefill-0")["status_url"]).json()["pid"]
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert f"HF_TOKEN={SECRET}".encode() in environ

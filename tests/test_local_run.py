@@ -289,11 +289,7 @@ def _all_files(root: Path) -> list[Path]:
 
 def assert_in_no_argv(secrets: tuple[str, ...]) -> None:
     """No process on the machine (the supervisor included) has a secret in its argv."""
-    for proc in psutil.process_iter():
-        try:
-            cmdline = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
+    for proc, cmdline in kit.command_lines():
         for secret in secrets:
             assert secret not in cmdline, f"pid {proc.pid}: {cmdline}"
 

@@ -40,6 +40,7 @@ from tests.kit import (
     LocalJob,
     agent_entry,
     chat,
+    command_lines,
     isolated_sets,
     log_tails,
     record,
@@ -377,10 +378,8 @@ def test_a_sigkilled_prefill_agent_takes_the_whole_vllm_tree(
         tree = wait_tree(job, 2, START_S)
         agent_pid = next(
             p.pid
-            for p in psutil.process_iter()
-            if "--role" in (cmd := " ".join(p.cmdline()))
-            and "prefill" in cmd
-            and str(job.job) in cmd
+            for p, cmd in command_lines()
+            if "--role" in cmd and "prefill" in cmd and str(job.job) in cmd
         )
         os.kill(agent_pid, signal.SIGKILL)
         assert not still_alive(tree, 10), tree

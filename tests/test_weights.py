@@ -7,7 +7,6 @@ converter stand-in (``agent.standins.converter``), its switches set through
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ from tests.kit import (
     Agents,
     LocalJob,
     agent_entry,
+    command_lines,
     isolated_sets,
     make_job,
     running_agents,
@@ -78,13 +78,11 @@ def agent_log(agent: AgentProc) -> str:
 
 def converters_of(root: Path) -> list[psutil.Process]:
     """Live converter stand-ins writing under ``root``."""
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            cmd = " ".join(proc.cmdline())
-            if "agent.standins.converter" in cmd and str(root) in cmd:
-                found.append(proc)
-    return found
+    return [
+        proc
+        for proc, cmd in command_lines()
+        if "agent.standins.converter" in cmd and str(root) in cmd
+    ]
 
 
 def test_two_decode_agents_racing_on_one_folder_convert_it_once(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -69,6 +69,16 @@ def _cmdline(proc: psutil.Process) -> str:
         return ""
 
 
+def command_lines() -> Iterator[tuple[psutil.Process, str]]:
+    """Every process on the machine with its command line, skipping those that end, turn zombie
+    or deny access while the table is read (another test's or tool's process can, at any time)."""
+    for proc in psutil.process_iter():
+        try:
+            yield proc, " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+
+
 def describe(procs: Iterable[psutil.Process]) -> str:
     """pid and command line of each process, one a line."""
     return "\n".join(f"  {p.pid}: {_cmdline(p)[:200]}" for p in procs) or "  (none)"
@@ -80,8 +90,7 @@ def job_processes(job: Path, ports: Iterable[int] = ()) -> list[psutil.Process]:
     needle = str(job)
     found: dict[int, psutil.Process] = {}
     port_set = set(ports)
-    for proc in psutil.process_iter():
-        cmd = _cmdline(proc)
+    for proc, cmd in command_lines():
         if needle in cmd:
             found[proc.pid] = proc
         elif port_set and any(m in cmd for m in STANDIN_MARKERS):
