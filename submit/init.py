@@ -1,5 +1,6 @@
-"""``tilert-submit init [-o FILE]``: ask the cluster and this login node, write a commented cluster
-file.
+"""``tilert-submit init [-o FILE] [--force]``: ask the cluster and this login node, write a
+commented cluster file (``submit.outfile``: a new regular file, an existing one with ``--force``, or
+standard output with ``-o -``).
 
 Every value says where it came from (the command and what it printed); what cannot be learnt is
 left as a commented question (``# ?``). The file is the cluster file ``tilert-submit`` reads
@@ -23,10 +24,10 @@ import psutil
 import yaml
 
 from agent.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUNTIME
-from agent.job.atomicfile import write_atomic
-from agent.problems import InputError, render_problems
+from agent.problems import InputError, printable, render_problems
 from agent.recipe.cluster import CLUSTER_FILE_NAME, read_cluster
 from submit import PROG
+from submit.outfile import STDOUT, output_problem, write_output
 from submit.slurm.query import ClusterFacts, Partition, gather, gpu_types, gpus_in_gres
 
 WIDTH = 100
@@ -42,10 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         default=CLUSTER_FILE_NAME,
         help=f"where to write the cluster file (default: ./{CLUSTER_FILE_NAME}, the file "
-        f"{PROG} reads by default; - prints it)",
+        f"{PROG} reads by default; {STDOUT} prints it); a new regular file",
     )
     parser.add_argument(
-        "--force", action="store_true", help="replace FILE when it exists (it is never merged)"
+        "--force",
+        action="store_true",
+        help="replace FILE when it exists (a regular file only; it is never merged)",
     )
 
 
@@ -313,31 +316,23 @@ def _wrapped(lines: list[str]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Ask, render, check with the cluster file reader, write (atomically)."""
-    target = None if args.output == "-" else Path(args.output)
-    if target is not None and target.exists() and not args.force:
-        print(
-            f"{PROG} init: {target} exists; pass -o FILE for another file, or --force to "
-            "replace it",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_INPUT
-    if target is not None and not target.absolute().parent.is_dir():
-        print(
-            f"{PROG} init: -o {target}: the folder {target.absolute().parent} does not exist; "
-            "create it or pass another FILE",
-            file=sys.stderr,
-        )
+    problem = output_problem(args.output, force=args.force)
+    if problem is not None:
+        print(f"{PROG} init: {printable(problem)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"{PROG} init: asking Slurm (sinfo, scontrol, srun --help) ...", file=sys.stderr)
     facts = gather(os.environ)
     for command, why in sorted(facts.failures.items()):
         # Their keys become questions; say so here too (is this a login node? is SLURM_CONF set?).
-        print(f"{PROG} init: {command}: {' '.join(why.split())}", file=sys.stderr)
+        print(f"{PROG} init: {command}: {printable(' '.join(why.split()))}", file=sys.stderr)
     text = render(facts, host=socket.gethostname(), when=time.strftime("%Y-%m-%d %H:%M %Z"))
+    try:
+        target = write_output(args.output, text)
+    except OSError as exc:
+        print(f"{PROG} init: -o {printable(args.output)}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if target is None:
-        sys.stdout.write(text)
         return EXIT_OK
-    write_atomic(target, text.encode())
     try:
         cluster, warnings = read_cluster(target)
     except InputError as exc:  # a bug of init: say so, keep the file to look at

@@ -1,7 +1,8 @@
-"""``tilert-submit migrate RECIPE [-o FILE]``: a schema-1 TileRT recipe written as schema 2.
+"""``tilert-submit migrate RECIPE [-o FILE] [--force]``: a schema-1 TileRT recipe as schema 2.
 
 The schema-2 text (agent.recipe.migrate, comments kept) goes to stdout or, with ``-o``,
-atomically to FILE; a file that is not schema 1, or a key whose meaning cannot be kept, exits 2
+atomically to FILE (a regular file or nothing there; an existing one only with ``--force``:
+``submit.outfile``); a file that is not schema 1, or a key whose meaning cannot be kept, exits 2
 and writes nothing. The recipe is also loaded here (with the cluster file found as for a
 submission) and what that finds is said on stderr: the schema-2 file inherits it (docs/cli.md).
 """
@@ -14,13 +15,13 @@ import sys
 from pathlib import Path
 
 from agent.errors import EXIT_BAD_INPUT
-from agent.job.atomicfile import write_atomic
-from agent.problems import InputError, render_problems
+from agent.problems import InputError, printable, render_problems
 from agent.recipe.cluster import find_cluster_file, read_cluster
 from agent.recipe.loader import load_recipe
 from agent.recipe.migrate import migrate_text
 from agent.recipe.textfile import read_text
 from submit import PROG
+from submit.outfile import STDOUT, output_problem, write_output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "recipe", metavar="RECIPE", help="a srtctl schema-1 recipe (backend.type: tilert)"
     )
-    parser.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        default=STDOUT,
+        help=f"write here, a new regular file (default: {STDOUT}, standard output)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="replace FILE when it exists (a regular file only)"
+    )
     parser.add_argument(
         "--cluster",
         metavar="FILE",
@@ -45,17 +55,19 @@ def main(args: argparse.Namespace) -> int:
     except InputError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
-    _check(path, args.cluster)
-    if args.output is None:
-        sys.stdout.write(migrated)
-        return 0
-    out = Path(args.output)
-    try:
-        write_atomic(out, migrated.encode(), mode=0o644)
-    except OSError as exc:
-        print(f"{PROG} migrate: -o {out}: {exc.strerror or exc}", file=sys.stderr)
+    problem = output_problem(args.output, force=args.force)
+    if problem is not None:
+        print(f"{PROG} migrate: {printable(problem)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"{out}: schema 2, from {path}", file=sys.stderr)
+    _check(path, args.cluster)
+    try:
+        out = write_output(args.output, migrated)
+    except OSError as exc:
+        why = exc.strerror or exc
+        print(f"{PROG} migrate: -o {printable(args.output)}: {why}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if out is not None:
+        print(f"{printable(str(out))}: schema 2, from {printable(str(path))}", file=sys.stderr)
     return 0
 
 

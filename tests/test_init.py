@@ -5,6 +5,7 @@ a mock job to ``ready``."""
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,50 @@ def test_init_on_the_local_slurm_writes_a_file_that_runs_a_job(
     stop = kit.submit_cmd("stop", str(job), env=slurm.env, timeout=120)
     assert stop.returncode == 0, stop.stderr
     slurm.wait_job_end(slurm_id, timeout=60)
+
+
+# A cluster whose Slurm prints Latin-1 (a site's partition and cluster names with an é).
+FAKE_SLURM = {
+    "sinfo": r"printf 'gpu\351*|up|4:00:00|2|(null)|n[1-2]\n'",
+    "scontrol": (
+        'case "$2" in\n'
+        r"config) printf 'KillWait = 30 sec\nClusterName = caf\351\n' ;;"
+        "\n"
+        r"partition) printf 'PartitionName=gpu\351 Default=YES DefaultTime=NONE\n' ;;"
+        "\n"
+        r"node) printf 'NodeName=n1 NodeAddr=127.0.0.1 Gres=(null) Partitions=gpu\351\n' ;;"
+        "\n"
+        "esac"
+    ),
+    "srun": r"printf 'Usage: srun [OPTIONS(0)... [executable(0) [args(0)...]]] \351\n'",
+}
+
+
+def test_init_reads_slurm_output_that_is_not_utf8(tmp_path: Path) -> None:
+    """Slurm's commands print what the site configured, in its encoding: a byte that is not UTF-8
+    is read as U+FFFD (one decoding for every Slurm command, submit/slurm/client.py), never a
+    traceback; ``-o -`` prints the file."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        script = bin_dir / name
+        script.write_text(f"#!/bin/sh\n{body}\n")
+        script.chmod(0o755)
+    env = kit.clean_env(PATH=f"{bin_dir}:/usr/bin:/bin")
+    done = kit.submit_cmd("init", "-o", "-", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    data = yaml.safe_load(done.stdout)
+    assert data["default_partition"] == "gpu\ufffd"
+    assert data["kill_wait_s"] == 30
+    out = tmp_path / "srtslurm.yaml"
+    written = kit.submit_cmd("init", "-o", str(out), env=env)
+    assert written.returncode == 0, written.stderr
+    assert f"Wrote {out}: launcher process, partition gpu\ufffd" in written.stdout
+    assert read_cluster(out)[0].default_partition == "gpu\ufffd"
+    # A FIFO where the file would go is refused before Slurm is asked.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused = kit.submit_cmd("init", "-o", str(fifo), env=env)
+    assert refused.returncode == 2
+    assert f"-o {fifo}: exists and is a FIFO, not a regular file" in refused.stderr

@@ -7,7 +7,9 @@ a schema 2 with the same plan, are refused in their own keys and lines when wron
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -273,6 +275,65 @@ def test_migrate_without_the_sites_cluster_file_writes_and_says_what_loading_fin
     assert "migrated as it is; loading it here finds" in done.stderr
     assert "model.container: 'tilert-decode' is neither a cluster image alias" in done.stderr
     assert plan_json(plan_of(out, NVIDIA_SITE)) == plan_json(plan_of(SCHEMA1, NVIDIA_SITE))
+
+
+def migrate_to(output: Path | str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``tilert-submit migrate SCHEMA1 -o OUTPUT [FLAGS]`` with the site's cluster file."""
+    return kit.submit_cmd(
+        "migrate", str(SCHEMA1), "--cluster", str(NVIDIA_SITE), "-o", str(output), *flags
+    )
+
+
+def test_migrate_writes_a_new_regular_file_or_stdout_never_through_a_link_or_fifo(
+    tmp_path: Path,
+) -> None:
+    """``-o`` is judged with lstat (docs/cli.md): a FIFO, a symbolic link (dangling or not) and a
+    folder are refused, exit 2, naming ``-o`` and what to do, and left as they were."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    target = tmp_path / "kept.yaml"
+    target.write_text("mine\n")
+    link, dangling = tmp_path / "link.yaml", tmp_path / "dangling.yaml"
+    link.symlink_to(target)
+    dangling.symlink_to(tmp_path / "nowhere.yaml")
+    for output, kind in (
+        (fifo, "a FIFO"),
+        (link, "a symbolic link"),
+        (dangling, "a symbolic link"),
+        (tmp_path, "a folder"),
+    ):
+        done = migrate_to(output)
+        assert done.returncode == 2, (output, done.stdout, done.stderr)
+        assert f"-o {output}: exists and is {kind}" in done.stderr, done.stderr
+        assert "not a regular file; pass another FILE" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert link.is_symlink()
+    assert dangling.is_symlink()
+    assert target.read_text() == "mine\n"
+    assert not (tmp_path / "nowhere.yaml").exists()
+    # Standard output with -o -, nothing written.
+    done = migrate_to("-")
+    assert done.returncode == 0, done.stderr
+    assert "schema: 2\n" in done.stdout
+
+
+def test_migrate_replaces_an_existing_file_only_with_force_and_atomically(tmp_path: Path) -> None:
+    out = tmp_path / "out.yaml"
+    out.write_text("mine\n")
+    done = migrate_to(out)
+    assert done.returncode == 2
+    assert f"-o {out}: exists; pass --force to replace it, or another FILE" in done.stderr
+    assert out.read_text() == "mine\n"
+    # A reader holding the old file keeps reading the old content: a new file was renamed over it.
+    old = tmp_path / "old-link"
+    os.link(out, old)
+    done = migrate_to(out, "--force")
+    assert done.returncode == 0, done.stderr
+    assert "schema: 2\n" in out.read_text()
+    assert old.read_text() == "mine\n"
+    assert os.stat(out).st_ino != os.stat(old).st_ino
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
 
 
 # ---- refused, in the user's own keys and lines -------------------------------------------------

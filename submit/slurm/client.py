@@ -27,7 +27,11 @@ def run_client(
     timeout: float = CLIENT_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run one Slurm client command; SlurmError unless it exits 0 within ``timeout``."""
+    """Run one Slurm client command; SlurmError unless it exits 0 within ``timeout``.
+
+    Its output is read as UTF-8 whatever the locale, a byte that is not UTF-8 (a site's Latin-1
+    partition name, feature or comment) read as U+FFFD: the one place every Slurm command's output
+    is decoded, so none of them can end ``init`` or a submission with a traceback."""
     program = argv[0]
     if shutil.which(program, path=(env or os.environ).get("PATH")) is None:
         raise SlurmError(
@@ -38,7 +42,8 @@ def run_client(
         done = subprocess.run(
             list(argv),
             capture_output=True,
-            text=True,
+            encoding="utf-8",
+            errors="replace",
             timeout=timeout,
             env=dict(env) if env is not None else None,
             stdin=subprocess.DEVNULL,
