@@ -1,14 +1,15 @@
 """``tilert-submit scale J --decode N [--leave NAME ...]``: grow or shrink a serving job's decode
 pool (docs/cli.md, "Scaling the decode pool").
 
-It writes ``J/pool.json`` (atomically; ``agent.job.pool``), then starts the new agents where the
-job runs: the ``--local`` supervisor sees the file and starts them itself; on Slurm a second Slurm
-job for the same job folder runs them (``SlurmBackend.grow``, ``submit.slurm.render``). The head
-proves each new decode by its canary before the router is restarted with it; a shrink takes the
-named (``--leave``) or the highest-index decodes out of the router first, and each then drains
-and stops. It waits until
-``status.json`` shows the pool as asked (exit 0), or says what is still moving when its limit
-passes (exit 1).
+``--decode N`` is at most ``MAX_DECODES`` (agent.job.pool), checked before anything is read. Under
+``J/pool.lock`` (``submit.poollock``: a second ``scale`` meanwhile exits 1, never losing an update)
+it reads and writes ``J/pool.json`` (atomically; ``agent.job.pool``), then starts the new agents
+where the job runs: the ``--local`` supervisor sees the file and starts them itself; on Slurm a
+second Slurm job for the same job folder runs them (``SlurmBackend.grow``, ``submit.slurm.render``).
+The head proves each new decode by its canary before the router is restarted with it; a shrink takes
+the named (``--leave``) or the highest-index decodes out of the router first, and each then drains
+and stops. It waits until ``status.json`` shows the pool as asked (exit 0), or says what is still
+moving when its limit passes (exit 1).
 """
 
 from __future__ import annotations
@@ -23,13 +24,21 @@ from agent.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUNTIME
 from agent.job.names import parse_agent_name
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
-from agent.job.pool import DecodePool, PoolFileError, read_pool, resized, write_pool
+from agent.job.pool import (
+    MAX_DECODES,
+    DecodePool,
+    PoolFileError,
+    read_pool,
+    resized,
+    write_pool,
+)
 from agent.job.records import JobStatus
 from agent.job.vocab import SERVING_STATES
 from agent.problems import printable
 from submit import PROG
 from submit.backend import BackendError
 from submit.choice import backend_of
+from submit.poollock import PoolBusy, pool_lock
 from submit.statusview import open_job, read_plan, read_status
 
 POLL_S = 0.5
@@ -137,13 +146,11 @@ def _wait(job: JobDir, wanted: list[str], limit: float, *, degraded_ok: bool) ->
         time.sleep(POLL_S)
 
 
-def main(args: argparse.Namespace) -> int:
-    """Write the new pool, start the new agents where the job runs, wait until it is so."""
-    job = open_job(args.job_dir)
-    status = read_status(job)
-    plan = read_plan(job)
-    if args.decode < 1:
-        return _bad(f"--decode {args.decode}: a job needs at least 1 decode; use stop to end it")
+def _resize(
+    job: JobDir, status: JobStatus, plan: Plan, args: argparse.Namespace
+) -> tuple[DecodePool, list[int]] | int:
+    """Read the pool, write the one asked for, start its new agents (under ``J/pool.lock``): the
+    pool wanted and the indexes added, or the exit code when nothing could be done."""
     try:
         pool = read_pool(job, plan.decode.workers)
     except PoolFileError as exc:
@@ -169,17 +176,42 @@ def main(args: argparse.Namespace) -> int:
     )
     if not adding and not removing:
         print(f"the pool already has {args.decode} decode(s): {', '.join(pool.names)}")
-    else:
-        what = "adding " + ", ".join(DecodePool(decode=adding).names) if adding else ""
-        what += ("; " if what and removing else "") + (
-            "taking out " + ", ".join(DecodePool(decode=removing).names) if removing else ""
+        return wanted, []
+    what = "adding " + ", ".join(DecodePool(decode=adding).names) if adding else ""
+    what += ("; " if what and removing else "") + (
+        "taking out " + ", ".join(DecodePool(decode=removing).names) if removing else ""
+    )
+    print(f"scaling the decode pool of {job.root} to {args.decode}: {what}")
+    write_pool(job, wanted)
+    try:
+        backend.grow(job, status, wanted, adding)
+    except BackendError as exc:
+        print(f"{PROG} scale: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    return wanted, adding
+
+
+def main(args: argparse.Namespace) -> int:
+    """Write the new pool, start the new agents where the job runs, wait until it is so."""
+    # Before anything is read or written: a count no pool may have is a typo.
+    if args.decode < 1:
+        return _bad(f"--decode {args.decode}: a job needs at least 1 decode; use stop to end it")
+    if args.decode > MAX_DECODES:
+        return _bad(
+            f"--decode {args.decode}: at most {MAX_DECODES} decodes (the most peers the head has "
+            f"been measured to follow, docs/performance.md); ask for 1 to {MAX_DECODES}"
         )
-        print(f"scaling the decode pool of {job.root} to {args.decode}: {what}")
-        write_pool(job, wanted)
-        try:
-            backend.grow(job, status, wanted, adding)
-        except BackendError as exc:
-            print(f"{PROG} scale: {exc}", file=sys.stderr)
-            return EXIT_RUNTIME
+    job = open_job(args.job_dir)
+    status = read_status(job)
+    plan = read_plan(job)
+    try:
+        with pool_lock(job):
+            done = _resize(job, status, plan, args)
+    except PoolBusy as exc:
+        print(f"{PROG} scale: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    if isinstance(done, int):
+        return done
+    wanted, adding = done
     limit = scale_limit(plan, bool(adding))
     return _wait(job, wanted.names, limit, degraded_ok=status.state == "degraded")

@@ -52,6 +52,11 @@ class JobDir:
         return self.root / "pool.json"
 
     @property
+    def pool_lock(self) -> Path:
+        """``pool.lock``: held by ``tilert-submit scale`` while it changes ``pool.json``."""
+        return self.root / "pool.lock"
+
+    @property
     def rendezvous(self) -> Path:
         return self.root / "rendezvous"
 

@@ -1,9 +1,10 @@
 """``J/pool.json``: the decode pool a running job is asked to have (``tilert-submit scale``).
 
-One writer, ``tilert-submit scale`` (atomically); readers: the head (which decodes are in the
-router's list), the ``--local`` supervisor (which agents to start), every agent (an index beyond
-the plan's count is valid while the pool names it). Without the file the pool is the plan's:
-decodes ``0 .. roles.decode.nodes - 1``. docs/cli.md ("Scaling the decode pool") describes it.
+One writer, ``tilert-submit scale`` (atomically, under ``J/pool.lock``: submit.poollock); readers:
+the head (which decodes are in the router's list), the ``--local`` supervisor (which agents to
+start), every agent (an index beyond the plan's count is valid while the pool names it). Without the
+file the pool is the plan's: decodes ``0 .. roles.decode.nodes - 1``. docs/cli.md ("Scaling the
+decode pool") describes it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from agent.job.names import agent_name, agent_names
 from agent.job.paths import JobDir
 
 POOL_SCHEMA = 1
+# The most decodes a pool may have (``scale --decode N``, ``roles.*.nodes``; one number for both):
+# the head follows every agent with a long poll and a view of its state, and has been measured
+# following 1,024 peers within its targets (docs/performance.md, "The head at scale"). Past that
+# nothing says it keeps up, and a larger count is a typo (``--decode 10000``), not a cluster.
+MAX_DECODES = 1024
 
 
 class GrowJob(msgspec.Struct, kw_only=True):
@@ -62,6 +68,8 @@ def decode_pool(data: bytes) -> DecodePool:
         raise PoolFileError(f"schema {pool.schema}, this agent reads {POOL_SCHEMA}")
     if not pool.decode or len(set(pool.decode)) != len(pool.decode) or min(pool.decode) < 0:
         raise PoolFileError(f"decode must be distinct indexes >= 0, at least one: {pool.decode}")
+    if len(pool.decode) > MAX_DECODES:
+        raise PoolFileError(f"{len(pool.decode)} decodes, at most {MAX_DECODES}")
     return pool
 
 

@@ -21,6 +21,7 @@ from agent.job.plan import (
     DEFAULT_DOWN_DECODE_OUT_AFTER_S,
     DEFAULT_MAX_REJOINS,
 )
+from agent.job.pool import MAX_DECODES
 from agent.job.preflightpolicy import PreflightPolicy
 
 # A scalar or structured value as YAML gives it. Engine args keep their YAML type until rendered.
@@ -42,7 +43,9 @@ Interval = Annotated[float, msgspec.Meta(gt=0, le=_HOUR_S)]
 Grace = Annotated[float, msgspec.Meta(gt=0, le=_HOUR_S)]
 # Startup and conversion budgets, restart windows: a model load may take hours, never weeks.
 Budget = Annotated[float, msgspec.Meta(gt=0, le=_WEEK_S)]
-Nodes = Annotated[int, msgspec.Meta(ge=0, le=1024)]  # 0 is refused by the rules, with the reason
+# A role's nodes and workers: 0 is refused by the rules, with the reason; at most MAX_DECODES, the
+# bound of a decode pool (agent.job.pool: the most peers the head has been measured following).
+Nodes = Annotated[int, msgspec.Meta(ge=0, le=MAX_DECODES)]
 Gpus = Annotated[int, msgspec.Meta(ge=0, le=128)]  # 0: a CPU-only engine (the --mock stand-ins)
 GpusPerNode = Annotated[int, msgspec.Meta(ge=0, le=128)]  # 0: a CPU-only cluster
 # A benchmark's input or output length.
