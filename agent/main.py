@@ -20,6 +20,7 @@ from agent.job.pool import PoolFileError, read_pool
 from agent.job.vocab import ROLES, as_role
 from agent.node.agentlog import setup_agent_logging
 from agent.node.identity import IdentityError, resolve_identity
+from agent.node.secretenv import say_missing_secrets
 from agent.problems import InputError, printable
 from agent.recipe.loader import load_recipe
 
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             f"worker(s) and {job.pool} does not name it; check --index / SLURM_PROCID"
         )
     log = setup_agent_logging(log_path(job, identity.name, agent=True), name=identity.name)
+    # Started by hand, by systemd or for a rejoin, it has the secrets its shell or unit gave it.
+    say_missing_secrets(
+        plan, identity.role, os.environ, log, who=identity.name, head=identity.is_head
+    )
     # Everything this agent starts carries its job: the node check of a later job finds what an
     # ended one left behind (agent.node.hygiene).
     os.environ[JOB_DIR_ENV] = str(job.root)

@@ -52,6 +52,7 @@ from agent.node.decodestats import (
 )
 from agent.node.hygiene import NodeScene, check_node
 from agent.node.identity import Identity
+from agent.node.jobwatch import wait_job_end
 from agent.node.jobwrites import JobWrites
 from agent.node.leave import LEAVE_IDLE_S, wait_idle
 from agent.node.logpump import LogSink
@@ -150,6 +151,8 @@ class NodeAgent:
         self.stop_requested = False
         # A decode asked to leave the pool (tilert-submit scale): how its drain ended, once it did.
         self.leaving: str | None = None
+        # A worker that saw its job end (agent.node.jobwatch): why, once it did.
+        self.job_ended: str | None = None
         self._stop_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self.started = time.time()
@@ -391,7 +394,7 @@ class NodeAgent:
 
     def _exit_reason(self, code: int) -> str:
         if code == 0:
-            return self.leaving or "stopped on request"
+            return self.leaving or self.job_ended or "stopped on request"
         if self.head is not None and self.head.error:
             return self.head.error
         if self.start_failure or self.preflight_failure:
@@ -419,6 +422,8 @@ class NodeAgent:
             self._nursery, self._stop_scope = nursery, nursery.cancel_scope
             await nursery.start(serve, app, sock)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+            if not self.id.is_head:  # the head ends the job; a worker ends with it
+                nursery.start_soon(self._end_with_job)
             nursery.start_soon(self.writes.retry)
             if self.head_figures is not None:  # prefill-0, the head agent
                 self.head = Head(self._head_context(self.head_figures))
@@ -579,6 +584,20 @@ class NodeAgent:
         self.leaving = f"left the pool (tilert-submit scale): {how}"
         self.log.info("%s: %s; stopping", self.id.name, self.leaving)
         self.stop_requested = True
+        await self.stop_all()
+        if self._stop_scope is not None:
+            self._stop_scope.cancel()
+
+    async def _end_with_job(self) -> None:
+        """Drain and exit once the job has ended, as a signal would make it (agent.node.jobwatch:
+        an agent started by hand, by systemd or for a rejoin gets no signal)."""
+        why = await wait_job_end(self.job, self.log, self.id.name)
+        if self.stop_requested or self.leaving is not None:
+            return
+        self.stop_requested = True
+        self.job_ended = f"stopped with the job: {why}"
+        self.log.info("%s: %s; stopping", self.id.name, why)
+        self.notes.stopping(f"{why}; stopping the engine")
         await self.stop_all()
         if self._stop_scope is not None:
             self._stop_scope.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from agent.launch.commands import (
     prefill_command,
     router_command,
 )
+from agent.node.secretenv import missing_secrets, say_missing_secrets
 from tests.kit import make_job
 
 SECRET = "s3cr3t-value-never-in-argv"
@@ -153,3 +155,33 @@ def test_a_role_secret_stays_with_its_role(tmp_path: Path) -> None:
     assert "HF_TOKEN" not in router.env
     # A secret of the agent's own environment that no recipe names is inherited as usual.
     assert decode.env["UNRELATED_KEY"] == "kept"
+
+
+def test_the_secrets_an_agent_lacks_are_named_with_who_needs_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each role's own secrets count; the head's router's too (agent.node.secretenv)."""
+    job = make_job(
+        tmp_path,
+        "roles.prefill.env.API_KEY=x",
+        "frontend.env.HF_TOKEN=x",
+        "environment.DB_PASSWORD=x",
+    )
+    plan = load_plan((job / "plan.json").read_bytes())
+    assert missing_secrets(plan, "decode", {"PATH": "/usr/bin"}, head=False) == {
+        "DB_PASSWORD": ["decode"]
+    }
+    assert missing_secrets(plan, "prefill", {"API_KEY": "k", "DB_PASSWORD": ""}, head=True) == {
+        "DB_PASSWORD": ["prefill", "router"],  # empty is missing
+        "HF_TOKEN": ["router"],
+    }
+    everything = {"API_KEY": "k", "HF_TOKEN": "t", "DB_PASSWORD": "p"}
+    assert missing_secrets(plan, "prefill", everything, head=True) == {}
+    caplog.set_level(logging.WARNING)
+    log = logging.getLogger("test")
+    said = say_missing_secrets(plan, "prefill", {}, log, who="prefill-1", head=False)
+    assert said == ["API_KEY", "DB_PASSWORD"]
+    assert (
+        "prefill-1: API_KEY is not in this agent's environment, and the recipe gives it to its "
+        "prefill" in caplog.text
+    )

@@ -4,6 +4,8 @@ its agent only (never a crash, never another agent's record), retried before it 
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import os
 import time
 from functools import partial
@@ -12,10 +14,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import trio
+import trio.lowlevel
 
 from agent.job.paths import JobDir
-from agent.job.records import AgentExit, RendezvousRecord
+from agent.job.records import AgentExit, JobStatus, RendezvousRecord
+from agent.job.vocab import JobState
 from agent.node import rendezvous
+from agent.node.jobwatch import JobEnd, wait_job_end
 from agent.node.rendezvous import (
     FULL_PASS_S,
     MAX_RECORD_BYTES,
@@ -430,3 +435,66 @@ async def test_the_watcher_looks_less_often_once_the_folder_is_quiet_and_at_once
     assert changed_again < 10.5, gaps  # the slow look saw the change within its 0.5 s
     assert set(busy) == {0.1}, gaps
     assert set(quiet) == {0.5}, gaps
+
+
+# ---- the job's end as a worker agent sees it (agent.node.jobwatch) ------------------------------
+
+
+def _status(job: JobDir, state: JobState, *, spaced: bool = False) -> None:
+    """status.json in ``state``: as the head writes it, or as another tool would (spaced)."""
+    status = JobStatus(state=state, model="m", error="boom" if state == "failed" else None)
+    if spaced:
+        job.status.write_text(json.dumps(msgspec.to_builtins(status), indent=2))
+    else:
+        job.write_status(status)
+
+
+def _head(job: JobDir, exited: AgentExit | None = None) -> None:
+    head = msgspec.structs.replace(record("decode-0"), name="prefill-0", role="prefill", index=0)
+    head.exited = exited
+    write_record(job, head)
+
+
+def test_an_end_counts_only_once_the_job_was_seen_alive(job: JobDir) -> None:
+    """A job directory used again holds the last run's end: not this run's."""
+    _status(job, "stopped")
+    _head(job, AgentExit(state="stopped", reason="stopped on request", code=0))
+    watch = JobEnd(job)
+    assert watch.look() is None
+    assert watch.looks_ended()
+    _head(job)  # the head starts again: its new record has no last word
+    assert watch.look() is None
+    assert not watch.looks_ended()
+    _status(job, "starting", spaced=True)
+    assert watch.look() is None
+    _status(job, "failed", spaced=True)  # read whole: it does not start with the state
+    assert watch.look() == "the job failed (status.json: boom)"
+
+
+def test_the_heads_last_word_ends_the_job(job: JobDir) -> None:
+    _status(job, "ready")
+    _head(job)
+    watch = JobEnd(job)
+    assert watch.look() is None
+    job.status.write_bytes(b"{not json")  # unreadable: says nothing either way
+    _head(job, AgentExit(state="failed", reason="agent crashed: OSError: x", code=1))
+    assert watch.look() == "the head prefill-0 exited (failed: agent crashed: OSError: x)"
+
+
+async def test_the_watch_returns_once_the_job_stopped(
+    job: JobDir, caplog: pytest.LogCaptureFixture
+) -> None:
+    _status(job, "ready")
+    seen = JobEnd(job)
+    assert seen.look() is None  # alive, seen before the watch starts: no race with its thread
+    ended: list[str] = []
+
+    async def watch() -> None:
+        ended.append(await wait_job_end(job, logging.getLogger("t"), "decode-1", seen))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            _status(job, "stopped")
+    assert ended == ["the job stopped (status.json)"]
+    assert "looks ended" not in caplog.text
