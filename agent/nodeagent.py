@@ -95,6 +95,8 @@ class NodeAgent:
 
     # The head's front door socket (agent.front.port), bound with the agent's own port.
     front_socket: socket.socket | None = None
+    # A worker that saw its job end (agent.node.jobwatch): why, once it did.
+    job_ended: str | None = None
 
     def __init__(self, *, job: JobDir, plan: Plan, identity: Identity, log: logging.Logger) -> None:
         self.job = job
@@ -151,8 +153,6 @@ class NodeAgent:
         self.stop_requested = False
         # A decode asked to leave the pool (tilert-submit scale): how its drain ended, once it did.
         self.leaving: str | None = None
-        # A worker that saw its job end (agent.node.jobwatch): why, once it did.
-        self.job_ended: str | None = None
         self._stop_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self.started = time.time()

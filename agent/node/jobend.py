@@ -4,8 +4,9 @@ A benchmark with ``keep_serving: false`` ends the job once it is done, and every
 not only the head's node. Under Slurm that is ``scancel --signal=TERM`` of the job: every step's
 task (every agent, the head included) gets SIGTERM and drains, and the batch shell waits for them
 (not ``--full``, which would signal the batch shell too). Outside Slurm there is nothing to do
-here: the ``--local`` supervisor stops the other agents when the head exits (a systemd deployment
-keeps its decode services running, as it does when the head is stopped).
+here: the ``--local`` supervisor stops the other agents when the head exits, and every other agent
+(systemd's, one started by hand) sees the end in ``status.json`` or the head's last word and ends
+with it (``agent.node.jobwatch``).
 """
 
 from __future__ import annotations
