@@ -31,6 +31,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── PlotsUnavailable      agent.benchmark.plots: no matplotlib for the charts
     │   ├── WireError             agent.standins.wire: the KV link's stand-in protocol broke
     │   ├── BackendError          submit.backend: Slurm or the local supervisor refused
+    │   ├── PoolBusy              submit.poollock: another ``scale`` holds ``J/pool.lock``
     │   ├── SlurmError            submit.slurm.client: a Slurm command failed
     │   ├── NoLogYet              submit.logview.remote: the log's agent has not started
     │   └── Unreachable           submit.logview.remote: the log's agent cannot be asked

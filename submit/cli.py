@@ -2,9 +2,9 @@
 
 ``tilert-submit RECIPE [--cluster FILE] [--set KEY=VALUE ...] [--dry-run] [--local] [--mock [ROLES]]
 [--job-dir DIR]``, ``tilert-submit convert RECIPE [same flags]`` (a one-node job converting the
-decode's weights, docs/weights.md), ``tilert-submit migrate RECIPE [-o FILE]`` (schema 1 to
-schema 2, docs/recipe.md), and the job commands ``status J [--json]``, ``logs J [NAME]
-[-f]``, ``stop J``, ``diagnose J [--json]``.
+decode's weights, docs/weights.md), ``tilert-submit migrate RECIPE [-o FILE] [--force]``
+(schema 1 to schema 2, docs/recipe.md), and the job commands ``status J [--json]``, ``logs J
+[NAME] [-f]``, ``stop J``, ``diagnose J [--json]``.
 RECIPE is positional, so the job commands are recognised by the first word; a recipe file with
 such a name is given as ``./status``. Bad input exits 2 with a message naming the key or flag,
 a runtime failure 1; never a traceback for either.
@@ -65,7 +65,7 @@ SETUP_COMMANDS = {
 }
 # ``tilert-submit convert RECIPE ...``: the same flags as a submission, for a convert-only job.
 CONVERT_COMMAND = "convert"
-# ``tilert-submit migrate RECIPE [-o FILE]``: a schema-1 TileRT recipe written as schema 2.
+# ``tilert-submit migrate RECIPE [-o FILE] [--force]``: a schema-1 recipe written as schema 2.
 MIGRATE_COMMAND = "migrate"
 
 
