@@ -210,6 +210,10 @@ def main(args: argparse.Namespace) -> int:
     except PoolBusy as exc:
         print(f"{PROG} scale: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+    except OSError as exc:  # J/ read-only, full, or not ours: nothing was changed
+        where = exc.filename or job.root
+        print(f"{PROG} scale: {where}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_RUNTIME
     if isinstance(done, int):
         return done
     wanted, adding = done

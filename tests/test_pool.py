@@ -163,6 +163,12 @@ def test_a_scale_while_another_holds_the_pool_says_so_and_changes_nothing(tmp_pa
     assert f"if no scale runs, remove {JobDir(job).pool_lock}" in done.stderr
     assert not JobDir(job).pool.exists()  # nothing written
     assert not JobDir(job).pool_lock.exists()  # released by its holder
+    # Something else under the lock's name: said, not a traceback.
+    JobDir(job).pool_lock.mkdir()
+    odd = scale(job, "--decode", "3")
+    assert odd.returncode == 1, odd.stdout + odd.stderr
+    assert f"{JobDir(job).pool_lock}: Is a directory" in odd.stderr, odd.stderr
+    assert not JobDir(job).pool.exists()
 
 
 def _left_lock(job: Path, *, pid: int, node: str) -> None:
