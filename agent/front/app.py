@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
-import msgspec
 import trio
 
 from agent.errors import BadInput
@@ -36,12 +35,14 @@ from agent.front.retry import RetryBudget
 from agent.job.frontpolicy import FrontPolicy
 from agent.web.asgi import (
     App,
+    HTTPError,
     Request,
     Response,
     StreamingResponse,
+    decode_json,
     json_response,
-    serve,
 )
+from agent.web.server import serve
 
 RETRY_AFTER_S = 2
 SSE = "text/event-stream; charset=utf-8"
@@ -132,10 +133,9 @@ class Front:
             raise BodyError(413, _too_big(limit), "request_too_large")
         body = await _bounded_body(request, limit, self.policy.body_timeout_s)
         try:
-            value = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            message = f"the request body is not JSON: {exc}"
-            raise BodyError(400, message, "invalid_request") from None
+            value = decode_json(body)
+        except HTTPError as exc:
+            raise BodyError(exc.status, exc.message, "invalid_request") from None
         if not isinstance(value, dict):
             raise BodyError(400, "the request body must be a JSON object", "invalid_request")
         return body, value
