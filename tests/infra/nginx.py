@@ -84,7 +84,8 @@ class Nginx:
         )
 
         def answers() -> bool:
-            assert self.proc is not None and self.proc.poll() is None, self.error_log()
+            assert self.proc is not None
+            assert self.proc.poll() is None, f"nginx exited:\n{self.error_log()}"
             with contextlib.suppress(httpx.HTTPError):
                 return httpx.get(f"{self.url}/health", timeout=5).status_code < 500
             return False
