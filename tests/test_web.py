@@ -10,6 +10,7 @@ stand-ins: tests/test_hostile_clients.py.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterable
@@ -110,6 +111,9 @@ async def test_every_route_answers_bad_input_with_400_not_500(make: Any) -> None
             assert status < 500, (method, path, body)  # /leave reads no body: 200
     status, body = await call(front_app(), "POST", "/v1/chat/completions", (), NESTED)
     assert (status, b"nested too deeply" in body) == (400, True)
+    # The front answers in OpenAI's error shape even what the toolkit refuses before a handler.
+    status, body = await call(front_app(), "GET", "/v1/models", [(b"x-name", LATIN1)])
+    assert json.loads(body)["error"]["type"] == "invalid_request"
 
 
 def streaming_app(ended: trio.Event) -> App:

@@ -93,7 +93,7 @@ class Front:
             self.proxy.changed()
 
     def _build(self) -> App:
-        app = App()
+        app = App(errors=_refusal)
         app.route("GET", "/v1/models")(self._models)
         app.route("GET", "/health")(self._health)
         for path in (CHAT, COMPLETIONS):
@@ -232,6 +232,13 @@ class Front:
             self.figures.ended(
                 ended if finished or watch.truncated else "cancelled", trio.current_time() - started
             )
+
+
+def _refusal(status: int, message: str) -> Response:
+    """What the toolkit refuses before a handler (no route, a header that is not UTF-8), in
+    OpenAI's error shape like every other answer of the front."""
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+    return _error(status, message, kind)
 
 
 def _too_big(limit: int) -> str:

@@ -105,11 +105,18 @@ Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 log = logging.getLogger(__name__)
 
 
-class App:
-    """An ASGI app that dispatches on (method, path) to handlers."""
+def error_response(status: int, message: str) -> Response:
+    """The default answer to an ``HTTPError``: JSON ``{"error": message}``."""
+    return json_response({"error": message}, status)
 
-    def __init__(self) -> None:
+
+class App:
+    """An ASGI app that dispatches on (method, path) to handlers; ``errors`` shapes the answer
+    to an ``HTTPError`` (one a handler raised, or a route or a header refused here)."""
+
+    def __init__(self, errors: Callable[[int, str], Response] = error_response) -> None:
         self.routes: dict[tuple[str, str], Handler] = {}
+        self.errors = errors
 
     def route(self, method: str, path: str) -> Callable[[Handler], Handler]:
         """Register a handler: ``@app.route("GET", "/health")``."""
@@ -131,7 +138,7 @@ class App:
                 raise HTTPError(405 if known else 404, f"no route {request.method} {request.path}")
             response = await handler(request)
         except HTTPError as exc:
-            response = json_response({"error": exc.message}, exc.status)
+            response = self.errors(exc.status, exc.message)
         except Exception:
             log.exception("handler for %s %s failed", scope["method"], scope["path"])
             response = json_response({"error": "internal error"}, 500)
