@@ -90,7 +90,11 @@ class Nginx:
                 return httpx.get(f"{self.url}/health", timeout=5).status_code < 500
             return False
 
-        wait_for("nginx to answer", answers, START_TIMEOUT_S, detail=self.error_log)
+        try:
+            wait_for("nginx to answer", answers, START_TIMEOUT_S, detail=self.error_log)
+        except BaseException:
+            self.stop()  # a failed start leaves no nginx behind (__exit__ will not run)
+            raise
         return self
 
     def stop(self) -> None:
