@@ -63,7 +63,7 @@ from agent.node.sdnotify import Notifier
 from agent.node.servicenotes import ServiceNotes, Standing, wedge_on_sigusr2, wedge_seconds
 from agent.node.supervisor import EngineSupervisor
 from agent.problems import printable
-from agent.web.asgi import bound_socket, serve
+from agent.web.server import bound_socket, serve
 
 MAX_AGENT_PORT_TRIES = 50
 

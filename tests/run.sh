@@ -31,6 +31,7 @@ APT_PACKAGES=(
   shellcheck                          # lints the rendered sbatch scripts and this one
   python3-venv                        # `python3 -m venv` on Debian
   systemd                             # systemd-analyze verify (tests/test_systemd.py)
+  nginx                               # a proxy with its defaults before the front door
   util-linux mount hostname           # unshare, mount --bind, hostname: per-node hostnames
 )
 

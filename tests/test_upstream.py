@@ -14,7 +14,8 @@ import trio.testing
 
 from agent.http.reexport import relabel_page
 from agent.http.upstream import UpstreamMetrics
-from agent.web.asgi import App, Request, Response, StreamingResponse, bound_socket, serve
+from agent.web.asgi import App, Request, Response, StreamingResponse
+from agent.web.server import bound_socket, serve
 from tests.infra.ports import free_port
 from tests.kit.metrics import (
     BAD_PAGES,

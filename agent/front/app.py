@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
-import msgspec
 import trio
 
 from agent.errors import BadInput
@@ -36,12 +35,14 @@ from agent.front.retry import RetryBudget
 from agent.job.frontpolicy import FrontPolicy
 from agent.web.asgi import (
     App,
+    HTTPError,
     Request,
     Response,
     StreamingResponse,
+    decode_json,
     json_response,
-    serve,
 )
+from agent.web.server import serve
 
 RETRY_AFTER_S = 2
 SSE = "text/event-stream; charset=utf-8"
@@ -92,7 +93,7 @@ class Front:
             self.proxy.changed()
 
     def _build(self) -> App:
-        app = App()
+        app = App(errors=_refusal)
         app.route("GET", "/v1/models")(self._models)
         app.route("GET", "/health")(self._health)
         for path in (CHAT, COMPLETIONS):
@@ -132,10 +133,9 @@ class Front:
             raise BodyError(413, _too_big(limit), "request_too_large")
         body = await _bounded_body(request, limit, self.policy.body_timeout_s)
         try:
-            value = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            message = f"the request body is not JSON: {exc}"
-            raise BodyError(400, message, "invalid_request") from None
+            value = decode_json(body)
+        except HTTPError as exc:
+            raise BodyError(exc.status, exc.message, "invalid_request") from None
         if not isinstance(value, dict):
             raise BodyError(400, "the request body must be a JSON object", "invalid_request")
         return body, value
@@ -232,6 +232,13 @@ class Front:
             self.figures.ended(
                 ended if finished or watch.truncated else "cancelled", trio.current_time() - started
             )
+
+
+def _refusal(status: int, message: str) -> Response:
+    """What the toolkit refuses before a handler (no route, a header that is not UTF-8), in
+    OpenAI's error shape like every other answer of the front."""
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+    return _error(status, message, kind)
 
 
 def _too_big(limit: int) -> str:

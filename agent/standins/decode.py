@@ -43,10 +43,9 @@ from agent.web.asgi import (
     Request,
     Response,
     StreamingResponse,
-    bound_socket,
     json_response,
-    serve,
 )
+from agent.web.server import bound_socket, serve
 
 log = logging.getLogger("pd_vllm.decode_server")
 recv_log = logging.getLogger("pd_vllm.receive")

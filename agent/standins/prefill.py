@@ -39,11 +39,10 @@ from agent.web.asgi import (
     Request,
     Response,
     StreamingResponse,
-    bound_socket,
     json_response,
-    serve,
     text_response,
 )
+from agent.web.server import bound_socket, serve
 
 log = logging.getLogger("vllm.entrypoints.openai.api_server")
 

@@ -1,4 +1,4 @@
-"""The HTTP server toolkit: a small ASGI layer on hypercorn + trio (``asgi``).
+"""The HTTP server toolkit: a small ASGI layer (``asgi``) served on hypercorn + trio (``server``).
 
 A base layer, so that the agent's endpoint (``agent.http``) and the stand-in engines
 (``agent.standins``) serve HTTP the same way without the stand-ins importing the agent.

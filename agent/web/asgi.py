@@ -9,14 +9,11 @@ decode stand-in's busy flag).
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
-import hypercorn.config
-import hypercorn.trio
 import msgspec
 import trio
 
@@ -53,10 +50,19 @@ class Request:
 
     async def json(self) -> Any:
         """The body decoded as JSON; raises ``HTTPError(400)`` when it is not."""
-        try:
-            return msgspec.json.decode(await self.body())
-        except msgspec.DecodeError as exc:
-            raise HTTPError(400, f"request body is not JSON: {exc}") from None
+        return decode_json(await self.body())
+
+
+def decode_json(body: bytes) -> Any:
+    """A request body decoded as JSON, or ``HTTPError(400)`` saying why not: every handler's
+    one decoder, so that no client's body can make a 500 (msgspec raises RecursionError, not
+    DecodeError, on arrays or objects nested deeper than Python's recursion limit)."""
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise HTTPError(400, f"the request body is not JSON: {exc}") from None
+    except RecursionError:
+        raise HTTPError(400, "the request body is JSON nested too deeply") from None
 
 
 @dataclass
@@ -99,11 +105,18 @@ Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 log = logging.getLogger(__name__)
 
 
-class App:
-    """An ASGI app that dispatches on (method, path) to handlers."""
+def error_response(status: int, message: str) -> Response:
+    """The default answer to an ``HTTPError``: JSON ``{"error": message}``."""
+    return json_response({"error": message}, status)
 
-    def __init__(self) -> None:
+
+class App:
+    """An ASGI app that dispatches on (method, path) to handlers; ``errors`` shapes the answer
+    to an ``HTTPError`` (one a handler raised, or a route or a header refused here)."""
+
+    def __init__(self, errors: Callable[[int, str], Response] = error_response) -> None:
         self.routes: dict[tuple[str, str], Handler] = {}
+        self.errors = errors
 
     def route(self, method: str, path: str) -> Callable[[Handler], Handler]:
         """Register a handler: ``@app.route("GET", "/health")``."""
@@ -115,33 +128,39 @@ class App:
         return register
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
         if scope["type"] != "http":
             return
-        query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode()).items()}
-        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        request = Request(scope["method"], scope["path"], query, headers, receive)
-        handler = self.routes.get((scope["method"], scope["path"]))
         try:
+            request = _request(scope, receive)
+            handler = self.routes.get((request.method, request.path))
             if handler is None:
-                known = any(path == scope["path"] for _, path in self.routes)
-                raise HTTPError(
-                    405 if known else 404, f"no route {scope['method']} {scope['path']}"
-                )
+                known = any(path == request.path for _, path in self.routes)
+                raise HTTPError(405 if known else 404, f"no route {request.method} {request.path}")
             response = await handler(request)
         except HTTPError as exc:
-            response = json_response({"error": exc.message}, exc.status)
+            response = self.errors(exc.status, exc.message)
         except Exception:
             log.exception("handler for %s %s failed", scope["method"], scope["path"])
             response = json_response({"error": "internal error"}, 500)
         await _send_response(send, receive, response)
+
+
+def _request(scope: Scope, receive: Receive) -> Request:
+    """The request a handler sees; a header or query that is not UTF-8 is the client's to fix
+    (400), decoded here once for every route."""
+    try:
+        pairs = parse_qs(scope.get("query_string", b"").decode(), errors="strict")
+    except UnicodeDecodeError:
+        raise HTTPError(400, "the query string is not UTF-8 (after %-decoding)") from None
+    query = {k: v[-1] for k, v in pairs.items()}
+    headers: dict[str, str] = {}
+    for name, value in scope.get("headers", []):
+        try:
+            headers[name.decode().lower()] = value.decode()
+        except UnicodeDecodeError:
+            shown = name.decode("latin-1")[:100]
+            raise HTTPError(400, f"the value of header {shown!r} is not UTF-8") from None
+    return Request(scope["method"], scope["path"], query, headers, receive)
 
 
 async def _send_response(
@@ -155,6 +174,7 @@ async def _send_response(
         return
     # hypercorn drops sends after a hang-up without raising, so watch for the disconnect ourselves
     # and cancel the iteration: that runs the async generator's ``finally`` at once.
+    ended = False
     async with trio.open_nursery() as nursery:
 
         async def cancel_on_disconnect() -> None:
@@ -166,46 +186,16 @@ async def _send_response(
         try:
             async for chunk in response.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+            ended = True
         finally:
             aclose = getattr(response.chunks, "aclose", None)
             if aclose is not None:
                 with trio.CancelScope(shield=True):
                     await aclose()
         nursery.cancel_scope.cancel()
-
-
-def bound_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (``::`` is dual-stack), ready to hand to
-    ``serve``."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if family == socket.AF_INET6:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.set_inheritable(True)
-    return sock
-
-
-async def serve(
-    app: App,
-    sock: socket.socket,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    shutdown: trio.Event | None = None,
-) -> None:
-    """Serve ``app`` on an already bound socket until cancelled (or until ``shutdown`` is set)."""
-    config = hypercorn.config.Config()
-    # hypercorn wraps the fd in a socket object of its own: hand the fd over (detach) so that the
-    # caller's object, when collected, cannot close a descriptor number reused later.
-    config.bind = [f"fd://{sock.detach()}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.loglevel = "WARNING"
-    config.graceful_timeout = 1.0
-    config.keep_alive_timeout = 75.0
-    event = shutdown if shutdown is not None else trio.Event()
-    task_status.started()
-    await hypercorn.trio.serve(app, config, shutdown_trigger=event.wait)  # type: ignore[arg-type]
+    # The last send outside that scope: it is the one that ends the response, and for a client
+    # that cannot keep the connection (HTTP/1.0, ``Connection: close``: no chunked end) it
+    # closes the connection, which is when hypercorn hands us the disconnect. Sent inside, the
+    # disconnect cancelled its own close and the client waited for the job to end.
+    if ended:
+        await send({"type": "http.response.body", "body": b""})
