@@ -22,7 +22,6 @@ from agent.job.pool import DecodePool, GrowJob, PoolFileError, read_pool, write_
 from agent.job.records import JobStatus
 from submit.backend import Backend, BackendError, Submitted, wait_until
 from submit.slurm import client
-from submit.slurm.render import agent_command_of, render_grow
 
 # How long a job may take to leave squeue after a plain scancel (TERM, then KILL).
 SCANCEL_WAIT_S = 10.0
@@ -92,6 +91,10 @@ class SlurmBackend(Backend):
     def grow(self, job: JobDir, status: JobStatus, pool: DecodePool, indexes: list[int]) -> None:
         """A second Slurm job for the same job folder: one decode agent per new index, with the
         first job's agent command; its id recorded in ``J/pool.json`` (``stop`` ends it too)."""
+        # Imported here: the batch script's renderer pulls in the recipe layer (the cluster
+        # file's YAML reader), which `status`, `stop` and `logs` of any job never need.
+        from submit.slurm.render import agent_command_of, render_grow
+
         if not indexes:
             return
         first = _job_id(status)
