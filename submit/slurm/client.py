@@ -7,12 +7,16 @@ without Slurm the commands do not exist: both become a ``SlurmError`` that says 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.errors import RuntimeFailure
+
+# Imported where a client command runs: `status` of a local job imports this module (through
+# the Slurm backend, asked whether it owns the job) and never runs one.
+if TYPE_CHECKING:
+    import subprocess
 
 CLIENT_TIMEOUT_S = 30.0
 
@@ -28,6 +32,9 @@ def run_client(
     env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run one Slurm client command; SlurmError unless it exits 0 within ``timeout``."""
+    import shutil  # deferred: see the imports' comment
+    import subprocess
+
     program = argv[0]
     if shutil.which(program, path=(env or os.environ).get("PATH")) is None:
         raise SlurmError(
