@@ -419,6 +419,17 @@ def test_status_and_help_import_only_what_they_use(tmp_path: Path) -> None:
     assert heavy(modules, NOT_FOR_HELP) == []
 
 
+def test_a_dry_run_of_a_schema_2_recipe_imports_no_runtime_and_no_schema_1_reader(
+    tmp_path: Path,
+) -> None:
+    """``--dry-run`` plans and prints: neither the launchers' runtime (trio, psutil, subprocess,
+    httpx) nor the schema-1 reader, which a recipe that says ``schema: 2`` cannot need."""
+    root = tmp_path / "J"
+    modules = imported_by(tmp_path, str(DEMO), "--dry-run", "--job-dir", str(root))
+    assert "agent.recipe.planner" in modules
+    assert heavy(modules, ("agent.recipe.schema1", "trio", "psutil", "subprocess", "httpx")) == []
+
+
 def test_what_a_person_reads_once_submitted_names_the_handle(tmp_path: Path) -> None:
     # The backends return a handle; the words are the CLI's (a local run never returns one today:
     # it becomes the supervisor, but a handle naming a pid reads as well).
