@@ -31,8 +31,8 @@ from submit import PROG
 # Imported where used, not here: this module is every command's entry, and a job command or
 # --help must not pay for what only a submission needs (msgspec and the job's formats, the
 # recipe layer: YAML, rules, planner; a backend). `status` imports its own module's needs only,
-# --help argparse and agent.recipe.sweep (for --max-jobs' default): docs/performance.md, "CLI";
-# tests/test_submit_cli.py checks what `status` and --help import.
+# --help argparse and agent.recipe.sweep (for --max-jobs' default): docs/performance.md,
+# "CLI imports"; tests/test_submit_cli.py checks what `status` and --help import.
 if TYPE_CHECKING:
     from agent.job.paths import JobDir
     from agent.job.plan import Plan

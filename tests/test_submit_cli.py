@@ -367,10 +367,11 @@ import json
 with open(sys.argv[1], "w") as out:
     json.dump({"code": code, "modules": modules}, out)
 """
-# What a job command and --help must not pay for (docs/performance.md, "CLI"): the recipe layer
-# and its YAML, psutil, subprocess, the sbatch renderer, the writers' tempfile and secrets; for
-# --help also the job's formats and the backends (it reads agent.recipe.sweep, for --max-jobs'
-# default). Each is imported where it is used; each costs a good part of an interpreter's start.
+# What a job command and --help must not pay for (docs/performance.md, "CLI imports"): the
+# recipe layer and its YAML, psutil, subprocess, the sbatch renderer, the writers' tempfile and
+# secrets; for --help also the job's formats and the backends (it reads agent.recipe.sweep, for
+# --max-jobs' default). Each is imported where it is used; each costs a good part of an
+# interpreter's start.
 NOT_FOR_STATUS = ("agent.recipe", "yaml", "psutil", "subprocess", "submit.slurm.render")
 NOT_FOR_STATUS_EITHER = ("tempfile", "secrets", "agent.job.atomicfile")
 NOT_FOR_HELP = (

@@ -84,7 +84,7 @@ class JobDir:
     def write_status(self, status: JobStatus) -> None:
         """Write ``status.json`` atomically, 0644."""
         # Imported by the writers only: `tilert-submit status` reads this file and must not pay
-        # for tempfile and shutil (docs/performance.md, "CLI").
+        # for tempfile and shutil (docs/performance.md, "CLI imports").
         from agent.job.atomicfile import write_atomic
 
         write_atomic(self.status, msgspec.json.encode(status), mode=0o644)
@@ -94,7 +94,7 @@ class JobDir:
         or be
         empty."""
         # Imported where a job is created: secrets (hashlib, OpenSSL) and tempfile are a
-        # submission's cost, not every reader's (docs/performance.md, "CLI").
+        # submission's cost, not every reader's (docs/performance.md, "CLI imports").
         import secrets
 
         from agent.job.atomicfile import write_atomic

@@ -480,7 +480,8 @@ def load_recipe_text(
     raw = _one_combination(raw, combination, swept=swept, problems=problems, source=source)
     origins = None
     # The schema-1 reader (600 lines) is imported for a tree that may be one: a recipe that says
-    # `schema: 2` is not, and `--dry-run` of one does not pay for it (docs/performance.md, "CLI").
+    # `schema: 2` is not, and `--dry-run` of one does not pay for it (docs/performance.md,
+    # "CLI imports").
     if raw.get("schema") in (None, 1):
         from agent.recipe import schema1
 

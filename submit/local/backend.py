@@ -49,7 +49,8 @@ def pid_alive(pid: int) -> bool:
     # An exited process its parent has not reaped yet (a zombie) still answers signal 0. Its
     # state is read where psutil reads it on Linux (the letter after the command's closing
     # parenthesis in /proc/PID/stat): `tilert-submit status` asks this of every live local job,
-    # and importing psutil costs most of an interpreter's start (docs/performance.md, "CLI").
+    # and importing psutil costs most of an interpreter's start (docs/performance.md,
+    # "CLI imports").
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except FileNotFoundError:

@@ -27,7 +27,7 @@ def env(**extra: str) -> dict[str, str]:
     """This environment with the checkout first on the path and no inherited TILERT_* switch."""
     # Python keeps the bytecode it compiles (the warm-up runs write it, as a user's first run
     # does): a PYTHONDONTWRITEBYTECODE inherited from a test or CI shell would make every run
-    # compile the project again and time the compiler (docs/performance.md, "CLI").
+    # compile the project again and time the compiler (docs/performance.md, "CLI imports").
     out = {
         k: v
         for k, v in os.environ.items()
