@@ -449,7 +449,8 @@ class NodeAgent:
         """The head cannot serve on the router port: fail at once, in status.json too."""
         error = (
             f"router port {self.plan.router.port} is taken on {self.id.node}; free it or set "
-            "agent.router_port (clients rely on this port, so the agent does not move it)"
+            "agent.router_port (the benchmark and srtctl's scripts address the router there, so "
+            "the agent does not move it)"
         )
         self.log.error("%s", error)
         self.start_failure = error

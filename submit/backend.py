@@ -16,12 +16,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from agent.errors import RuntimeFailure
-from agent.job.paths import JobDir
-from agent.job.plan import Plan
-from agent.job.pool import DecodePool
-from agent.job.records import JobStatus
+
+# Types only: the interface costs a job command nothing beyond what its backend imports.
+if TYPE_CHECKING:
+    from agent.job.paths import JobDir
+    from agent.job.plan import Plan
+    from agent.job.pool import DecodePool
+    from agent.job.records import JobStatus
 
 POLL_S = 0.2
 

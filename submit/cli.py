@@ -25,28 +25,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from agent.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUNTIME
-from agent.job.atomicfile import write_atomic
-from agent.job.benchmark import pending_block
-from agent.job.logfiles import log_path
-from agent.job.paths import JobDir
-from agent.job.plan import Plan, parse_standins
-from agent.job.records import JobAgent, JobStatus
-from agent.job.vocab import Process
-from agent.problems import InputError, Problem, error, printable, render_problems
-from agent.recipe.sweep import MAX_JOBS
 from submit import PROG
-from submit.backend import Backend, BackendError, Submitted
-from submit.choice import backend_for
 
-# The recipe layer (YAML, rules, planner) is imported where a recipe is read: the job commands
-# and --help do not pay for it (agent.recipe.sweep, for --max-jobs' default, is light).
+# Imported where used, not here: this module is every command's entry, and a job command or
+# --help must not pay for what only a submission needs (msgspec and the job's formats, the
+# recipe layer: YAML, rules, planner; a backend). `status` imports its own module's needs only,
+# --help argparse and agent.recipe.sweep (for --max-jobs' default): docs/performance.md,
+# "CLI imports"; tests/test_submit_cli.py checks what `status` and --help import.
 if TYPE_CHECKING:
+    from agent.job.paths import JobDir
+    from agent.job.plan import Plan
+    from agent.job.records import JobStatus
+    from agent.job.vocab import Process
+    from agent.problems import Problem
     from agent.recipe.cluster import ClusterConfig
     from agent.recipe.loader import LoadedRecipe
     from agent.recipe.sweep import Combination
+    from submit.backend import Backend, Submitted
 
 JOBS_DIR = "tilert-jobs"
 
@@ -70,6 +66,8 @@ MIGRATE_COMMAND = "migrate"
 
 
 def _parser() -> argparse.ArgumentParser:
+    from agent.recipe.sweep import MAX_JOBS  # deferred: see the imports' comment
+
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Serve a model with vLLM prefill + TileRT decode + TileRT's P/D router: "
@@ -177,12 +175,16 @@ def _job_command(name: str, argv: Sequence[str]) -> int:
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    from agent.problems import printable  # deferred: see the imports' comment
+
     # Messages quote paths and values the user gave: escaped, so one message stays one line.
     print(f"{PROG}: {printable(message)}", file=sys.stderr)
     return code
 
 
 def _warn(problems: Sequence[Problem], source: str) -> None:
+    from agent.problems import render_problems  # deferred: see the imports' comment
+
     if problems:
         print(render_problems(problems, source), file=sys.stderr)
 
@@ -199,6 +201,8 @@ def _load_cluster(flag: str | None) -> tuple[ClusterConfig | None, list[Problem]
 
 def _job_root(flag: str | None, name: str) -> Path:
     """The job directory to create: --job-dir as given, or a fresh one under ./tilert-jobs/."""
+    from agent.problems import InputError, error  # deferred: see the imports' comment
+
     if flag is not None:
         root = Path(flag).expanduser().absolute()
         try:
@@ -235,6 +239,12 @@ def _job_root(flag: str | None, name: str) -> Path:
 
 def pending_status(plan: Plan, job: JobDir) -> JobStatus:
     """``status.json`` at submit: ``pending``, every planned agent listed."""
+    import msgspec  # deferred: see the imports' comment
+
+    from agent.job.benchmark import pending_block
+    from agent.job.logfiles import log_path
+    from agent.job.records import JobAgent, JobStatus
+
     agents = [
         JobAgent(
             name=f"{role.role}-{i}",
@@ -268,6 +278,9 @@ def write_job(
 ) -> None:
     """Lay out the job directory and write recipe.yaml, plan.json, sbatch.sh, status.json
     (``backend``, the one that will run the job, notes what it knows in that first status)."""
+    import msgspec  # deferred: see the imports' comment
+
+    from agent.job.atomicfile import write_atomic
     from agent.recipe.loader import resolved_yaml
 
     job.create()
@@ -298,6 +311,9 @@ def _prepare(
     combination: Combination | None,
 ) -> _Prepared:
     """Load, plan and render one job (InputError when its recipe does not validate)."""
+    import msgspec  # deferred: see the imports' comment
+
+    from agent.job.paths import JobDir
     from agent.recipe.convertplan import convert_job_plan
     from agent.recipe.loader import load_recipe
     from agent.recipe.planner import make_plan
@@ -330,6 +346,8 @@ def _prepare_sweep(
     args: argparse.Namespace, cluster: ClusterConfig | None, combinations: list[Combination]
 ) -> list[_Prepared] | None:
     """Every combination of a sweep, or None after printing each one that does not validate."""
+    from agent.problems import InputError  # deferred: see the imports' comment
+
     prepared, failed = [], 0
     for combination in combinations:
         try:
@@ -350,6 +368,8 @@ def _prepare_sweep(
 
 def _collisions(prepared: list[_Prepared]) -> int:
     """Print each sweep job whose name (or directory) another one has already; how many."""
+    from agent.problems import error, render_problems  # deferred: see the imports' comment
+
     names: dict[str, _Prepared] = {}
     roots: dict[Path, _Prepared] = {}
     count = 0
@@ -377,7 +397,9 @@ def _prepare_all(
 ) -> tuple[list[_Prepared], list[Problem], str] | int:
     """The jobs to write (one per sweep combination) with the cluster file's warnings and name;
     or the exit code after saying why there are none."""
+    from agent.problems import InputError  # deferred: see the imports' comment
     from agent.recipe.loader import recipe_sweep
+    from agent.recipe.sweep import MAX_JOBS
 
     try:
         cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
@@ -407,7 +429,9 @@ def _prepare_all(
 def run(args: argparse.Namespace) -> int:
     """Load, plan, write the job directory (one per sweep combination), then dry-run, run
     locally or submit."""
-    from agent.recipe.planner import secret_values
+    from agent.recipe.planner import secret_values  # deferred: see the imports' comment
+    from submit.backend import BackendError
+    from submit.choice import backend_for
 
     prepared = _prepare_all(args)
     if isinstance(prepared, int):
@@ -528,6 +552,8 @@ def _standins(args: argparse.Namespace) -> list[Process]:
     """--mock's roles ([] without --mock); ``--mock RECIPE`` means every role and that recipe."""
     if args.mock is None:
         return []
+    from agent.job.plan import parse_standins  # deferred: see the imports' comment
+
     try:
         return parse_standins(args.mock)
     except ValueError:

@@ -4,10 +4,12 @@ sbatch."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -349,6 +351,84 @@ def test_status_dispatch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["status", str(root), "--json"]) == 0
     view = json.loads(capsys.readouterr().out)
     assert json.dumps(view).count("pending") >= 1
+
+
+# ``tilert-submit ARGS`` in a fresh interpreter, then every module it imported (read before the
+# probe imports json to write them).
+IMPORT_PROBE = """
+import sys
+from submit.cli import main
+try:
+    code = main(sys.argv[2:])
+except SystemExit as exc:
+    code = exc.code
+modules = sorted(sys.modules)
+import json
+with open(sys.argv[1], "w") as out:
+    json.dump({"code": code, "modules": modules}, out)
+"""
+# What a job command and --help must not pay for (docs/performance.md, "CLI imports"): the
+# recipe layer and its YAML, psutil, subprocess, the sbatch renderer, the writers' tempfile and
+# secrets; for --help also the job's formats and the backends (it reads agent.recipe.sweep, for
+# --max-jobs' default). Each is imported where it is used; each costs a good part of an
+# interpreter's start.
+NOT_FOR_STATUS = ("agent.recipe", "yaml", "psutil", "subprocess", "submit.slurm.render")
+NOT_FOR_STATUS_EITHER = ("tempfile", "secrets", "agent.job.atomicfile")
+NOT_FOR_HELP = (
+    *("agent.recipe.loader", "agent.recipe.cluster", "agent.recipe.planner", "yaml", "psutil"),
+    *("subprocess", "agent.job", "submit.backend", "submit.slurm", "submit.statusview"),
+)
+
+
+def imported_by(tmp_path: Path, *argv: str) -> set[str]:
+    """The modules ``tilert-submit ARGV`` imports, run in a fresh interpreter (exit 0)."""
+    found = tmp_path / "modules.json"
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, str(found), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(found.read_text())
+    assert result["code"] in (0, None), (result["code"], done.stdout, done.stderr)
+    return set(result["modules"])
+
+
+def heavy(modules: set[str], names: tuple[str, ...]) -> list[str]:
+    """The modules among ``modules`` that are one of ``names`` or inside one."""
+    return sorted(m for m in modules if any(m == n or m.startswith(n + ".") for n in names))
+
+
+def test_status_and_help_import_only_what_they_use(tmp_path: Path) -> None:
+    """``status`` of a live local job (the stale check asks whether its supervisor's pid runs,
+    as ``python -m tests.bench``'s ``cli_status_ms`` measures) and ``--help`` import neither the
+    recipe layer nor psutil nor subprocess: asserted on what they import, not on time."""
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--dry-run", "--job-dir", str(root)]) == 0
+    job = JobDir(root)
+    status = job.read_status()
+    status.state, status.local_pid, status.updated_at = "ready", os.getpid(), time.time()
+    job.write_status(status)
+    modules = imported_by(tmp_path, "status", str(root))
+    assert "submit.statusview" in modules
+    assert "submit.local.backend" in modules  # the live pid asked after
+    assert heavy(modules, NOT_FOR_STATUS + NOT_FOR_STATUS_EITHER) == []
+    modules = imported_by(tmp_path, "--help")
+    assert "argparse" in modules
+    assert heavy(modules, NOT_FOR_HELP) == []
+
+
+def test_a_dry_run_of_a_schema_2_recipe_imports_no_runtime_and_no_schema_1_reader(
+    tmp_path: Path,
+) -> None:
+    """``--dry-run`` plans and prints: neither the launchers' runtime (trio, psutil, subprocess,
+    httpx) nor the schema-1 reader, which a recipe that says ``schema: 2`` cannot need."""
+    root = tmp_path / "J"
+    modules = imported_by(tmp_path, str(DEMO), "--dry-run", "--job-dir", str(root))
+    assert "agent.recipe.planner" in modules
+    assert heavy(modules, ("agent.recipe.schema1", "trio", "psutil", "subprocess", "httpx")) == []
 
 
 def test_what_a_person_reads_once_submitted_names_the_handle(tmp_path: Path) -> None:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-from agent.job.atomicfile import write_atomic
 from agent.job.records import JobStatus
 
 # Set by every agent for the processes it starts (engines, the router): the job directory that
@@ -90,12 +88,22 @@ class JobDir:
 
     def write_status(self, status: JobStatus) -> None:
         """Write ``status.json`` atomically, 0644."""
+        # Imported by the writers only: `tilert-submit status` reads this file and must not pay
+        # for tempfile and shutil (docs/performance.md, "CLI imports").
+        from agent.job.atomicfile import write_atomic
+
         write_atomic(self.status, msgspec.json.encode(status), mode=0o644)
 
     def create(self) -> None:
         """Lay out an empty job directory with the modes docs/cli.md lists; the root must not exist
         or be
         empty."""
+        # Imported where a job is created: secrets (hashlib, OpenSSL) and tempfile are a
+        # submission's cost, not every reader's (docs/performance.md, "CLI imports").
+        import secrets
+
+        from agent.job.atomicfile import write_atomic
+
         if self.root.exists() and any(self.root.iterdir()):
             raise FileExistsError(f"{self.root} exists and is not empty")
         self.root.mkdir(parents=True, exist_ok=True)

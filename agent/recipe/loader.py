@@ -23,7 +23,7 @@ import yaml
 
 from agent.job.secrets import masked
 from agent.problems import InputError, Problem, error, errors_of, warning, warnings_of
-from agent.recipe import rules, schema1
+from agent.recipe import rules
 from agent.recipe.cluster import (
     ClusterConfig,
     local_path,
@@ -479,8 +479,14 @@ def load_recipe_text(
     overridden = [".".join(parse_override(item)[0]) for item in overrides]
     raw = _one_combination(raw, combination, swept=swept, problems=problems, source=source)
     origins = None
-    if schema1.is_schema1(raw):
-        raw, origins = schema1.translate(raw)
+    # The schema-1 reader (600 lines) is imported for a tree that may be one: a recipe that says
+    # `schema: 2` is not, and `--dry-run` of one does not pay for it (docs/performance.md,
+    # "CLI imports").
+    if raw.get("schema") in (None, 1):
+        from agent.recipe import schema1
+
+        if schema1.is_schema1(raw):
+            raw, origins = schema1.translate(raw)
     found: list[Problem] = []
     typed, pruned = _typed(raw, found, source)
     gpus_unset = [

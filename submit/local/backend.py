@@ -20,9 +20,8 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import NoReturn
-
-import psutil
 
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
@@ -47,13 +46,18 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # An exited process its parent has not reaped yet (a zombie) still answers signal 0.
+    # An exited process its parent has not reaped yet (a zombie) still answers signal 0. Its
+    # state is read where psutil reads it on Linux (the letter after the command's closing
+    # parenthesis in /proc/PID/stat): `tilert-submit status` asks this of every live local job,
+    # and importing psutil costs most of an interpreter's start (docs/performance.md,
+    # "CLI imports").
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
         return False
-    except psutil.Error:
+    except OSError:
         return True
+    return stat[stat.rfind(b")") + 2 :][:1] != b"Z"
 
 
 SUPERVISOR_MODULE = "submit.local.run"
@@ -97,6 +101,8 @@ def not_the_supervisor(job: JobDir, status: JobStatus) -> str | None:
             f"status.json names pid {pid} without the supervisor's start time "
             "(local_started_at), so it cannot be told from another process that reuses the pid"
         )
+    import psutil  # imported for `stop` and a submission only (see pid_alive)
+
     try:
         proc = psutil.Process(pid)
         started = proc.create_time()
@@ -138,6 +144,8 @@ class LocalBackend(Backend):
         # A `stop` may read status.json the moment it exists: its SIGTERM must wait for the
         # supervisor's handler, not meet the default action (exit 143, the job `pending` for good).
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        import psutil  # imported for `stop` and a submission only (see pid_alive)
+
         status.local_pid = os.getpid()
         status.local_started_at = psutil.Process().create_time()
 

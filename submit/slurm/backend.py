@@ -12,17 +12,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from agent.job.atomicfile import write_atomic
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
-from agent.job.pool import DecodePool, GrowJob, PoolFileError, read_pool, write_pool
 from agent.job.records import JobStatus
 from submit.backend import Backend, BackendError, Submitted, wait_until
 from submit.slurm import client
-from submit.slurm.render import agent_command_of, render_grow
+
+# Types only: `status` of any job asks this backend whether it owns the job; the pool file and
+# the atomic writer (tempfile) are imported by `stop` and `scale` where they use them.
+if TYPE_CHECKING:
+    from agent.job.pool import DecodePool
 
 # How long a job may take to leave squeue after a plain scancel (TERM, then KILL).
 SCANCEL_WAIT_S = 10.0
@@ -92,6 +95,12 @@ class SlurmBackend(Backend):
     def grow(self, job: JobDir, status: JobStatus, pool: DecodePool, indexes: list[int]) -> None:
         """A second Slurm job for the same job folder: one decode agent per new index, with the
         first job's agent command; its id recorded in ``J/pool.json`` (``stop`` ends it too)."""
+        # Imported here: the batch script's renderer pulls in the recipe layer (the cluster
+        # file's YAML reader), which `status`, `stop` and `logs` of any job never need.
+        from agent.job.atomicfile import write_atomic
+        from agent.job.pool import GrowJob, write_pool
+        from submit.slurm.render import agent_command_of, render_grow
+
         if not indexes:
             return
         first = _job_id(status)
@@ -114,6 +123,8 @@ class SlurmBackend(Backend):
 
 def grow_job_ids(job: JobDir) -> list[str]:
     """The Slurm jobs that grew the pool of ``job`` (``J/pool.json``); none when unreadable."""
+    from agent.job.pool import PoolFileError, read_pool  # `stop`'s (see the imports' comment)
+
     try:
         pool = read_pool(job, 0)
     except (OSError, PoolFileError):

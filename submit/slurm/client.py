@@ -7,12 +7,16 @@ without Slurm the commands do not exist: both become a ``SlurmError`` that says 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.errors import RuntimeFailure
+
+# Imported where a client command runs: `status` of a local job imports this module (through
+# the Slurm backend, asked whether it owns the job) and never runs one.
+if TYPE_CHECKING:
+    import subprocess
 
 CLIENT_TIMEOUT_S = 30.0
 
@@ -32,6 +36,9 @@ def run_client(
     Its output is read as UTF-8 whatever the locale, a byte that is not UTF-8 (a site's Latin-1
     partition name, feature or comment) read as U+FFFD: the one place every Slurm command's output
     is decoded, so none of them can end ``init`` or a submission with a traceback."""
+    import shutil  # deferred: see the imports' comment
+    import subprocess
+
     program = argv[0]
     if shutil.which(program, path=(env or os.environ).get("PATH")) is None:
         raise SlurmError(

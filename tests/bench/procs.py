@@ -25,7 +25,14 @@ SCALE_TIMEOUT_S = 600.0
 
 def env(**extra: str) -> dict[str, str]:
     """This environment with the checkout first on the path and no inherited TILERT_* switch."""
-    out = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
+    # Python keeps the bytecode it compiles (the warm-up runs write it, as a user's first run
+    # does): a PYTHONDONTWRITEBYTECODE inherited from a test or CI shell would make every run
+    # compile the project again and time the compiler (docs/performance.md, "CLI imports").
+    out = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TILERT_") and k != "PYTHONDONTWRITEBYTECODE"
+    }
     out["PYTHONPATH"] = str(REPO)
     out.update(extra)
     return out
