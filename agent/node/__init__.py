@@ -5,6 +5,8 @@ record, read and watch the others', trusting no file), ``ownrecord`` (this agent
 and last word, published in its record), ``statuswriter`` (status.json and targets.json, for the
 head and a convert job), ``jobwrites`` (writes into the job directory that may fail: retried,
 shown, never fatal), ``supervisor`` (one engine's state machine: probe, restart, give up),
+``handover`` (an engine replaced on its ports, the old one draining beside: the router's
+hand-over), ``enginefate`` (how a generation ended, in words),
 ``logpump`` (engine output to rotated files, never blocking the engine; watchers see the lines
 as they pass), ``enginewatch`` (startup progress and failure signatures in those lines),
 ``decodestats`` (a TileRT decode's figures from its REQSTAT lines and ``/decode_status``, the
