@@ -18,9 +18,13 @@ prove the router, keep the job serving, and write status.json and targets.json.
   the router is and whether its pool is whole at every request.
 - ``head``: ``Head``, which runs them in order, writing status.json and targets.json through
   ``agent.node.statuswriter`` (a convert job writes its status.json with it too).
+- ``duties``: what a node agent runs beside its engine, composed by ``agent.nodeagent``:
+  nothing for a worker (``Duties``), the head, its ports and figures for prefill-0
+  (``HeadDuties``).
 
 May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``,
-``agent.node``, ``agent.benchmark``, ``agent.http``, ``agent.front``. Imported by
+``agent.node``, ``agent.benchmark``, ``agent.http``, ``agent.front``, ``agent.web`` (the front
+door's socket). Imported by
 ``agent.nodeagent`` only.
 """
 

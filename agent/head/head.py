@@ -43,7 +43,7 @@ from agent.head.proof import Proof
 from agent.head.router import Router
 from agent.job.benchmark import BenchmarkSummary
 from agent.job.names import HEAD_NAME, ROUTER_NAME, agent_names
-from agent.job.records import EngineStatus, Gate, JobStatus, with_last_states
+from agent.job.records import Gate, JobStatus, with_last_states
 from agent.job.vocab import SERVING_STATES, JobState
 from agent.node.jobend import end_job
 from agent.node.servicenotes import Standing
@@ -110,15 +110,6 @@ class Head:
         return self.keeper.dropped
 
     # ---- what the node agent uses ------------------------------------------------------------
-
-    @property
-    def router_supervisor(self) -> EngineSupervisor | None:
-        """The router's supervisor once started (for the agent's metrics)."""
-        return self.router.supervisor
-
-    def router_status(self) -> EngineStatus | None:
-        """The router's ``/status`` view once started."""
-        return self.router.status()
 
     def poke(self) -> None:
         """Something changed: re-evaluate now."""

@@ -21,6 +21,7 @@ from agent.head.decisions import JobFailed
 from agent.job.logfiles import log_path
 from agent.job.names import ROUTER_NAME
 from agent.job.records import EngineStatus, JobAgent, RendezvousRecord
+from agent.job.urls import router_url
 from agent.launch import LaunchSpec, preflight
 from agent.launch.commands import DecodeEndpoint, arg_value, router_command
 from agent.launch.enginechecks import flag_question, pin_problems, pinned
@@ -49,7 +50,7 @@ class Router:
     ) -> None:
         self.ctx = ctx
         self.records = records
-        self.url = f"http://{ctx.identity.address}:{ctx.plan.router.port}"
+        self.url = router_url(ctx.identity.address, ctx.plan)
         # The decode list the router was last handed (by agent.head.poolkeeper, which alone
         # decides it: decisions.router_list); its command is built from it.
         self.decodes: list[str] = []
@@ -146,7 +147,7 @@ class Router:
             name=ROUTER_NAME,
             launcher=ctx.launcher,
             build=self._build,
-            health_url=lambda: f"http://{ctx.identity.address}:{plan.router.port}/health",
+            health_url=lambda: f"{self.url}/health",
             ports=lambda: {"http": plan.router.port},
             policy=policy_for(
                 plan,

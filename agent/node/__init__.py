@@ -6,7 +6,8 @@ and last word, published in its record), ``statuswriter`` (status.json and targe
 head and a convert job), ``jobwrites`` (writes into the job directory that may fail: retried,
 shown, never fatal), ``supervisor`` (one engine's state machine: probe, restart, give up),
 ``handover`` (an engine replaced on its ports, the old one draining beside: the router's
-hand-over), ``enginefate`` (how a generation ended, in words),
+hand-over), ``enginefate`` (how a generation ended, in words), ``enginepreflight`` (the node,
+the engine's environment and its flags, checked before the load),
 ``logpump`` (engine output to rotated files, never blocking the engine; watchers see the lines
 as they pass), ``enginewatch`` (startup progress and failure signatures in those lines),
 ``decodestats`` (a TileRT decode's figures from its REQSTAT lines and ``/decode_status``, the
