@@ -49,6 +49,7 @@ UNIT_MODULES = frozenset(
         "test_head",
         "test_head_down",
         "test_head_gate",
+        "test_head_peers",
         "test_init",
         "test_jobspecs",
         "test_jobwrites",
