@@ -35,7 +35,6 @@ EXEMPT: dict[str, str] = {
     "texts out",
     "tests/test_e2e_observability.py": "one local job shared by its tests (module fixture); to "
     "split by what it observes (metrics, logs, stop)",
-    "tests/test_weights_parts.py": "the weights folder's parts; to split by part",
 }
 # "path::Class" -> why it has more methods than MAX_CLASS_METHODS, for now. Never Head,
 # EngineSupervisor or NodeAgent: the classes the job's growth used to land in.
