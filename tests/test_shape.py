@@ -41,8 +41,6 @@ EXEMPT: dict[str, str] = {
 EXEMPT_CLASSES: dict[str, str] = {
     "agent/node/conversion.py::WeightsGate": "check, wait for another agent's conversion, and "
     "convert: three objects to be",
-    "agent/node/logpump.py::LogSink": "the rotated file, its ring of recent lines and its "
-    "watchers: to split the ring and the watchers out",
     "tests/infra/slurm.py::LocalSlurm": "a local Slurm's configuration, daemons and job queries: "
     "to split the queries out",
 }

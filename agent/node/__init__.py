@@ -9,7 +9,7 @@ shown, never fatal), ``supervisor`` (one engine's state machine: probe, restart,
 hand-over), ``enginefate`` (how a generation ended, in words), ``enginepreflight`` (the node,
 the engine's environment and its flags, checked before the load),
 ``logpump`` (engine output to rotated files, never blocking the engine; watchers see the lines
-as they pass), ``enginewatch`` (startup progress and failure signatures in those lines),
+as they pass), ``rotatedfile`` (the log file, rotated by size, written from a worker thread), ``enginewatch`` (startup progress and failure signatures in those lines),
 ``decodestats`` (a TileRT decode's figures from its REQSTAT lines and ``/decode_status``, the
 router's pool), ``agentlog`` (the agent's own log), the decode's weights: ``weightsfolder``
 (complete or not, the marker, its path through the mounts), ``folderlock`` (a lock on a shared
