@@ -26,8 +26,6 @@ MAX_CLASS_METHODS = 20
 
 # "path" for a module, "path::Qualified.name" for a function -> why it is over, for now.
 EXEMPT: dict[str, str] = {
-    "agent/node/conversion.py": "WeightsGate: check, wait and convert in one class; to split "
-    "with its class (EXEMPT_CLASSES)",
     "agent/recipe/loader.py": "the recipe's load path; to split along its stages (read, "
     "resolve, check)",
     "agent/recipe/schema1.py": "the v1 schema's migration table, one concept; to split by section",
@@ -39,8 +37,6 @@ EXEMPT: dict[str, str] = {
 # "path::Class" -> why it has more methods than MAX_CLASS_METHODS, for now. Never Head,
 # EngineSupervisor or NodeAgent: the classes the job's growth used to land in.
 EXEMPT_CLASSES: dict[str, str] = {
-    "agent/node/conversion.py::WeightsGate": "check, wait for another agent's conversion, and "
-    "convert: three objects to be",
     "tests/infra/slurm.py::LocalSlurm": "a local Slurm's configuration, daemons and job queries: "
     "to split the queries out",
 }

@@ -11,7 +11,9 @@ proven, every time: after any engine or router restart the job stays ``degraded`
 through the router pass again.
 
 ``Head`` runs the parts in that order and owns the job's state; what it knows is gathered into a
-``JobView`` each round and the decisions are taken on it (``agent.head.decisions``). A recipe with
+``JobView`` each round and the decisions are taken on it (``agent.head.decisions``); the decodes
+and every change of the router's list are the ``PoolKeeper``'s (``agent.head.poolkeeper``), the
+canaries that make the job ready the ``Proof``'s (``agent.head.proof``). A recipe with
 a benchmark runs it once ready (``agent.head.benchstage``); a failed benchmark makes the head's
 exit code 1, and unless ``keep_serving`` the benchmark's end ends the job.
 """
