@@ -26,13 +26,14 @@ MAX_CLASS_METHODS = 20
 
 # "path" for a module, "path::Qualified.name" for a function -> why it is over, for now.
 EXEMPT: dict[str, str] = {
-    "agent/recipe/loader.py": "the recipe's load path; to split along its stages (read, "
-    "resolve, check)",
-    "agent/recipe/schema1.py": "the v1 schema's migration table, one concept; to split by section",
-    "agent/recipe/typedyaml.py": "the typed YAML reader and its error texts; to split the error "
-    "texts out",
-    "tests/test_e2e_observability.py": "one local job shared by its tests (module fixture); to "
-    "split by what it observes (metrics, logs, stop)",
+    "agent/recipe/loader.py": "the recipe's load path (611 lines); to split along its stages "
+    "(read, resolve, check) once the CLI's import-time work in agent/recipe/ has landed",
+    "agent/recipe/schema1.py": "the v1 schema's translation (609 lines); to split by section, "
+    "with the loader",
+    "agent/recipe/typedyaml.py": "the typed YAML reader and its shape checker (628 lines); to split "
+    "the ShapeChecker out, with the loader",
+    "tests/test_e2e_observability.py": "one local job shared by its tests (a module fixture: a split "
+    "would start a second job); to split by what it observes (metrics, logs, stop)",
 }
 # "path::Class" -> why it has more methods than MAX_CLASS_METHODS, for now. Never Head,
 # EngineSupervisor or NodeAgent: the classes the job's growth used to land in.
