@@ -30,10 +30,10 @@ EXEMPT: dict[str, str] = {
     "(read, resolve, check) once the CLI's import-time work in agent/recipe/ has landed",
     "agent/recipe/schema1.py": "the v1 schema's translation (609 lines); to split by section, "
     "with the loader",
-    "agent/recipe/typedyaml.py": "the typed YAML reader and its shape checker (628 lines); to split "
-    "the ShapeChecker out, with the loader",
-    "tests/test_e2e_observability.py": "one local job shared by its tests (a module fixture: a split "
-    "would start a second job); to split by what it observes (metrics, logs, stop)",
+    "agent/recipe/typedyaml.py": "the typed YAML reader and its shape checker (628 lines); to "
+    "split the ShapeChecker out, with the loader",
+    "tests/test_e2e_observability.py": "one local job shared by its tests (a module fixture: a "
+    "split would start a second job); to split by what it observes (metrics, logs, stop)",
 }
 # "path::Class" -> why it has more methods than MAX_CLASS_METHODS, for now. Never Head,
 # EngineSupervisor or NodeAgent: the classes the job's growth used to land in.
