@@ -1,13 +1,13 @@
 """One agent on one node: identity -> ports -> record -> endpoint -> preflight -> engine.
 
-The head agent (prefill-0) also runs ``agent.head.Head``, which gates and runs the router. The
-agent works without Slurm (systemd, ``--local``): Slurm is one way to start it.
+What runs beside the engine is the agent's duties (``agent.head.duties``): nothing for a worker;
+for the head agent (prefill-0) the ``Head``, which gates and runs the router, and the front door.
+The agent works without Slurm (systemd, ``--local``): Slurm is one way to start it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import time
@@ -18,39 +18,25 @@ import msgspec
 import trio
 
 from agent.errors import EXIT_OK, EXIT_RUNTIME
-from agent.front import FrontFigures
-from agent.head import Head, HeadContext
+from agent.head.duties import Duties, HeadDuties
 from agent.http.client import open_client
 from agent.http.endpoint import LogStreams, StatusFeed, build_app
-from agent.http.metrics import AgentMetrics, HeadFigures
+from agent.http.metrics import AgentMetrics
 from agent.http.upstream import UpstreamMetrics
 from agent.job.logfiles import convert_log_path, log_path, make_log_dir
-from agent.job.names import BENCHMARK_NAME, ROUTER_NAME
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
 from agent.job.records import AgentExit, AgentStatus, EngineStatus
-from agent.launch import Launcher, LaunchSpec, make_launcher, preflight
-from agent.launch.commands import Command, arg_value, engine_command
+from agent.launch import Launcher, LaunchSpec, make_launcher
+from agent.launch.commands import Command, engine_command
 from agent.launch.enginechecks import (
-    connector_choice,
-    engine_checks,
-    flag_question,
-    pin_problems,
-    pinned,
     with_standin_connector,
 )
-from agent.launch.engineflags import flag_refusals
 from agent.launch.jobspecs import JobSpecs
-from agent.launch.scratch import Scratch, scratch_root, socket_path_problem
+from agent.launch.scratch import Scratch, scratch_root
 from agent.node.conversion import WeightsGate
-from agent.node.decodestats import (
-    DecodeStats,
-    PoolFigures,
-    decode_namer,
-    poll_decode_status,
-    poll_pool_status,
-)
-from agent.node.hygiene import NodeScene, check_node
+from agent.node.decodestats import DecodeStats, poll_decode_status
+from agent.node.enginepreflight import EnginePreflight
 from agent.node.identity import Identity
 from agent.node.jobwatch import wait_job_end
 from agent.node.jobwrites import JobWrites
@@ -58,7 +44,7 @@ from agent.node.leave import LEAVE_IDLE_S, wait_idle
 from agent.node.logpump import LogSink
 from agent.node.ownrecord import OwnRecord
 from agent.node.policy import policy_for
-from agent.node.ports import choose_port, is_bindable
+from agent.node.ports import choose_port
 from agent.node.sdnotify import Notifier
 from agent.node.servicenotes import ServiceNotes, Standing, wedge_on_sigusr2, wedge_seconds
 from agent.node.supervisor import EngineSupervisor
@@ -85,24 +71,14 @@ def _engine_sink(job: JobDir, identity: Identity, plan: Plan) -> LogSink:
     )
 
 
-def _front_figures(metrics: AgentMetrics) -> FrontFigures:
-    """The front door's figures (tilert_front_*) in the agent's registry."""
-    return FrontFigures(metrics.registry, metrics.base)
-
-
 class NodeAgent:
     """The supervisor of one node's engine (and, in prefill-0, of the router)."""
 
-    # The head's front door socket (agent.front.port), bound with the agent's own port.
-    front_socket: socket.socket | None = None
     # A worker that saw its job end (agent.node.jobwatch): why, once it did.
     job_ended: str | None = None
 
     def __init__(self, *, job: JobDir, plan: Plan, identity: Identity, log: logging.Logger) -> None:
-        self.job = job
-        self.plan = plan
-        self.id = identity
-        self.log = log
+        self.job, self.plan, self.id, self.log = job, plan, identity, log
         self.role = plan.role(identity.role)
         self.launcher: Launcher = make_launcher(
             plan.launcher, slurm_job_id=identity.slurm_job_id, node=identity.node
@@ -122,26 +98,22 @@ class NodeAgent:
         )
         self.ports = self.record.ports
         self.engine: EngineSupervisor | None = None
-        self.head: Head | None = None  # prefill-0 only
-        self.head_figures = HeadFigures() if identity.is_head else None
-        # The decode's figures from its REQSTAT lines and /decode_status (tilert_decode_*); the
-        # head's: the router's pool and the refusals it logs.
+        # What runs beside the engine: the head in prefill-0 (agent.head.duties), else nothing.
+        self.duties = HeadDuties(job, plan, identity, log) if identity.is_head else Duties()
+        # The decode's figures from its REQSTAT lines and /decode_status (tilert_decode_*).
         self.decode_stats = DecodeStats() if identity.role == "decode" else None
-        self.pool = PoolFigures() if identity.is_head else None
         self.metrics = AgentMetrics(
             role=identity.role,
             node=identity.node,
             slurm_job_id=identity.slurm_job_id,
             supervisors=self._supervisors,
             upstream_up=(lambda: self.upstream.up) if identity.role == "prefill" else None,
-            head=self.head_figures,
+            head=self.duties.figures,
             decode=self.decode_stats,
-            pool=(self.pool, decode_namer(job, plan)) if self.pool is not None else None,
+            pool=self.duties.pool,
         )
-        # The head's front door: its figures in this agent's one registry.
-        self.front_figures = _front_figures(self.metrics) if identity.is_head else None
+        self.duties.attach(self.metrics)
         self.sink = _engine_sink(job, identity, plan)
-        self.preflight_failure: str | None = None
         self.start_failure: str | None = None  # why the agent could not start at all
         self.upstream = UpstreamMetrics(
             "",  # set once the http port is known
@@ -174,7 +146,10 @@ class NodeAgent:
             if identity.role == "decode"
             else None
         )
-        self.connector_standin = False
+        # The checks before the engine's long load (docs/preflight.md).
+        self.preflight = EnginePreflight(
+            self.record, self.launcher, self.specs, self.scratch.root, self.started, self.changed
+        )
         # systemd's readiness, status, watchdog and stop notes (no-ops without NOTIFY_SOCKET).
         self.notes = ServiceNotes(Notifier.from_environ(log), self._standing, log)
 
@@ -184,8 +159,7 @@ class NodeAgent:
         sups: dict[str, EngineSupervisor] = {}
         if self.engine is not None:
             sups["engine"] = self.engine
-        if self.head is not None and self.head.router_supervisor is not None:
-            sups["router"] = self.head.router_supervisor
+        sups.update(self.duties.supervisors())
         return sups
 
     def _snapshot(self) -> AgentStatus:
@@ -197,18 +171,18 @@ class NodeAgent:
         else:
             engine = msgspec.structs.asdict(
                 EngineStatus(
-                    state="failed" if self.preflight_failure else "starting",
+                    state="failed" if self.preflight.failure else "starting",
                     pid=None,
                     ports={},
                     restarts=0,
-                    reason=self.preflight_failure or "preflight",
+                    reason=self.preflight.failure or "preflight",
                     since=self.started,
                     uptime_s=None,
                 )
             )
         # The agent's ports (agent, http, ctrl), not only the engine's; the router has its own.
         engine["ports"] = {k: v for k, v in self.ports.items() if k not in ("router", "front")}
-        router = self.head.router_status() if self.head is not None else None
+        router = self.duties.router_status()
         return AgentStatus(
             **engine,
             name=self.id.name,
@@ -223,43 +197,20 @@ class NodeAgent:
     def changed(self) -> None:
         """A supervised state changed: wake long-pollers, the head and systemd's notes."""
         self.feed.bump()
-        if self.head is not None:
-            self.head.poke()
+        self.duties.poke()
         self.notes.poke()
 
     def _standing(self) -> Standing:
         """Where this agent stands, for systemd: the head's is the job's, a worker's its
         engine's (ready once healthy; loading while preflight, conversion or load go on)."""
-        if self.head is not None:
-            return self.head.standing()
+        standing = self.duties.standing()
+        if standing is not None:
+            return standing
         status = self._snapshot()
         return Standing(
             status=f"{self.id.name} {status.state}: {status.reason}",
             ready=status.state == "healthy",
             loading=status.state in ("starting", "converting", "restarting"),
-        )
-
-    def _head_context(self, figures: HeadFigures) -> HeadContext:
-        return HeadContext(
-            plan=self.plan,
-            job=self.job,
-            identity=self.id,
-            log=self.log,
-            launcher=self.launcher,
-            launch_spec=self.specs,
-            own_status=self.feed.current,
-            on_change=self.changed,
-            prefill_url=lambda: self.engine_url(""),
-            figures=figures,
-            probe_observer=self.metrics.observer,
-            stop_node=self.stop_all,
-            writes=self.writes,
-            client=self.client,
-            scratch_folder=self.scratch.folder,
-            on_state=self.notes.poke,
-            pool=self.pool,
-            front_socket=self.front_socket,
-            front_figures=self.front_figures,
         )
 
     # ---- the engine ------------------------------------------------------------------------
@@ -280,91 +231,8 @@ class NodeAgent:
 
     def _build_engine(self) -> LaunchSpec:
         cmd = self._engine_command()
-        env = with_standin_connector(cmd.env) if self.connector_standin else cmd.env
+        env = with_standin_connector(cmd.env) if self.preflight.connector_standin else cmd.env
         return self.specs(self.id.name, cmd.argv, env, self.role.image)
-
-    def _fail_preflight(self, check: str, problems: list[str]) -> bool:
-        """Record a final preflight failure naming the node, the check and each fix."""
-        self.preflight_failure = f"preflight failed on {self.id.node} ({check}): " + "; ".join(
-            problems
-        )
-        self.log.error("%s: %s", self.id.name, self.preflight_failure)
-        self.changed()
-        return False
-
-    async def _node_clean(self) -> bool:
-        """The node checks (docs/preflight.md): each finding logged, failures refuse the load."""
-        report = await check_node(self._scene(), self.plan.agent.preflight, self.log, self.id.name)
-        if report.failures:
-            checks = ", ".join(sorted({f.check for f in report.failures}))
-            lines = [f.line() for f in report.failures]
-            return self._fail_preflight(f"node checks {checks}", lines)
-        return True
-
-    def _scene(self) -> NodeScene:
-        folders = {"scratch (agent.scratch_dir)": str(self.scratch.root)}
-        weights = arg_value(self.role.args, "--model-weights-dir")
-        if weights:
-            folders["weights (roles.decode.args.model-weights-dir)"] = weights
-        visible = os.environ.get(self.plan.visible_devices_env)
-        return NodeScene(
-            job_root=self.job.root,
-            node=self.id.node,
-            agent_pid=os.getpid(),
-            started=self.started,
-            env=os.environ,
-            folders=folders,
-            visible_gpus=frozenset(visible.split(",")) if visible else None,
-            uses_gpus=self.role.gpus_per_worker > 0,
-        )
-
-    async def run_preflight(self) -> bool:
-        """The seconds-long checks before the long load; a failure is final and explained."""
-        if not await self._node_clean():
-            return False
-        # The engine's own environment (role env, PATH, PYTHONPATH), as it will run.
-        command = self._engine_command()
-        env = command.env
-        checks = engine_checks(self.plan, self.id.role, env)
-        base = self.specs(f"{self.id.name}-preflight", [], env, self.role.image)
-        t0 = time.monotonic()
-        result = await preflight.run_preflight(self.launcher, base, checks)
-        connector = connector_choice(self.plan, env, result)
-        problems = [*result.problems, *([connector.problem] if connector.problem else [])]
-        if self.id.role == "prefill" and not self.plan.standin("prefill"):
-            problems += [p for p in [socket_path_problem(env)] if p]
-        if not self.plan.standin(self.id.role):
-            problems += pin_problems(
-                pinned(self.plan), result.versions, image=self.role.image, engine=self.id.role
-            )
-        if problems:
-            return self._fail_preflight("the engine's environment", problems)
-        self.record.versions = dict(result.versions)
-        self.specs.setup_script = Path(result.setup_script) if result.setup_script else None
-        role = self.role.role
-        question = flag_question(self.plan, role, command.argv, standin=self.plan.standin(role))
-        refused = await flag_refusals(
-            self.launcher,
-            self.specs(f"{self.id.name}-preflight", [], env, self.role.image),
-            question,
-            versions=self.record.versions,
-            policy=self.plan.agent.preflight,
-            log=self.log,
-            who=self.id.name,
-        )
-        if refused:
-            return self._fail_preflight("engine flags (agent.preflight.engine_flags)", refused)
-        self.connector_standin = connector.use_standin
-        if connector.note:
-            self.log.warning("%s: %s", self.id.name, connector.note)
-        self.log.info(
-            "%s: preflight ok in %.2fs (versions %s, setup script %s)",
-            self.id.name,
-            time.monotonic() - t0,
-            self.record.versions or "none",
-            self.specs.setup_script,
-        )
-        return True
 
     # ---- main ------------------------------------------------------------------------------
 
@@ -395,17 +263,19 @@ class NodeAgent:
     def _exit_reason(self, code: int) -> str:
         if code == 0:
             return self.leaving or self.job_ended or "stopped on request"
-        if self.head is not None and self.head.error:
-            return self.head.error
-        if self.start_failure or self.preflight_failure:
-            return self.start_failure or self.preflight_failure or ""
+        if self.duties.error:
+            return self.duties.error
+        if self.start_failure or self.preflight.failure:
+            return self.start_failure or self.preflight.failure or ""
         if self.engine is not None and self.engine.state == "failed":
             return f"engine failed: {self.engine.explained_reason()}"
         return "see its agent.log"
 
     async def _run(self) -> int:
-        if self.id.is_head and not is_bindable(self.plan.router.port):
-            return self._router_port_taken()
+        problem = self.duties.start_problem()
+        if problem is not None:
+            self.start_failure = problem
+            return EXIT_RUNTIME
         sock = self._open_ports()
         exit_code = EXIT_OK
         # Built once, off the event loop, before anything probes or polls (agent.http.client).
@@ -425,45 +295,35 @@ class NodeAgent:
             if not self.id.is_head:  # the head ends the job; a worker ends with it
                 nursery.start_soon(self._end_with_job)
             nursery.start_soon(self.writes.retry)
-            if self.head_figures is not None:  # prefill-0, the head agent
-                self.head = Head(self._head_context(self.head_figures))
+            self.duties.start(self, nursery)  # prefill-0: the head
             nursery.start_soon(self.notes.run)
             wedge_s = wedge_seconds()
             if wedge_s is not None:  # a test switch (docs/systemd.md)
                 nursery.start_soon(wedge_on_sigusr2, wedge_s, self.log)
-            self._start_figures(nursery)
-            if await self.run_preflight() and (self.weights is None or await self.weights.ready()):
+            if self.decode_stats is not None:  # its REQSTAT lines, its /decode_status
+                self.sink.watchers.append(self.decode_stats.feed)
+                nursery.start_soon(
+                    poll_decode_status,
+                    self.decode_stats,
+                    self.client,
+                    lambda: self.engine_url("/decode_status"),  # its port may move
+                    lambda: self.engine is not None and self.engine.state == "healthy",
+                )
+            if await self.preflight.run(self._engine_command()) and (
+                self.weights is None or await self.weights.ready()
+            ):
                 self._start_engine(nursery)
-            if self.head is not None:
-                exit_code = await self.head.run()
+            code = await self.duties.run()
+            if code is not None:  # the head's life ended: the agent's with it
+                exit_code = code
                 await self.stop_all()
                 nursery.cancel_scope.cancel()
         if self.engine is not None and self.engine.state == "failed":
             exit_code = exit_code or EXIT_RUNTIME
-        if self.preflight_failure or (self.weights is not None and self.weights.failure):
+        if self.preflight.failure or (self.weights is not None and self.weights.failure):
             exit_code = EXIT_RUNTIME
         self.log.info("%s: exiting with code %d", self.id.name, exit_code)
         return exit_code
-
-    def _router_port_taken(self) -> int:
-        """The head cannot serve on the router port: fail at once, in status.json too."""
-        error = (
-            f"router port {self.plan.router.port} is taken on {self.id.node}; free it or set "
-            "agent.router_port (the benchmark and srtctl's scripts address the router there, so "
-            "the agent does not move it)"
-        )
-        self.log.error("%s", error)
-        self.start_failure = error
-        # Nobody else writes status.json for this job now: say it here, or it stays pending.
-        try:
-            status = self.job.read_status()
-            status.state, status.error, status.updated_at = "failed", error, time.time()
-            self.job.write_status(status)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self.log.error(
-                "%s: cannot record the failure in %s: %s", self.id.name, self.job.status, exc
-            )
-        return EXIT_RUNTIME
 
     def _open_ports(self) -> socket.socket:
         """Bind the agent's own port, choose the engine's, publish them; the bound socket."""
@@ -479,9 +339,7 @@ class NodeAgent:
         else:
             raise OSError(f"no free agent port from {start} on {self.bind_host}")
         self.ports["agent"] = sock.getsockname()[1]
-        if self.id.is_head:
-            self.ports["router"] = self.plan.router.port
-            self._open_front(avoid | {self.ports["agent"], self.plan.router.port})
+        self.duties.bind(self.ports, avoid)  # prefill-0: the router's and the front's
         self.record.choose_engine_ports()
         self.record.publish()
         self.upstream.url = self.engine_url("/metrics")
@@ -495,21 +353,6 @@ class NodeAgent:
             self.job.record(self.id.name),
         )
         return sock
-
-    def _open_front(self, avoid: set[int]) -> None:
-        """Bind the front door's port (agent.front.port, probed upward), fixed for the job's
-        life: the head serves it."""
-        start = self.plan.agent.front.port
-        for _ in range(MAX_AGENT_PORT_TRIES):
-            port = choose_port(start, avoid)
-            try:
-                self.front_socket = bound_socket(self.bind_host, port)
-                break
-            except OSError:
-                avoid.add(port)
-        else:
-            raise OSError(f"no free front port from {start} on {self.bind_host} (agent.front.port)")
-        self.ports["front"] = self.front_socket.getsockname()[1]
 
     def _start_engine(self, nursery: trio.Nursery) -> None:
         """Start supervising the engine (the preflight and the weights let it)."""
@@ -536,35 +379,10 @@ class NodeAgent:
         nursery.start_soon(self.engine.run)
         self.changed()
 
-    def _start_figures(self, nursery: trio.Nursery) -> None:
-        """The decode figures: its engine's lines as they pass, and what TileRT gives besides its
-        log: the decode's /decode_status (decode agents), the router's /pool_status (the head),
-        each polled only while its process is healthy."""
-        if self.decode_stats is not None:
-            self.sink.watchers.append(self.decode_stats.feed)  # its REQSTAT lines as they pass
-            nursery.start_soon(
-                poll_decode_status,
-                self.decode_stats,
-                self.client,
-                lambda: self.engine_url("/decode_status"),  # its port may move
-                lambda: self.engine is not None and self.engine.state == "healthy",
-            )
-        if self.pool is not None:
-            router = f"http://{self.id.address}:{self.plan.router.port}/pool_status"
-
-            def pool_url() -> str | None:
-                sup = self.head.router_supervisor if self.head is not None else None
-                return router if sup is not None and sup.state == "healthy" else None
-
-            nursery.start_soon(poll_pool_status, self.pool, self.client, pool_url)
-
     async def stop_all(self) -> None:
         """Stop the router (head) first, then the engine; each within its grace."""
-        self.notes.stopping(
-            "the router, then the engine" if self.head is not None else "the engine"
-        )
-        if self.head is not None:
-            await self.head.stop()
+        self.notes.stopping(self.duties.stop_note())
+        await self.duties.stop()
         if self.engine is not None:
             await self.engine.stop()
         self.changed()
@@ -620,9 +438,7 @@ class NodeAgent:
                     self.stop_requested = True
                     self.log.info("%s: %s received; stopping", self.id.name, name)
                     self.notes.stopping(f"{name} received; stopping the engines")
-                    if self.head is not None:
-                        self.head.request_stop()  # the head drains and returns from run()
-                    else:
+                    if not self.duties.request_stop():  # the head drains, returns from run()
                         nursery.start_soon(stop_and_cancel)
 
     async def _metrics_page(self, budget_s: float | None) -> str:
@@ -636,9 +452,7 @@ class NodeAgent:
             "engine": log_path(self.job, self.id.name, plan=self.plan),
             "agent": log_path(self.job, self.id.name, agent=True),
         }
-        if self.id.is_head:
-            files[ROUTER_NAME] = log_path(self.job, ROUTER_NAME, plan=self.plan)
-            files[BENCHMARK_NAME] = log_path(self.job, BENCHMARK_NAME, plan=self.plan)
+        files.update(self.duties.log_files())
         if self.weights is not None:
             files["convert"] = convert_log_path(self.job, self.id.name)
         return files

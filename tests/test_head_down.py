@@ -4,7 +4,7 @@ pure decisions, driven with data)."""
 
 from __future__ import annotations
 
-from agent.head.decisions import JobView, down_decodes, to_rest, to_wake
+from agent.head.decisions import JobView, down_decodes, router_list, to_rest, to_wake
 from agent.job.vocab import AgentState
 from tests.test_head import view as job_view
 
@@ -52,3 +52,11 @@ def test_a_resting_decode_comes_back_once_healthy() -> None:
     assert to_wake(v, resting) == ["decode-1"]
     assert to_wake(view({}), resting) == ["decode-0", "decode-1"]
     assert to_wake(view({}), set()) == []
+
+
+def test_the_router_list_is_the_members_neither_dropped_nor_resting() -> None:
+    # One definition of the list (agent.head.poolkeeper hands it to the router): listing order.
+    members = ["decode-0", "decode-1", "decode-2", "decode-10"]
+    assert router_list(members, {}, set()) == members
+    assert router_list(members, {"decode-1": "why"}, {"decode-10"}) == ["decode-0", "decode-2"]
+    assert router_list(members, (), members) == []

@@ -4,9 +4,13 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``context``: ``HeadContext``, what the node agent hands over (plan, job, identity, launcher,
   hooks); the head never imports the node agent.
 - ``peers``: each agent's record and long-polled ``/status``.
-- ``decisions``: gate, drop, fatal and the job's state, as plain functions over a ``JobView``.
+- ``decisions``: gate, drop, fatal, the router's decode list (``router_list``) and the job's
+  state, as plain functions over a ``JobView``.
+- ``poolkeeper``: ``PoolKeeper``, the one owner of the decodes (members, dropped, resting,
+  joining, leaving) and of every change of the router's list (drop, rejoin, rest, scale).
 - ``router``: the router's preflight, start and relaunch (a hand-over); ``canaries``: the
-  streaming chat check; ``trial``: a trial router proving decodes joining the pool.
+  streaming chat check; ``trial``: a trial router proving decodes joining the pool; ``proof``:
+  ready means proven (canaries at the start and after every restart).
 - ``pool``: the decode pool ``tilert-submit scale`` asks for (``J/pool.json``) and where each
   decode stands in it.
 - ``benchstage``: the recipe's benchmark, checked before the load and run once ready.
@@ -14,9 +18,13 @@ prove the router, keep the job serving, and write status.json and targets.json.
   the router is and whether its pool is whole at every request.
 - ``head``: ``Head``, which runs them in order, writing status.json and targets.json through
   ``agent.node.statuswriter`` (a convert job writes its status.json with it too).
+- ``duties``: what a node agent runs beside its engine, composed by ``agent.nodeagent``:
+  nothing for a worker (``Duties``), the head, its ports and figures for prefill-0
+  (``HeadDuties``).
 
 May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``,
-``agent.node``, ``agent.benchmark``, ``agent.http``, ``agent.front``. Imported by
+``agent.node``, ``agent.benchmark``, ``agent.http``, ``agent.front``, ``agent.web`` (the front
+door's socket). Imported by
 ``agent.nodeagent`` only.
 """
 

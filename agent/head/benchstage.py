@@ -29,6 +29,7 @@ from agent.job.benchmark import (
 from agent.job.logfiles import log_path, make_log_dir
 from agent.job.names import BENCHMARK_NAME, parse_agent_name
 from agent.job.records import RendezvousRecord
+from agent.job.urls import router_url
 from agent.launch import Launcher, LaunchSpec, make_launcher
 from agent.launch.commands import arg_value, benchmark_env
 
@@ -77,7 +78,7 @@ class BenchmarkStage:
     ) -> BenchmarkRun:
         ctx = self.ctx
         target = BenchTarget(
-            router_url=f"http://{ctx.identity.address}:{ctx.plan.router.port}",
+            router_url=router_url(ctx.identity.address, ctx.plan),
             model=ctx.plan.model,
             tokenizer=self.plan.tokenizer or arg_value(ctx.plan.router.args, "--model-path"),
             metrics_urls=tuple(r.metrics_url for r in records.values()),

@@ -3,11 +3,11 @@
 May the router start (``gate``), which decode to drop (``to_drop``) or take back once healthy
 again (``to_rejoin``, bounded per decode: one that flaps stays out, ``held_out``), which decode
 to take out of the router's list while its engine is down (``to_rest``) and put back once healthy
-(``to_wake``), can the job still serve (``fatal``), must a canary prove it again (``proof_due``:
-after any restart), which state to show while serving (``serving_state``: ``ready`` only once
-proven). No processes,
-sockets or clocks here (the caller passes ``now``), so tests/test_head.py drives every decision
-with data.
+(``to_wake``), which decodes the router's list holds (``router_list``: the one definition of it),
+can the job still serve (``fatal``), must a canary prove it again (``proof_due``: after any
+restart), which state to show while serving (``serving_state``: ``ready`` only once proven). No
+processes, sockets or clocks here (the caller passes ``now``), so tests/test_head.py drives every
+decision with data.
 
 "Degrade, don't die": a failed decode is dropped and the job goes on without it; the job fails only
 when the prefill, the router or every decode has failed, or when the agents cannot work together
@@ -136,6 +136,15 @@ def to_rest(
         return []
     due = [n for n in in_router if n in down_since and now - down_since[n] >= after_s]
     return due if len(due) < len(in_router) else due[: len(in_router) - 1]
+
+
+def router_list(
+    members: Sequence[str], dropped: Collection[str], resting: Collection[str]
+) -> list[str]:
+    """The router's decode list: the pool's members (in listing order) neither dropped (failed)
+    nor resting (down for a while; ``to_rest``). The one definition of the list: the router's
+    command is built from it, the front door asks it whether the pool is whole."""
+    return [n for n in members if n not in dropped and n not in resting]
 
 
 def to_wake(view: JobView, resting: Collection[str]) -> list[str]:

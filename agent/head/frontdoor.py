@@ -16,6 +16,7 @@ from agent.front import Front, RouterNow
 from agent.head.context import HeadContext
 from agent.head.router import Router
 from agent.job.records import FrontSummary
+from agent.job.urls import front_url
 
 
 class FrontDoor:
@@ -38,7 +39,7 @@ class FrontDoor:
         sock, figures = ctx.front_socket, ctx.front_figures
         if sock is not None and figures is not None:
             port = sock.getsockname()[1]
-            self.url = f"http://{ctx.identity.address}:{port}"
+            self.url = front_url(ctx.identity.address, port)
             self.front = Front(
                 model=ctx.plan.model,
                 policy=ctx.plan.agent.front,

@@ -229,6 +229,12 @@ class Peers:
         """When the head saw each agent turn healthy (trio's clock)."""
         return {n: p.healthy_seen_at for n, p in self.by_name.items()}
 
+    def healthy_at(self, name: str) -> float | None:
+        """When ``name`` turned healthy on its own clock, as its /status says (the head's own
+        status read live)."""
+        status = self.own_status() if name == HEAD_NAME else self.by_name[name].status
+        return status.healthy_at if status is not None else None
+
     def versions(self) -> dict[str, str]:
         """The tilert version each record names (agents whose preflight found one)."""
         found = {n: r.versions.get("tilert") for n, r in self.records().items()}

@@ -1,5 +1,5 @@
 """The job's router: checked before the gate, started once every live worker is healthy, restarted
-without a dropped decode, and with one taken back once it is healthy again.
+(a hand-over) whenever the head hands it a new decode list (``agent.head.poolkeeper``).
 
 It runs under an ``EngineSupervisor`` on the head's node, with its log in the head's folder. Each
 (re)launch builds its command from the decodes' current records, so a decode that republished its
@@ -17,10 +17,11 @@ import trio
 
 from agent.facts import ROUTER_MODULE
 from agent.head.context import HeadContext
-from agent.head.decisions import JobFailed, JobView, down_decodes, to_rest, to_wake
+from agent.head.decisions import JobFailed
 from agent.job.logfiles import log_path
 from agent.job.names import ROUTER_NAME
 from agent.job.records import EngineStatus, JobAgent, RendezvousRecord
+from agent.job.urls import router_url
 from agent.launch import LaunchSpec, preflight
 from agent.launch.commands import DecodeEndpoint, arg_value, router_command
 from agent.launch.enginechecks import flag_question, pin_problems, pinned
@@ -49,21 +50,12 @@ class Router:
     ) -> None:
         self.ctx = ctx
         self.records = records
-        self.url = f"http://{ctx.identity.address}:{ctx.plan.router.port}"
-        # The decodes the head wants in the router's list; ``decodes`` is that without the ones
-        # resting (taken out while their engine is down: agent.down_decode_out_after_s).
-        self.wanted: list[str] = []
-        self.resting: set[str] = set()
-        # When each decode of ``wanted`` was first seen down (trio's clock), while it is.
-        self.down_since: dict[str, float] = {}
+        self.url = router_url(ctx.identity.address, ctx.plan)
+        # The decode list the router was last handed (by agent.head.poolkeeper, which alone
+        # decides it: decisions.router_list); its command is built from it.
+        self.decodes: list[str] = []
         self.standin = False
         self.supervisor: EngineSupervisor | None = None
-
-    @property
-    def decodes(self) -> list[str]:
-        """The decodes in the router's list (the one source of truth: its command is built from
-        it, the front door asks it whether the pool is whole)."""
-        return [n for n in self.wanted if n not in self.resting]
 
     async def preflight(self) -> None:
         """Can this node start the real router? Under --mock a missing one means the stand-in."""
@@ -143,7 +135,7 @@ class Router:
     def start(self, nursery: trio.Nursery, decodes: list[str]) -> EngineSupervisor:
         """Start the router through ``decodes`` (its supervisor runs in ``nursery``)."""
         plan, ctx = self.ctx.plan, self.ctx
-        self.wanted = decodes
+        self.decodes = decodes
         sink = LogSink(
             log_path(ctx.job, ROUTER_NAME, plan=ctx.plan),
             max_bytes=plan.agent.log_max_bytes,
@@ -155,7 +147,7 @@ class Router:
             name=ROUTER_NAME,
             launcher=ctx.launcher,
             build=self._build,
-            health_url=lambda: f"http://{ctx.identity.address}:{plan.router.port}/health",
+            health_url=lambda: f"{self.url}/health",
             ports=lambda: {"http": plan.router.port},
             policy=policy_for(
                 plan,
@@ -174,53 +166,16 @@ class Router:
         return self.supervisor
 
     def use(self, decodes: list[str], why: str) -> None:
-        """Restart the router through ``decodes`` (a decode dropped, or one taken back)."""
+        """Restart the router through ``decodes`` (a hand-over: the old router finishes its
+        streams while the new one starts); none when the list's endpoints are the same (a decode
+        that rested is then dropped: the router already runs without it)."""
         before = self._endpoints()
-        self.wanted = decodes
-        self.resting &= set(decodes)
-        self._relaunch(before, why)
-
-    def rest(self, out: list[str], back: list[str], why: str) -> None:
-        """Take ``out`` out of the router's list while their engines are down, and put ``back``
-        in again (healthy once more): a hand-over, as for a dropped decode."""
-        before = self._endpoints()
-        self.resting = (self.resting | set(out)) - set(back)
-        self._relaunch(before, why)
-
-    def follow_down(self, view: JobView, now: float, after_s: float | None) -> float | None:
-        """Take out of the list the decodes down for ``after_s`` (agent.down_decode_out_after_s;
-        None: never) and put back those healthy again; the seconds until the next one is due."""
-        self.down_since = {n: self.down_since.get(n, now) for n in down_decodes(view, self.wanted)}
-        out = to_rest(self.down_since, self.decodes, now, after_s)
-        back = to_wake(view, self.resting)
-        if out or back:
-            for name in out:
-                self.ctx.log.warning(
-                    "head: %s is %s: out of the router's list until it is healthy again "
-                    "(down for %.1fs; agent.down_decode_out_after_s)",
-                    name,
-                    view.state(name),
-                    now - self.down_since[name],
-                )
-            for name in back:
-                self.ctx.log.info("head: %s is healthy again: back in the router's list", name)
-            why = [f"without {', '.join(out)} (down)"] if out else []
-            why += [f"with {', '.join(back)} (healthy again)"] if back else []
-            self.rest(out, back, " and ".join(why))
-        if after_s is None:
-            return None
-        waiting = [s + after_s - now for n, s in self.down_since.items() if n not in self.resting]
-        return max(0.0, min(waiting)) if waiting else None
+        self.decodes = decodes
+        if self.supervisor is not None and self._endpoints() != before:
+            self.supervisor.relaunch(f"restarting the router {why}", handover=True)
 
     def _endpoints(self) -> list[DecodeEndpoint]:
         return decode_endpoints(self.records(), self.decodes)
-
-    def _relaunch(self, before: list[DecodeEndpoint], why: str) -> None:
-        """A hand-over to a router with the new list; none when the list is the same (a decode
-        that rested is then dropped: the router already runs without it)."""
-        if self.supervisor is not None and self._endpoints() != before:
-            # A hand-over: the old router finishes its streams while the new one starts.
-            self.supervisor.relaunch(f"restarting the router {why}", handover=True)
 
     def mark(self) -> tuple[str, int, str] | None:
         """What the router's row shows (state, restarts, reason); None before it starts."""

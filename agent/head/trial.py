@@ -21,6 +21,7 @@ from agent.head.router import decode_endpoints
 from agent.job.logfiles import log_path
 from agent.job.names import ROUTER_NAME
 from agent.job.records import RendezvousRecord
+from agent.job.urls import base_url
 from agent.launch.commands import router_command
 from agent.node.logpump import LogSink
 from agent.node.ports import choose_port
@@ -69,7 +70,7 @@ async def prove_joining(
     spec = ctx.launch_spec(TRIAL_NAME, cmd.argv, cmd.env, plan.router.image)
     log_file = log_path(ctx.job, ROUTER_NAME, plan=plan).with_name(f"{TRIAL_NAME}.log")
     sink = LogSink(log_file, max_bytes=plan.agent.log_max_bytes, backups=plan.agent.log_backups)
-    url = f"http://{host}:{port}"
+    url = base_url(host, port)
     ctx.log.info("head: proving %s through a trial router at %s", ", ".join(names), url)
     sink.note(f"=== trial router for {', '.join(names)}: {' '.join(spec.argv)} ===")
     process = await ctx.launcher.start(spec)

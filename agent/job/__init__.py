@@ -5,7 +5,8 @@ benchmark); ``paths`` knows every path and mode in ``J/``; ``plan`` is ``J/plan.
 ``J/pool.json`` (the decode pool ``tilert-submit scale`` asks for); ``records``
 holds the rendezvous record, an agent's ``/status`` and ``status.json``; ``benchmark`` the
 benchmark's part of the plan, its status block and ``J/benchmark/summary.json``; ``names`` builds
-and parses the names of agents and the router; ``logfiles`` is the log layout, ``logtimes`` the
+and parses the names of agents and the router, ``urls`` the job's HTTP addresses (the router's,
+the front door's); ``logfiles`` is the log layout, ``logtimes`` the
 receive-time index beside each engine log, and ``logtail`` reads logs (history, since, follow, the
 wire form); ``atomicfile`` writes files that others read; ``secrets`` decides what is masked.
 

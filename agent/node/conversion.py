@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -47,10 +46,9 @@ from agent.job.vocab import EngineState
 from agent.launch import Launcher
 from agent.launch.jobspecs import SpecBuilder
 from agent.node.converter import Converter
+from agent.node.converting import Conversion
 from agent.node.folderlock import (
-    HeldLock,
     LockInfo,
-    LockLost,
     Observed,
     StaleWatch,
     failed_verdict,
@@ -67,41 +65,18 @@ from agent.node.weightsfolder import (
     Siblings,
     WeightsError,
     WeightsPaths,
-    copy_for_append,
-    folder_bytes,
     inspect,
-    remove_tree,
-    replace_folder,
     weights_paths,
-    write_marker,
 )
 
-# The rate shown is over this window (a converter writes in bursts, one shard at a time).
-RATE_WINDOW_S = 30.0
 # Heartbeats and polls: often enough for the staleness rule, rarely enough for a shared FS.
 MAX_HEARTBEAT_S = 10.0
 MAX_POLL_S = 1.0
-# A failed holder keeps its verdict in the lock this many of its waiters' polls (docs/weights.md).
-VERDICT_POLLS = 3
 HOW_TO_CONVERT = (
     "add roles.decode.convert (source: the Hugging Face checkpoint) to the recipe and the agent "
     "converts it before the engine starts, or run `tilert-submit convert RECIPE` ahead of the job "
     "(docs/weights.md)"
 )
-
-
-class _Rate:
-    """Bytes per second over the last ``RATE_WINDOW_S``."""
-
-    def __init__(self) -> None:
-        self._samples: deque[tuple[float, int]] = deque()
-
-    def add(self, now: float, written: int) -> float:
-        self._samples.append((now, written))
-        while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
-            self._samples.popleft()
-        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
-        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
 
 
 class WeightsGate:
@@ -150,10 +125,12 @@ class WeightsGate:
         self.pid: int | None = None
         self.failure: str | None = None
         self.done: Inspection | None = None
-        self._progress: ConvertProgress | None = None
+        self.shown_progress: ConvertProgress | None = None
         self._converter_checked = False
-        # Bytes already in the conversion folder before the converter ran (an --append_mtp copy).
-        self._baseline = 0
+        # The conversion this agent runs under the lock (agent.node.converting).
+        self.conversion = Conversion(
+            self, self.converter, poll_s=self.poll_s, heartbeat_s=self.heartbeat_s
+        )
 
     # ---- what /status shows ------------------------------------------------------------------
 
@@ -173,9 +150,10 @@ class WeightsGate:
 
     def progress(self) -> ConvertProgress | None:
         """The conversion this agent runs or waits for, while it does."""
-        return self._progress if self.state == "converting" else None
+        return self.shown_progress if self.state == "converting" else None
 
-    def _show(self, state: EngineState | None, reason: str) -> None:
+    def show(self, state: EngineState | None, reason: str) -> None:
+        """What /status shows now (None: nothing, the engine's own state)."""
         if (state, reason) == (self.state, self.reason):
             return
         if state != self.state:
@@ -187,7 +165,7 @@ class WeightsGate:
         self.failure = reason
         self.pid = None
         self.log.error("%s: weights: %s", self.id.name, reason)
-        self._show("failed", f"weights: {reason}")
+        self.show("failed", f"weights: {reason}")
 
     # ---- the gate ----------------------------------------------------------------------------
 
@@ -195,7 +173,7 @@ class WeightsGate:
         """True when the engine may start; False when it must not (the reason is in ``status``)."""
         if not self.folder:
             return True
-        if self.convert is None and self._expected_model_type() is None:
+        if self.convert is None and self.expected_model_type() is None:
             # glm5_2's own converter writes another layout (rank folders, tilert_meta.json), which
             # the decode server checks itself; there is no marker to look for.
             self.log.info(
@@ -218,7 +196,7 @@ class WeightsGate:
             self._fail(f"file system error on {self.folder}'s folder: {exc}")
             return False
         self.pid = None
-        self._show(None, "")
+        self.show(None, "")
         return True
 
     async def _from_hub_cache(self, convert: ConvertPlan) -> ConvertPlan:
@@ -232,17 +210,18 @@ class WeightsGate:
         self.log.info("%s: converting %s from %s", self.id.name, convert.source, folder)
         return msgspec.structs.replace(convert, source=folder)
 
-    def _expected_model_type(self) -> str | None:
+    def expected_model_type(self) -> str | None:
+        """The model type the decode needs (the recipe's, else the profile's; None: unchecked)."""
         if self.convert is not None:
             return self.convert.model_type
         return CONVERTER_MODEL_TYPES.get(self.plan.decode.model_profile)
 
-    def _accept(self, found: Inspection) -> None:
+    def accept(self, found: Inspection) -> None:
         """A complete folder: check it is the model the decode serves, then say so."""
         marker = found.marker
         if marker is None:  # inspect() never calls a folder without a marker complete
             raise WeightsError(f"{found.folder} has no {MARKER_NAME}")
-        want = self._expected_model_type()
+        want = self.expected_model_type()
         if want is not None and marker.model_type != want:
             raise WeightsError(
                 f"{found.folder} holds a {marker.model_type} conversion (of {marker.source}), but "
@@ -284,7 +263,7 @@ class WeightsGate:
             if found is None or await trio.to_thread.run_sync(marker.exists):
                 found = await trio.to_thread.run_sync(inspect, paths.host)
             if found.complete:
-                self._accept(found)
+                self.accept(found)
                 return
             seen = await trio.to_thread.run_sync(observe, siblings.lock)
             if seen is None and waited_on is not None:
@@ -359,7 +338,7 @@ class WeightsGate:
     def _waiting(self, paths: WeightsPaths, seen: Observed) -> None:
         info = seen.info
         if info is not None:
-            self._progress = ConvertProgress(
+            self.shown_progress = ConvertProgress(
                 folder=str(paths.host),
                 role="waiting",
                 holder=info.agent,
@@ -374,7 +353,7 @@ class WeightsGate:
             if info is not None
             else ""
         )
-        self._show(
+        self.show(
             "converting", f"waiting for {self._holder(seen)} to convert {paths.host}{written}"
         )
 
@@ -415,7 +394,7 @@ class WeightsGate:
         """Once per gate: can this node run the converter? Seconds, before taking the lock."""
         if self._converter_checked:
             return
-        self._show("converting", "checking the converter (preflight)")
+        self.show("converting", "checking the converter (preflight)")
         await self.converter.check(convert)
         self._converter_checked = True
 
@@ -438,213 +417,5 @@ class WeightsGate:
         )
         if held is None:
             return False
-        await self._convert_holding(convert, held, paths, siblings, token)
-        return True
-
-    async def _convert_holding(
-        self,
-        convert: ConvertPlan,
-        held: HeldLock,
-        paths: WeightsPaths,
-        siblings: Siblings,
-        token: str,
-    ) -> None:
-        """Convert under the lock; the lock is released and our folder gone whatever happens."""
-        temp = siblings.converting(token)
-        lost: list[str] = []
-        failed: WeightsError | OSError | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._heartbeat, held, paths, temp, lost, nursery.cancel_scope)
-                try:
-                    await self._convert(convert, paths, siblings, temp, token)
-                except (WeightsError, OSError) as exc:  # raised here, not as an ExceptionGroup
-                    failed = exc
-                nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(remove_tree, temp)
-                if failed is not None:
-                    await self._leave_verdict(held, str(failed))
-                await trio.to_thread.run_sync(held.release)
-        if lost:
-            raise WeightsError(
-                f"stopped converting {paths.host}: {lost[0]}; another agent took the conversion "
-                "over (this agent did not refresh its lock for agent.convert_lock_stale_s)"
-            )
-        if failed is not None:
-            raise failed
-
-    async def _leave_verdict(self, held: HeldLock, reason: str) -> None:
-        """Tell the waiters why, in the lock, for ``VERDICT_POLLS`` of their polls (seconds)."""
-        try:
-            await trio.to_thread.run_sync(held.fail, reason)
-        except OSError as exc:  # they fall back to the vanished lock (docs/weights.md)
-            self.log.warning("%s: cannot leave the verdict in the lock: %s", self.id.name, exc)
-            return
-        await trio.sleep(VERDICT_POLLS * self.poll_s)
-
-    async def _heartbeat(
-        self,
-        held: HeldLock,
-        paths: WeightsPaths,
-        temp: Path,
-        lost: list[str],
-        scope: trio.CancelScope,
-    ) -> None:
-        """Refresh the lock every ``heartbeat_s``; measure the progress every ``poll_s``."""
-        rate = _Rate()
-        beaten = -float("inf")
-        while True:
-            written = await trio.to_thread.run_sync(folder_bytes, temp)
-            written = max(0, written - self._baseline) if self.pid else 0
-            now = trio.current_time()
-            per_s = rate.add(now, written)
-            if now - beaten >= self.heartbeat_s:
-                beaten = now
-                try:
-                    await trio.to_thread.run_sync(
-                        partial(held.beat, bytes_written=written, rate_bytes_s=per_s)
-                    )
-                except LockLost as exc:
-                    lost.append(str(exc))
-                    scope.cancel()
-                    return
-                except OSError as exc:  # a stalled or failing file system: staleness decides
-                    self.log.warning(
-                        "%s: cannot refresh the conversion lock: %s", self.id.name, exc
-                    )
-            self._progress = ConvertProgress(
-                folder=str(paths.host),
-                role="converting",
-                holder=self.id.name,
-                holder_node=self.id.node,
-                holder_job=str(self.job.root),
-                bytes_written=written,
-                rate_bytes_s=per_s,
-                started_at=held.info.started_at,
-            )
-            if self.pid:
-                self._show(
-                    "converting",
-                    f"converting {paths.host}: {human_bytes(written)} written, "
-                    f"{human_bytes(per_s)}/s (log {self.log_path})",
-                )
-            await trio.sleep(min(self.poll_s, self.heartbeat_s))
-
-    async def _convert(
-        self, convert: ConvertPlan, paths: WeightsPaths, siblings: Siblings, temp: Path, token: str
-    ) -> None:
-        found = await trio.to_thread.run_sync(inspect, paths.host)
-        if found.complete:
-            self._accept(found)  # finished by the holder we waited for, just before we locked
-            return
-        self._refuse_unsafe(paths, found)
-        for leftover in await trio.to_thread.run_sync(siblings.leftovers, token):
-            if await self._adopt_finished(leftover, paths, siblings, token, found):
-                return
-            self.log.info(
-                "%s: removing %s (left by a conversion that died)", self.id.name, leftover
-            )
-            await trio.to_thread.run_sync(remove_tree, leftover)
-        append = convert.append_mtp and found.shards_complete
-        if append:
-            await trio.to_thread.run_sync(copy_for_append, paths.host, temp)
-        else:
-            await trio.to_thread.run_sync(temp.mkdir)
-        self._baseline = await trio.to_thread.run_sync(folder_bytes, temp)
-        try:
-            code = await self.converter.run(
-                convert,
-                save_dir=paths.engine_path(temp),
-                temp=temp,
-                append=append,
-                started=partial(self._converter_started, paths),
-            )
-        finally:
-            self.pid = None
-        if code != 0:
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            raise WeightsError(
-                f"the converter {how} converting {paths.host}; nothing was put in place. See "
-                f"{self.log_path}; last lines: {self.converter.log_tail()}"
-            )
-        result = await trio.to_thread.run_sync(partial(inspect, temp, marker_required=False))
-        if result.problems:
-            raise WeightsError(
-                f"the converter exited 0 but its output is incomplete ({result.summary()}); "
-                f"nothing was put in place. See {self.log_path}"
-            )
-        marker = self.converter.marker(convert, result, append)
-        try:
-            await trio.to_thread.run_sync(write_marker, temp, marker)
-            await trio.to_thread.run_sync(
-                replace_folder, temp, paths.host, siblings.replaced(token)
-            )
-        except OSError as exc:
-            raise WeightsError(
-                f"cannot put the conversion in place at {paths.host}: {exc}; nothing was put in "
-                "place"
-            ) from None
-        final = await trio.to_thread.run_sync(inspect, paths.host)
-        if not final.complete:
-            raise WeightsError(
-                f"{paths.host} is incomplete right after the conversion: {final.summary()}"
-            )
-        self.log.info(
-            "%s: converted %s: %d shards, %s",
-            self.id.name,
-            paths.host,
-            final.shard_count,
-            human_bytes(final.total_bytes),
-        )
-        self._accept(final)
-
-    def _converter_started(self, paths: WeightsPaths, pid: int | None) -> None:
-        self.pid = pid
-        self._show("converting", f"converting {paths.host}: starting (log {self.log_path})")
-
-    def _refuse_unsafe(self, paths: WeightsPaths, found: Inspection) -> None:
-        """Never replace what is not ours to delete, nor what the converter could not reach."""
-        if found.foreign:
-            shown = ", ".join(found.foreign[:3]) + (" ..." if len(found.foreign) > 3 else "")
-            raise WeightsError(
-                f"{paths.host} is incomplete ({found.summary()}) and holds entries that are not "
-                f"TileRT weights ({shown}); the agent replaces an incomplete folder with the "
-                "conversion and never deletes what it did not write: move them away, or convert "
-                "into another folder"
-            )
-        if paths.host.is_symlink():
-            raise WeightsError(
-                f"{paths.host} is a symbolic link; the agent converts next to the folder and "
-                "renames the result into place: point roles.decode.args.model-weights-dir at the "
-                "real folder"
-            )
-        if not paths.siblings_visible:
-            raise WeightsError(
-                f"the weights folder {paths.engine} is itself a container mount, so the converter "
-                "cannot write next to it: mount its parent folder instead"
-            )
-
-    async def _adopt_finished(
-        self, leftover: Path, paths: WeightsPaths, siblings: Siblings, token: str, now: Inspection
-    ) -> bool:
-        """A dead holder's conversion that finished but was not renamed into place: use it."""
-        if "-converting-" not in leftover.name or (now.exists and not now.empty):
-            return False
-        found = await trio.to_thread.run_sync(inspect, leftover)
-        if not found.complete or found.marker is None:
-            return False
-        if found.marker.model_type != self._expected_model_type():
-            return False
-        self.log.info(
-            "%s: %s holds a finished conversion: renaming it into place", self.id.name, leftover
-        )
-        await trio.to_thread.run_sync(
-            replace_folder, leftover, paths.host, siblings.replaced(token)
-        )
-        final = await trio.to_thread.run_sync(inspect, paths.host)
-        if not final.complete:
-            return False
-        self._accept(final)
+        await self.conversion.run(convert, held, paths, siblings, token)
         return True

@@ -23,12 +23,9 @@ line arrived while the file keeps exactly the engine's bytes.
 """
 
 import contextlib
-import errno
 import fcntl
 import logging
 import logging.handlers
-import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -37,15 +34,13 @@ from typing import ClassVar
 
 import trio
 
-from agent.job.logtimes import TimesWriter, times_path
-from agent.job.paths import PRIVATE_DIR_MODE
 from agent.launch.spec import ProcessHandle
+from agent.node.rotatedfile import RotatedFile
 
 # Memory the queue may hold while the file is behind (beyond it, lines are dropped).
 DEFAULT_QUEUE_BYTES = 8 * 1024 * 1024
 _READ_CHUNK = 1024 * 1024
 _BATCH_BYTES = 8 * 1024 * 1024
-_IOV_MAX = 1024  # buffers per writev (Linux's limit)
 # How much of an unfinished line partial watchers see (its newest redraws).
 _PARTIAL_TAIL = 4096
 # How long the reader waits for the file to take a batch before it drops lines instead.
@@ -157,10 +152,8 @@ class LogSink:
         self._room = trio.lowlevel.ParkingLot()  # the writer took a batch off the queue
         self._stalled = False  # the file took no batch for _STALL_S: drop, do not wait
         self._write_lock = trio.Lock()
-        self._file_lock = threading.Lock()
-        self._fd: int | None = None
-        self._times = TimesWriter()
-        self._size = 0
+        # The file itself, written in a worker thread (agent.node.rotatedfile).
+        self.file = RotatedFile(path, max_bytes=max_bytes, backups=backups)
         self._failing = False
         # Called with every block of whole engine lines as it is read (REQSTAT figures, failure
         # signatures, startup progress): the lines pass by once, the file is never read again.
@@ -412,103 +405,10 @@ class LogSink:
             _log.warning("cannot write %s (%s); dropping engine output", self.path, error)
 
     def _write_sync(self, blocks: list[tuple[bytes, float]]) -> OSError | None:
-        """Append (block, received at) to the file, rotating between lines (a worker thread)."""
-        with self._file_lock:
-            try:
-                if self._fd is None:
-                    self._open()
-                if sum(len(block) for block, _ in blocks) <= self.max_bytes - self._size:
-                    # One system call for the batch: each call gives the GIL up, and taking it
-                    # back while the loop's thread reads the pipe can take a switch interval.
-                    # The times go into the index before the bytes: a reader that sees them
-                    # finds them.
-                    offset = self._size
-                    for block, received in blocks:
-                        self._times.add(offset, received)
-                        offset += len(block)
-                    self._write_all([block for block, _ in blocks])
-                else:
-                    for block, received in blocks:
-                        self._write_block(block, received)
-            except OSError as exc:
-                self._close_fd()
-                return exc
-        return None
-
-    def _write_block(self, block: bytes, received: float) -> None:
-        """Append whole lines; rotate before a line that would not fit."""
-        if self._fd is None:
-            self._open()
-        while block:
-            room = self.max_bytes - self._size
-            # The time goes into the index before the bytes: a reader that sees them finds it.
-            self._times.add(self._size, received)
-            if len(block) <= room:
-                self._write_all([block])
-                return
-            cut = block.rfind(b"\n", 0, room) + 1 if room > 0 else 0
-            if cut == 0 and self._size == 0:
-                cut = block.find(b"\n") + 1 or len(block)
-            if cut:
-                self._write_all([block[:cut]])
-                block = block[cut:]
-            if block:
-                self._rotate()
-
-    def _write_all(self, buffers: list[bytes]) -> None:
-        """``os.writev`` until every byte is written (one system call, as a rule)."""
-        fd = self._fd
-        if fd is None:  # _write_block opens the file first; a closed sink writes nothing
-            raise OSError(errno.EBADF, "the log file is closed", str(self.path))
-        views = [memoryview(b) for b in buffers if b]
-        while views:
-            done = os.writev(fd, views[:_IOV_MAX])
-            self._size += done
-            while views and done >= len(views[0]):
-                done -= len(views.pop(0))
-            if done:
-                views[0] = views[0][done:]
-
-    def _open(self) -> None:
-        """Open (append) the current file, creating the agent's private log folder."""
-        self.path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        self._size = os.fstat(self._fd).st_size
-        self._times.open(self.path, self._fd)
-
-    def _rotate(self) -> None:
-        """``path`` -> ``path.1`` -> ... -> ``path.<backups>``, then a fresh ``path``.
-
-        Each file's times index (``engine.times``) moves with it.
-        """
-        self._close_fd()
-        if self.backups == 0:
-            self.path.unlink(missing_ok=True)
-            times_path(self.path).unlink(missing_ok=True)
-        else:
-            for i in range(self.backups - 1, 0, -1):
-                older = self.path.with_name(f"{self.path.name}.{i}")
-                newer = self.path.with_name(f"{self.path.name}.{i + 1}")
-                if older.exists():
-                    os.replace(older, newer)
-                if times_path(older).exists():
-                    os.replace(times_path(older), times_path(newer))
-            if self.path.exists():
-                os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-            if times_path(self.path).exists():
-                os.replace(
-                    times_path(self.path), times_path(self.path.with_name(f"{self.path.name}.1"))
-                )
-        self._open()
-
-    def _close_fd(self) -> None:
-        """Close the file (and its times index) if open."""
-        self._times.close()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Append (block, received at) to the file, rotating between lines (a worker thread);
+        the error that refused them, if any."""
+        return self.file.write(blocks)
 
     def close(self) -> None:
         """Close the file (a later write reopens it)."""
-        with self._file_lock:
-            self._close_fd()
+        self.file.close()

@@ -18,6 +18,7 @@ import trio
 from agent.job.atomicfile import write_atomic
 from agent.job.paths import JobDir
 from agent.job.records import JobStatus, RendezvousRecord
+from agent.job.urls import front_url
 from agent.node.jobwrites import JobWrites
 
 STATUS_REFRESH_S = 5.0
@@ -73,7 +74,7 @@ class StatusWriter:
             # No role/node/slurm_job_id here: the pages carry them (docs/design.md, Observability).
             labels = {"agent": name}
             if "front" in record.ports:  # the head's: where the job's clients go (agent.front)
-                labels["front_url"] = f"http://{record.address}:{record.ports['front']}"
+                labels["front_url"] = front_url(record.address, record.ports["front"])
             targets.append({"targets": [hostport], "labels": labels})
         data = msgspec.json.encode(targets) + b"\n"
         self.writes.write(

@@ -5,8 +5,16 @@ States are the ``/status`` vocabulary of docs/agent.md::
     starting --(startup probe ok)--> healthy --(N probe failures)--> unhealthy --+
        |  ^                            |                                        |
        |  +------ restarting <---------+--(engine exited)-----------------------+
+       |              ^
+       |              +--(relaunch: a restart asked for, or a hand-over, below)-- any running state
        +--(budget exceeded / too many restarts in the window)--> failed
     any --(stop requested)--> stopping --> stopped
+
+    a hand-over (relaunch(handover=True), agent.node.handover; the head's router):
+      old engine: SIGTERM --> draining beside the new one --(its streams end, or SIGKILL after
+                  the drain time)--> ended
+      new engine: restarting --(the old one's ports free)--> starting --(probe ok)--> healthy
+                  --(the head's canaries pass)--> proven; clients wait for it at the front door
 
 An engine exit is a failure unless we are stopping (vLLM's API process exits 0 when its engine
 dies). An engine that exits with "address in use" before it was ever healthy gets new ports from
@@ -23,8 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,24 +38,29 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
-import psutil
 import trio
 
 from agent.job.records import EngineStatus
 from agent.job.vocab import EngineState
 from agent.launch import Launcher, LaunchSpec, ProcessHandle
+from agent.node.enginefate import (
+    address_in_use,
+    answered_by_engine,
+    ended,
+    exit_reason,
+    generation_note,
+    startup_over,
+)
 from agent.node.enginewatch import EngineWatch
+from agent.node.handover import HandOver
 from agent.node.logpump import LogSink
 from agent.node.policy import Policy
-from agent.node.ports import is_bindable
 from agent.problems import printable
 from agent.signatures import Where
 
-ADDRESS_IN_USE = re.compile(r"address already in use|errno 98|eaddrinuse", re.IGNORECASE)
 FAILURE_LOG_LINES = 50
 # How long an engine that exited while starting may take to get its last lines to the log pump.
 _LAST_LINES_S = 2.0
-PORT_FREE_POLL_S = 0.01  # a hand-over's new engine starts this soon after the old one's listener
 
 
 @dataclass
@@ -109,15 +120,16 @@ class EngineSupervisor:
         self.stopping = False
         self._restart_times: deque[float] = deque()
         self._relaunch_reason: str | None = None
-        # A hand-over relaunch (``relaunch(handover=True)``): the old engine drains in the
-        # background (in ``_drains``) while the new one starts as soon as its ports are free.
-        self._handover = False
-        self._await_ports = False
-        self._drains: trio.Nursery | None = None
-        self._draining: set[trio.CancelScope] = set()
-        # How long a handed-over engine may finish what it serves (not capped by Slurm's KillWait
-        # as the stop grace is: the job goes on meanwhile).
-        self.handover_drain_s = handover_drain_s
+        # A hand-over relaunch (``relaunch(handover=True)``, agent.node.handover): the old engine
+        # drains in the background while the new one starts as soon as its ports are free.
+        self.handover = HandOver(
+            name=name,
+            sink=sink,
+            log=log,
+            ports=ports,
+            drain_s=handover_drain_s,
+            grace_s=policy.stop_grace_s,
+        )
         self._cancel = trio.CancelScope()
         self._probe_wakeup = trio.Event()
         self.done = trio.Event()
@@ -187,9 +199,7 @@ class EngineSupervisor:
         """Stop for good: the engine gets SIGTERM, the grace, then SIGKILL. Returns when done."""
         self.stopping = True
         self._cancel.cancel()
-        # A handed-over engine still draining gets the stop grace from now, no more.
-        for scope in self._draining:
-            scope.deadline = min(scope.deadline, trio.current_time() + self.policy.stop_grace_s)
+        self.handover.cut()  # a handed-over engine still draining: the stop grace from now
         await self.done.wait()
 
     def relaunch(self, reason: str, *, handover: bool = False) -> None:
@@ -202,7 +212,7 @@ class EngineSupervisor:
         whose SIGTERM closes its listener at once and then waits for its in-flight streams.
         """
         self._relaunch_reason = reason
-        self._handover = handover
+        self.handover.asked = handover
         self.restarts += 1
         self._set("restarting", reason)
         self._probe_wakeup.set()
@@ -212,61 +222,19 @@ class EngineSupervisor:
     async def run(self) -> None:
         """Supervise until failed or stopped (and until every handed-over engine has ended)."""
         try:
-            async with trio.open_nursery() as drains:
-                self._drains = drains
+            async with self.handover.open():
                 try:
                     with self._cancel:
                         await self._loop()
                 finally:
                     with trio.CancelScope(shield=True):
-                        await self._shutdown()
+                        if self.process is not None:
+                            await self._stop_engine(self.process)
+                        if self.stopping and self.state != "failed":
+                            self._set("stopped", "stopped on request")
+                            self._mark(_stopped_note(self.process))
         finally:
             self.done.set()
-
-    async def _drain(self, engine: ProcessHandle, pumped: trio.Event) -> None:
-        """A handed-over engine: SIGTERM now, its output still logged, SIGKILL after
-        ``handover_drain_s`` (cut to the stop grace when the supervisor stops meanwhile)."""
-        async with trio.open_nursery() as nursery:
-
-            async def pump() -> None:
-                await pumped.wait()  # the generation's own pump has let go of the pipe
-                await self.sink.pump(engine.output)
-
-            nursery.start_soon(pump)
-            drain_s = max(self.handover_drain_s, self.policy.stop_grace_s)
-            with trio.CancelScope(deadline=trio.current_time() + drain_s) as scope:
-                self._draining.add(scope)
-                code = await engine.stop(drain_s)
-            self._draining.discard(scope)
-            if scope.cancelled_caught:
-                engine.kill()
-                code = await engine.wait()
-            self.log.info(
-                "%s: handed-over engine pid %s ended with status %d", self.name, engine.pid, code
-            )
-            with trio.move_on_after(2.0):
-                await engine.wait()
-            nursery.cancel_scope.cancel()
-
-    def _handing_over(self, engine: ProcessHandle) -> bool:
-        """Whether this generation ends by a hand-over (its engine drains in the background)."""
-        return (
-            self._handover
-            and self._drains is not None
-            and not self.stopping
-            and engine.returncode is None
-        )
-
-    async def _ports_free(self) -> None:
-        """Before a hand-over's new engine: wait (bounded by the grace) until the old one has
-        closed its listening ports, or the new one would fail with "address already in use"."""
-        self._await_ports = False
-        with trio.move_on_after(self.policy.stop_grace_s):
-            # Polled: nothing signals that another process closed a socket.
-            while True:
-                if all(is_bindable(port) for port in self.ports().values()):
-                    return
-                await trio.sleep(PORT_FREE_POLL_S)
 
     async def _stop_engine(self, engine: ProcessHandle) -> None:
         if engine.returncode is not None:
@@ -275,19 +243,6 @@ class EngineSupervisor:
             self._set("stopping", f"stop requested; grace {self.policy.stop_grace_s:g}s")
         code = await engine.stop(self.policy.stop_grace_s)
         self.log.info("%s: engine pid %s ended with status %d", self.name, engine.pid, code)
-
-    async def _shutdown(self) -> None:
-        if self.process is not None:
-            await self._stop_engine(self.process)
-        if self.stopping and self.state != "failed":
-            self._set("stopped", "stopped on request")
-            engine = self.process
-            if engine is not None and engine.returncode is not None:
-                self._mark(
-                    f"stopped on request (engine pid {engine.pid} {_ended(engine.returncode)})"
-                )
-            else:
-                self._mark("stopped on request")
 
     async def _loop(self) -> None:
         async with contextlib.AsyncExitStack() as stack:
@@ -346,8 +301,7 @@ class EngineSupervisor:
 
     async def _one_generation(self, client: httpx.AsyncClient) -> str | None:
         """Run the engine once; return why it ended (restartable), or None when failed for good."""
-        if self._await_ports:
-            await self._ports_free()
+        await self.handover.ports_free()  # after a hand-over: the old engine's ports
         spec = self.build()
         self.generation += 1
         self._probe_wakeup = trio.Event()
@@ -363,7 +317,8 @@ class EngineSupervisor:
             return None
         self.process = engine
         self.started_at = time.time()
-        self.sink.note(f"{self._generation_note()}, pid {engine.pid}: {' '.join(spec.argv)} ===")
+        note = generation_note(self.name, self.generation)
+        self.sink.note(f"{note}, pid {engine.pid}: {' '.join(spec.argv)} ===")
         self._set("starting", f"engine pid {engine.pid} started; waiting for {self.health_url()}")
         async with trio.open_nursery() as nursery:
             pumped = trio.Event()
@@ -387,11 +342,7 @@ class EngineSupervisor:
                 result = await self._watch(client, engine, exited, start, pumped)
             finally:
                 with trio.CancelScope(shield=True):
-                    drains = self._drains if self._handing_over(engine) else None
-                    if drains is not None:
-                        self._handover, self._await_ports = False, True
-                        drains.start_soon(self._drain, engine, pumped)
-                    else:
+                    if not self.handover.take(engine, pumped, stopping=self.stopping):
                         await self._stop_engine(engine)
                         # The pipe reaches EOF once the engine's group is gone; a stray holder of
                         # it must not keep this generation alive.
@@ -416,17 +367,6 @@ class EngineSupervisor:
     async def _sleep_or_wake(self, seconds: float) -> None:
         with trio.move_on_after(seconds):
             await self._probe_wakeup.wait()
-
-    def _exit_reason(self, engine: ProcessHandle) -> str:
-        code = engine.returncode
-        if code is not None and code < 0:
-            return f"engine pid {engine.pid} {_ended(code)}"
-        if code == 0:
-            return (
-                f"engine pid {engine.pid} exited with code 0 "
-                "(an engine must not exit while serving)"
-            )
-        return f"engine pid {engine.pid} exited with code {code}"
 
     async def _watch(
         self,
@@ -460,7 +400,7 @@ class EngineSupervisor:
         """Startup probe: (True, None) once the engine answers, else (False, what ended it).
 
         It ends at once on a fatal line in the log, and at a deadline that progress lines move
-        (``_startup_over``).
+        (``agent.node.enginefate.startup_over``).
         """
         policy = self.policy
         # Fast, so readiness is seen within ~50 ms.
@@ -472,59 +412,37 @@ class EngineSupervisor:
                 with trio.move_on_after(_LAST_LINES_S if self.watch is not None else 0):
                     await pumped.wait()
                 if self.watch is not None and self.watch.fatal is not None:
-                    self._fail(self._startup_over(start) or "a fatal line in its log")
+                    self._fail(
+                        startup_over(
+                            self.policy, self.watch, start, trio.current_time(), self.health_url()
+                        )
+                        or "a fatal line in its log"
+                    )
                     return False, None
-                if not self.ever_healthy and self._address_in_use() and self.on_address_in_use:
+                if (
+                    not self.ever_healthy
+                    and address_in_use(
+                        self.sink.recent(FAILURE_LOG_LINES),
+                        generation_note(self.name, self.generation),
+                    )
+                    and self.on_address_in_use
+                ):
                     self.on_address_in_use()
                     self._relaunch_reason = "address in use before first healthy: new ports"
                     return False, "relaunch"
-                return False, self._exit_reason(engine) + " before becoming healthy"
+                return False, exit_reason(engine) + " before becoming healthy"
             if await self._probe(client):
-                if self._answered_by_engine(engine):
+                if answered_by_engine(engine, urlsplit(self.health_url()).port):
                     return True, None
                 if self._port_taken():
                     return False, "relaunch"
-            over = self._startup_over(start)
+            over = startup_over(
+                self.policy, self.watch, start, trio.current_time(), self.health_url()
+            )
             if over is not None:
                 self._fail(over)
                 return False, None
             await self._sleep_or_wake(policy.probe_startup_interval_s)
-
-    def _startup_over(self, start: float) -> str | None:
-        """Why the startup wait ends now (a fatal log line, or past its deadline), or None.
-
-        The deadline is the budget, moved on by ``startup_silence_s`` from each progress line,
-        never past ``startup_max_s`` (docs/agent.md "Startup deadlines that watch progress").
-        """
-        policy, watch, now = self.policy, self.watch, trio.current_time()
-        if watch is not None and watch.fatal is not None:
-            return f"its log shows a fatal error: {watch.fatal.line.strip()[:200]}"
-        deadline = start + policy.startup_budget_s
-        last = watch.progress_trio if watch is not None else None
-        if last is not None:
-            deadline = min(
-                max(deadline, last + policy.startup_silence_s), start + policy.startup_max_s
-            )
-        if now <= deadline:
-            return None
-        if last is None:
-            return (
-                f"not healthy within the startup budget of {policy.startup_budget_s:g}s "
-                f"({self.health_url()}), and no progress line in its log; raise "
-                "agent.startup_budget_s or health_check"
-            )
-        text = watch.progress if watch is not None else None
-        if now > start + policy.startup_max_s:
-            return (
-                f"still starting after agent.startup_max_s ({policy.startup_max_s:g}s); last "
-                f"progress {now - last:.0f}s ago: {text!r}"
-            )
-        return (
-            f"no progress line for {now - last:.0f}s (agent.startup_silence_s "
-            f"{policy.startup_silence_s:g}) after the startup budget of "
-            f"{policy.startup_budget_s:g}s; last progress: {text!r}; raise "
-            "agent.startup_silence_s or agent.startup_budget_s"
-        )
 
     def _port_taken(self) -> bool:
         """Another process answered on the engine's port: whether that means new ports now."""
@@ -553,12 +471,12 @@ class EngineSupervisor:
             if self._relaunch_reason is not None:
                 return "relaunch"
             if exited.is_set():
-                return self._exit_reason(engine)
+                return exit_reason(engine)
             if await self._probe(client):
                 failures = 0
                 continue
             if exited.is_set():
-                return self._exit_reason(engine)
+                return exit_reason(engine)
             failures += 1
             self.log.info(
                 "%s: health probe failed (%d/%d)",
@@ -571,42 +489,9 @@ class EngineSupervisor:
                 self._set("unhealthy", reason)
                 return reason
 
-    def _generation_note(self) -> str:
-        return f"=== {self.name} generation {self.generation} started"
 
-    def _answered_by_engine(self, engine: ProcessHandle) -> bool:
-        """Whether the health port's listening socket belongs to the engine's process tree."""
-        port = urlsplit(self.health_url()).port
-        tree = engine.descendants()
-        if port is None or not tree:
-            return True  # nothing to compare with (e.g. a pyxis step whose pid is not known yet)
-        for proc in tree:
-            try:
-                sockets = proc.net_connections(kind="tcp")
-            except psutil.Error:
-                continue
-            if any(s.status == psutil.CONN_LISTEN and s.laddr.port == port for s in sockets):
-                return True
-        return False
-
-    def _address_in_use(self) -> bool:
-        # Only this generation's lines: an earlier generation's "address in use" still in the ring
-        # must not turn every later early death into a free relaunch (no backoff, no count).
-        lines = self.sink.recent(FAILURE_LOG_LINES)
-        marker = self._generation_note()
-        for i in range(len(lines) - 1, -1, -1):
-            if lines[i].startswith(marker):
-                lines = lines[i + 1 :]
-                break
-        return any(ADDRESS_IN_USE.search(line) for line in lines)
-
-
-def _ended(code: int) -> str:
-    """How a process ended, in words: ``exited with code 1``, ``killed by signal 9 (SIGKILL)``."""
-    if code >= 0:
-        return f"exited with code {code}"
-    try:
-        name = f" ({signal.Signals(-code).name})"
-    except ValueError:
-        name = ""
-    return f"killed by signal {-code}{name}"
+def _stopped_note(engine: ProcessHandle | None) -> str:
+    """The marker line of a requested stop, with how the engine ended once it has."""
+    if engine is not None and engine.returncode is not None:
+        return f"stopped on request (engine pid {engine.pid} {ended(engine.returncode)})"
+    return "stopped on request"
