@@ -380,6 +380,7 @@ class Head:
             client=self.ctx.client,
             log=self.log,
             router_log=log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan),
+            gate=self.front.canary_slot,
         )
 
     async def _prove(self, marks: dict[str, int], count: int) -> None:
