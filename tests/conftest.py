@@ -73,6 +73,7 @@ UNIT_MODULES = frozenset(
         "test_schema1",
         "test_sdnotify",
         "test_shape",
+        "test_starved",
         "test_signature_catalogue",
         "test_submit_cli",
         "test_supervisor_policy",

@@ -260,19 +260,19 @@ async def test_capacity_grows_and_shrinks_with_the_pool(
         pool["decodes"] = 3
         adm.changed()
         await trio.sleep(0.1)
-        assert let_in == [0, 1]
+        assert sorted(let_in) == [0, 1]  # let in at once: they run in any order
         assert adm.admitted == 3
         pool["decodes"] = 1
         adm.changed()
         held.pop(0).release()
         held.pop(0).release()
         await trio.sleep(0.1)
-        assert let_in == [0, 1]  # 1 held, capacity 1: the queue waits
+        assert len(let_in) == 2  # 1 held, capacity 1: the queue waits
         held.pop(0).release()
         await trio.sleep(0.1)
-        assert let_in == [0, 1, 2]
+        assert let_in[2:] == [2]
         held.pop(0).release()
-    assert let_in == [0, 1, 2, 3]
+    assert let_in[2:] == [2, 3]
 
 
 async def test_no_decode_no_admission_until_one_joins(

@@ -6,7 +6,8 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``peers``: each agent's record and long-polled ``/status``.
 - ``decisions``: gate, drop, fatal and the job's state, as plain functions over a ``JobView``.
 - ``router``: the router's preflight, start and relaunch (a hand-over); ``canaries``: the
-  streaming chat check; ``trial``: a trial router proving decodes joining the pool.
+  streaming chat check; ``trial``: a trial router proving decodes joining the pool;
+  ``starved``: a router alive but too busy to answer ``/health`` is not killed for it.
 - ``pool``: the decode pool ``tilert-submit scale`` asks for (``J/pool.json``) and where each
   decode stands in it.
 - ``benchstage``: the recipe's benchmark, checked before the load and run once ready.
@@ -15,9 +16,9 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``head``: ``Head``, which runs them in order, writing status.json and targets.json through
   ``agent.node.statuswriter`` (a convert job writes its status.json with it too).
 
-May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``,
-``agent.node``, ``agent.benchmark``, ``agent.http``, ``agent.front``. Imported by
-``agent.nodeagent`` only.
+May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.signatures``,
+``agent.job``, ``agent.launch``, ``agent.node``, ``agent.benchmark``, ``agent.http``,
+``agent.front``. Imported by ``agent.nodeagent`` only.
 """
 
 from agent.head.context import HeadContext

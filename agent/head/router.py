@@ -18,6 +18,7 @@ import trio
 from agent.facts import ROUTER_MODULE
 from agent.head.context import HeadContext
 from agent.head.decisions import JobFailed, JobView, down_decodes, to_rest, to_wake
+from agent.head.starved import StarvedRouter
 from agent.job.logfiles import log_path
 from agent.job.names import ROUTER_NAME
 from agent.job.records import EngineStatus, JobAgent, RendezvousRecord
@@ -58,6 +59,7 @@ class Router:
         self.down_since: dict[str, float] = {}
         self.standin = False
         self.supervisor: EngineSupervisor | None = None
+        self.starved: StarvedRouter | None = None
 
     @property
     def decodes(self) -> list[str]:
@@ -151,11 +153,21 @@ class Router:
         )
         if ctx.pool is not None:
             sink.watchers.append(ctx.pool.feed)  # the refusals it logs per decode
+        figures = ctx.front_figures
+        base = f"http://{ctx.identity.address}:{plan.router.port}"
+        # Alive but too busy to answer /health is not dead (agent.head.starved).
+        self.starved = StarvedRouter(
+            lambda: base,
+            timeout_s=plan.agent.probe_timeout_s,
+            note=sink.note,
+            in_flight=lambda: figures.in_flight if figures is not None else 0,
+            log=ctx.log,
+        )
         self.supervisor = EngineSupervisor(
             name=ROUTER_NAME,
             launcher=ctx.launcher,
             build=self._build,
-            health_url=lambda: f"http://{ctx.identity.address}:{plan.router.port}/health",
+            health_url=lambda: f"{base}/health",
             ports=lambda: {"http": plan.router.port},
             policy=policy_for(
                 plan,
@@ -169,6 +181,7 @@ class Router:
             client=ctx.client,
             handover_drain_s=HANDOVER_DRAIN_S,
             where="router",
+            patience=self.starved,
         )
         nursery.start_soon(self.supervisor.run)
         return self.supervisor
@@ -237,6 +250,13 @@ class Router:
         status = self.status()
         if status is None:
             return None
+        reason = status.reason
+        starved = self.starved.starved_for() if self.starved is not None else None
+        if starved is not None and status.state == "healthy":
+            reason += (
+                f"; but starved for {starved:.0f}s: /health too slow under load while its event "
+                "loop answers (not counted as a failure; tilert-submit diagnose)"
+            )
         return JobAgent(
             name=ROUTER_NAME,
             role="router",
@@ -244,7 +264,7 @@ class Router:
             node=self.ctx.identity.node,
             state=status.state,
             restarts=status.restarts,
-            reason=status.reason,
+            reason=reason,
             log=str(log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan)),
             metrics_url=head_record.metrics_url if head_record else None,
             status_url=head_record.status_url if head_record else None,
