@@ -1,6 +1,7 @@
 """A burst at the front of the 1P+2D demo with the REAL TileRT router: admission holds what the
 router's two decodes cannot serve at once, in arrival order, and the router lives
-(docs/reliability.md, "A burst at the front"; docs/agent.md, "Admission").
+(docs/reliability.md, "A burst at the front"; docs/agent.md, "Admission"); and a router starved
+by clients that bypass the front is not restarted for it (docs/agent.md, "A starved router").
 
 Arrival order is made known, not guessed: request i+1 is sent only once the front has counted
 request i into its admission (``tilert_front_queue_*`` on the head's /metrics), and the burst is
@@ -12,9 +13,11 @@ decodes, a later request can overtake an earlier one only while both are at the 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -35,6 +38,8 @@ TOKEN_DELAY = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.005"
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True}
 HEALTH_BOUND_S = 5.0  # the job's probe timeout (PROBE): /health must answer within it
 SERVED_S = 600.0  # the whole burst's bound (a bound, not a speed target)
+SLOW_TOKENS = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.05"
+DIRECT = 60  # direct clients of the router: more than its 40 threads
 
 
 @dataclass
@@ -182,3 +187,66 @@ async def test_a_burst_of_500_streams_is_queued_served_in_order_and_the_router_l
     queue = status["front"]["queue"]
     assert queue["capacity"] == DECODES
     assert "queue:" in kit.submit_cmd("status", str(job.job)).stdout
+
+
+def recovered_and_diagnosed(job: kit.LocalJob, router: str) -> None:
+    """Once the direct clients left: the router serves again, never restarted; its log has the
+    head's note and ``diagnose`` names it."""
+    job.wait_state("ready", timeout=READY_S)
+    kit.wait_for(
+        "the router's /health again",
+        lambda: httpx.get(f"{router}/health", timeout=2).status_code == 200,
+        90,
+    )
+    status = job.status()
+    assert status["router"]["restarts"] == 0, status["router"]
+    log = Path(status["router"]["log"]).read_text()
+    assert "=== router starved: /health did not answer within 2s" in log
+    report = json.loads(kit.submit_cmd("diagnose", str(job.job), "--json").stdout)
+    entry = next(a for a in report["agents"] if a["role"] == "router")
+    assert "router-starved" in [f["signature"] for f in entry["findings"]], entry
+
+
+def starved_for(status: dict[str, Any]) -> float:
+    """How long status.json's router row says it has been starved (0: it is not)."""
+    found = re.search(r"starved for (\d+)s", status["router"]["reason"])
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_a_router_starved_by_direct_clients_is_not_restarted_and_diagnose_names_it(
+    router_python: Path, tmp_path: Path
+) -> None:
+    """Clients that bypass the front (straight at router_url) can still starve the router: 60
+    direct long streams at two decodes hold every one of its threads (--queue-timeout 30), so
+    its /health does not answer within the head's probe timeout. The head sees the router's
+    event loop answer and does not count it: the router's row says starved for longer than 3
+    probe timeouts, it is never restarted, router.log has the note and diagnose names it."""
+    sets, _ = kit.isolated_sets(router_python, *FAST, SLOW_TOKENS, "agent.probe.timeout_s=2")
+    body = {
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 400,  # 20 s a stream at 0.05 s a token
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with kit.LocalJob(tmp_path / "job", sets) as job:
+        job.wait_state("ready", timeout=READY_S)
+        _, _, router, model = urls(job)
+        limits = httpx.Limits(max_connections=DIRECT + 5)
+        async with (
+            httpx.AsyncClient(limits=limits, timeout=120) as client,
+            trio.open_nursery() as nursery,
+        ):
+            for i in range(DIRECT):
+                nursery.start_soon(chat, client, router, {**body, "model": model}, Reply(i))
+            starved = await trio.to_thread.run_sync(
+                lambda: kit.wait_for(
+                    "the router's row to say starved for 10 s",
+                    job.status,
+                    90,
+                    until=lambda s: starved_for(s) >= 10,
+                )
+            )
+            assert starved["router"]["restarts"] == 0, starved["router"]
+            assert starved["router"]["state"] == "healthy"
+            nursery.cancel_scope.cancel()  # the clients leave
+        recovered_and_diagnosed(job, router)

@@ -235,10 +235,13 @@ class Router:
             # A hand-over: the old router finishes its streams while the new one starts.
             self.supervisor.relaunch(f"restarting the router {why}", handover=True)
 
-    def mark(self) -> tuple[str, int, str] | None:
-        """What the router's row shows (state, restarts, reason); None before it starts."""
+    def mark(self) -> tuple[str, int, str, int] | None:
+        """What the router's row shows (state, restarts, reason, whole seconds starved); None
+        before it starts."""
         sup = self.supervisor
-        return None if sup is None else (sup.state, sup.restarts, sup.reason)
+        starved = self.starved.starved_for() if self.starved is not None else None
+        seconds = -1 if starved is None else int(starved)
+        return None if sup is None else (sup.state, sup.restarts, sup.reason, seconds)
 
     def status(self) -> EngineStatus | None:
         """The router's ``/status`` view; None before it starts."""
