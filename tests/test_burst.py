@@ -40,6 +40,14 @@ HEALTH_BOUND_S = 5.0  # the job's probe timeout (PROBE): /health must answer wit
 SERVED_S = 600.0  # the whole burst's bound (a bound, not a speed target)
 SLOW_TOKENS = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.05"
 DIRECT = 60  # direct clients of the router: more than its 40 threads
+MAX_WAIT_S = 3.0
+SMALL_QUEUE = ("agent.front.queue.max_waiting=2", f"agent.front.queue.max_wait_s={MAX_WAIT_S:g}")
+LONG = {  # 20 s a stream at 0.05 s a token
+    "messages": [{"role": "user", "content": "Hello"}],
+    "max_tokens": 400,
+    "ignore_eos": True,
+    "stream": True,
+}
 
 
 @dataclass
@@ -55,11 +63,11 @@ class Reply:
     retry_after: str | None = None
 
 
-@pytest.fixture(scope="module")
-def job(router_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[kit.LocalJob]:
+@pytest.fixture
+def job(router_python: Path, tmp_path: Path) -> Iterator[kit.LocalJob]:
     """A ready 1P+2D demo job with the real router and the default queue bounds."""
     sets, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, PROBE)
-    with kit.LocalJob(tmp_path_factory.mktemp("burst") / "job", sets) as running:
+    with kit.LocalJob(tmp_path / "job", sets) as running:
         running.wait_state("ready", timeout=READY_S)
         yield running
 
@@ -213,40 +221,98 @@ def starved_for(status: dict[str, Any]) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+@pytest.fixture(scope="module")
+def slow_job(
+    router_python: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[kit.LocalJob]:
+    """A ready demo job with slow tokens (a long stream holds a decode for 20 s), a 2 s probe
+    timeout, and a queue of 2 for 3 s at most."""
+    sets, _ = kit.isolated_sets(
+        router_python, *FAST, SLOW_TOKENS, "agent.probe.timeout_s=2", *SMALL_QUEUE
+    )
+    with kit.LocalJob(tmp_path_factory.mktemp("slow") / "job", sets) as running:
+        running.wait_state("ready", timeout=READY_S)
+        yield running
+
+
+async def test_past_the_queues_bounds_429_with_retry_after(slow_job: kit.LocalJob) -> None:
+    """Two long streams hold both decodes, two requests wait (max_waiting 2): a fifth is
+    answered 429 at once (``full``), the two waiting ones 429 after max_wait_s (``wait``), each
+    with Retry-After and OpenAI's error shape; counted on /metrics and in ``status``. Once the
+    long streams' clients leave, their slots are free: the next request is served."""
+    front, metrics_url, _, model = urls(slow_job)
+    short = {**CHAT, "model": model}
+    replies = [Reply(i) for i in range(5)]
+    served = Reply(5)
+    async with (
+        httpx.AsyncClient(timeout=120) as client,
+        httpx.AsyncClient(timeout=60) as side,
+        trio.open_nursery() as longs,
+    ):
+        base, _ = await admitted_so_far(side, metrics_url)
+        for reply in replies[:2]:
+            longs.start_soon(chat, client, front, {**LONG, "model": model}, reply)
+            await counted_in(side, metrics_url, base + reply.index + 1)
+        with kit.within(4 * MAX_WAIT_S, "the fifth refused at once, the waiting ones later"):
+            async with trio.open_nursery() as waiters:
+                for reply in replies[2:4]:
+                    waiters.start_soon(chat, client, front, short, reply)
+                    await counted_in(side, metrics_url, base + reply.index + 1)
+                await chat(client, front, short, replies[4])
+        page = samples((await side.get(metrics_url)).text)
+        longs.cancel_scope.cancel()  # the long streams' clients leave
+    for reply, reason in ((replies[4], "full"), (replies[2], "wait"), (replies[3], "wait")):
+        assert reply.status == 429, reply
+        assert reply.retry_after is not None, reply
+        assert int(reply.retry_after) >= 1, reply
+        error = json.loads(str(reply.errors[0]))["error"]
+        assert error["type"] == "rate_limit_exceeded", error
+        assert error["reason"] == reason, error
+        assert "agent.front.queue.max_wait" in error["message"], error
+    assert one(page, "tilert_front_queue_rejected_total", reason="full").value == 1
+    assert one(page, "tilert_front_queue_rejected_total", reason="wait").value == 2
+    async with httpx.AsyncClient(timeout=60) as client:
+        with kit.within(60, "a request served once the long streams' clients left"):
+            await chat(client, front, short, served)
+    assert served.status == 200, served
+    assert served.done, served
+
+
+async def counted_in(client: httpx.AsyncClient, metrics_url: str, count: int) -> None:
+    """Wait (bounded) until the front's admission has counted ``count`` requests in."""
+    with kit.within(30, f"{count} requests counted in by the front"):
+        while True:
+            if (await admitted_so_far(client, metrics_url))[0] >= count:
+                return
+            await trio.sleep(0.01)
+
+
 async def test_a_router_starved_by_direct_clients_is_not_restarted_and_diagnose_names_it(
-    router_python: Path, tmp_path: Path
+    slow_job: kit.LocalJob,
 ) -> None:
     """Clients that bypass the front (straight at router_url) can still starve the router: 60
     direct long streams at two decodes hold every one of its threads (--queue-timeout 30), so
     its /health does not answer within the head's probe timeout. The head sees the router's
     event loop answer and does not count it: the router's row says starved for longer than 3
     probe timeouts, it is never restarted, router.log has the note and diagnose names it."""
-    sets, _ = kit.isolated_sets(router_python, *FAST, SLOW_TOKENS, "agent.probe.timeout_s=2")
-    body = {
-        "messages": [{"role": "user", "content": "Hello"}],
-        "max_tokens": 400,  # 20 s a stream at 0.05 s a token
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with kit.LocalJob(tmp_path / "job", sets) as job:
-        job.wait_state("ready", timeout=READY_S)
-        _, _, router, model = urls(job)
-        limits = httpx.Limits(max_connections=DIRECT + 5)
-        async with (
-            httpx.AsyncClient(limits=limits, timeout=120) as client,
-            trio.open_nursery() as nursery,
-        ):
-            for i in range(DIRECT):
-                nursery.start_soon(chat, client, router, {**body, "model": model}, Reply(i))
-            starved = await trio.to_thread.run_sync(
-                lambda: kit.wait_for(
-                    "the router's row to say starved for 10 s",
-                    job.status,
-                    90,
-                    until=lambda s: starved_for(s) >= 10,
-                )
+    job = slow_job
+    _, _, router, model = urls(job)
+    limits = httpx.Limits(max_connections=DIRECT + 5)
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=120) as client,
+        trio.open_nursery() as nursery,
+    ):
+        for i in range(DIRECT):
+            nursery.start_soon(chat, client, router, {**LONG, "model": model}, Reply(i))
+        starved = await trio.to_thread.run_sync(
+            lambda: kit.wait_for(
+                "the router's row to say starved for 10 s",
+                job.status,
+                90,
+                until=lambda s: starved_for(s) >= 10,
             )
-            assert starved["router"]["restarts"] == 0, starved["router"]
-            assert starved["router"]["state"] == "healthy"
-            nursery.cancel_scope.cancel()  # the clients leave
-        recovered_and_diagnosed(job, router)
+        )
+        assert starved["router"]["restarts"] == 0, starved["router"]
+        assert starved["router"]["state"] == "healthy"
+        nursery.cancel_scope.cancel()  # the clients leave
+    recovered_and_diagnosed(job, router)
