@@ -21,7 +21,8 @@ class FrontRetry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
 
     # Tries in all (1: never retried). Waiting for a router being handed over is not a try.
     attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 5
-    # Seconds from the request's arrival: it must cover a router hand-over (its own start).
+    # Seconds from the moment the request is let in by the queue (its wait there is bounded by
+    # ``queue.max_wait_s``): it must cover a router hand-over (its own start).
     budget_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
 
 
