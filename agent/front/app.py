@@ -185,11 +185,7 @@ class Front:
         try:
             slot = await self.admission.enter()
         except QueueRefused as exc:
-            retry = {"retry-after": str(exc.retry_after_s)}
-            refusal = error_body(str(exc), "rate_limit_exceeded", code=429, reason=exc.reason)
-            response = json_response(refusal, 429)
-            response.headers.update(retry)
-            return response, "rejected"
+            return _queue_refusal(exc), "rejected"
         kept = False  # a stream keeps its slot until its relay ends
         try:
             answer = await self._send(request.path, body, value, slot, started)
@@ -278,6 +274,14 @@ class Front:
             self.figures.ended(
                 ended if finished or watch.truncated else "cancelled", trio.current_time() - started
             )
+
+
+def _queue_refusal(exc: QueueRefused) -> Response:
+    """429 past the queue's bound, in OpenAI's shape, with its reason and Retry-After."""
+    body = error_body(str(exc), "rate_limit_exceeded", code=429, reason=exc.reason)
+    response = json_response(body, 429)
+    response.headers["retry-after"] = str(exc.retry_after_s)
+    return response
 
 
 def _too_big(limit: int) -> str:
