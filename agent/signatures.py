@@ -486,6 +486,23 @@ SIGNATURES: tuple[Signature, ...] = (
 )
 BY_NAME = {sig.name: sig for sig in SIGNATURES}
 
+# The agent's own notes in an engine's log that name a cause (docs/diagnose.md, "The agent's own
+# notes"): matched by ``tilert-submit diagnose`` only (the agent wrote them knowing the cause).
+STARVED_NOTE = "=== router starved"
+NOTES: tuple[Signature, ...] = (
+    _sig(
+        "router-starved",
+        "router",
+        r"^=== router starved\b",
+        [STARVED_NOTE],
+        "the router was alive but too busy to answer /health: every one of its 40 threads was "
+        "taken by requests waiting for a free decode or for the prefill (the head did not count "
+        "it as a failure, up to a bound)",
+        "send clients to the front door (front_url), which sends no more requests than there are "
+        "decodes; add decodes (tilert-submit scale); keep the router's --queue-timeout short",
+    ),
+)
+
 
 @dataclass(frozen=True)
 class SignatureSet:

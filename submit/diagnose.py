@@ -21,7 +21,7 @@ from agent.job.logfiles import log_path, node_local, rotated_files
 from agent.job.paths import JobDir
 from agent.job.records import JobAgent, JobStatus
 from agent.problems import printable
-from agent.signatures import Finding, SignatureSet, for_role, match_block
+from agent.signatures import NOTES, Finding, SignatureSet, for_role, match_block
 from submit.statusview import open_job, read_plan, read_status
 
 # Lines shown per signature and agent (the first and the last ones; the count says how many).
@@ -80,8 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def scan_file(path: Path, signatures: SignatureSet) -> Iterator[tuple[int, Finding]]:
-    """``(line number, finding)`` for every signature line of ``path``, read in blocks."""
+def scan_file(
+    path: Path, signatures: SignatureSet, *, notes: bool = False
+) -> Iterator[tuple[int, Finding]]:
+    """``(line number, finding)`` for every signature line of ``path``, read in blocks
+    (``notes``: the agent's own marker lines only, agent.signatures ``NOTES``)."""
     lines_before = 0
     rest = b""
     with path.open("rb") as f:
@@ -94,7 +97,7 @@ def scan_file(path: Path, signatures: SignatureSet) -> Iterator[tuple[int, Findi
             else:
                 rest = b""
             for offset, finding in match_block(block, signatures, whole=True):
-                if finding.line.startswith(MARKER):
+                if finding.line.startswith(MARKER) != notes:
                     continue  # the agent's own note, which quotes the engine's line
                 yield lines_before + block.count(b"\n", 0, offset) + 1, finding
             lines_before += block.count(b"\n")
@@ -105,8 +108,10 @@ def scan_file(path: Path, signatures: SignatureSet) -> Iterator[tuple[int, Findi
 def _findings(files: list[Path], role: str) -> list[Diagnosis]:
     found: dict[str, Diagnosis] = {}
     signatures = for_role(role)
-    for path in files:
-        for number, finding in scan_file(path, signatures):
+    notes = SignatureSet(tuple(n for n in NOTES if role in n.where))
+    scans = [(p, s, s is notes) for p in files for s in (signatures, notes) if s.items]
+    for path, which, own in scans:
+        for number, finding in scan_file(path, which, notes=own):
             sig = finding.signature
             entry = found.get(sig.name)
             if entry is None:
@@ -125,7 +130,7 @@ def _findings(files: list[Path], role: str) -> list[Diagnosis]:
             else:  # keep the first ones and the latest
                 entry.lines[-1] = line
     # Specific causes first; a generic one ("the engine core died") only says "look above".
-    by_name = {s.name: s for s in signatures.items}
+    by_name = {s.name: s for s in (*signatures.items, *notes.items)}
     return sorted(found.values(), key=lambda d: (by_name[d.signature].generic, not d.fatal))
 
 

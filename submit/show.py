@@ -378,6 +378,8 @@ _AGENT_VALUES: dict[str, Callable[[Plan], str]] = {
     "agent.front.port": lambda p: f"{p.agent.front.port} and up",
     "agent.front.retry.attempts": lambda p: str(p.agent.front.retry.attempts),
     "agent.front.retry.budget_s": lambda p: _seconds(p.agent.front.retry.budget_s),
+    "agent.front.queue.max_waiting": lambda p: str(p.agent.front.queue.max_waiting),
+    "agent.front.queue.max_wait_s": lambda p: _seconds(p.agent.front.queue.max_wait_s),
     "agent.front.max_body_bytes": lambda p: str(p.agent.front.max_body_bytes),
     "agent.front.body_timeout_s": lambda p: _seconds(p.agent.front.body_timeout_s),
     "agent.logs.max_bytes": lambda p: str(p.agent.log_max_bytes),

@@ -133,12 +133,21 @@ def benchmark_line(bench: BenchmarkStatus) -> str:
 
 
 def front_line(front: FrontSummary) -> str:
-    """``front requests: ok 10, retried_ok 2; retries: connect 3; in flight 1``."""
+    """``front requests: ok 10, retried_ok 2; retries: connect 3; in flight 1; queue: 0 waiting
+    (oldest 0.0s), 1/2 at the router``."""
     requests = ", ".join(f"{k} {v}" for k, v in sorted(front.requests.items())) or "none yet"
     text = f"front requests: {requests}"
     if front.retries:
         text += "; retries: " + ", ".join(f"{k} {v}" for k, v in sorted(front.retries.items()))
-    return f"{text}; in flight {front.in_flight}"
+    text += f"; in flight {front.in_flight}"
+    queue = front.queue
+    text += (
+        f"; queue: {queue.waiting} waiting (oldest {queue.oldest_wait_s:.1f}s), "
+        f"{queue.admitted}/{queue.capacity} at the router"
+    )
+    if queue.refused:
+        text += ", 429: " + ", ".join(f"{k} {v}" for k, v in sorted(queue.refused.items()))
+    return text
 
 
 def render_table(status: JobStatus, stale: str | None) -> str:

@@ -35,6 +35,7 @@ from tests.kit.shared import CALL_REPORT
 # Modules whose tests form the fast lane (docs/testing.md, "The fast lane").
 UNIT_MODULES = frozenset(
     {
+        "test_admission",
         "test_backends",
         "test_bad_input",
         "test_bench_chaos",
@@ -74,6 +75,7 @@ UNIT_MODULES = frozenset(
         "test_schema1",
         "test_sdnotify",
         "test_shape",
+        "test_starved",
         "test_signature_catalogue",
         "test_submit_cli",
         "test_supervisor_policy",

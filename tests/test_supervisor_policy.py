@@ -19,7 +19,7 @@ import trio
 
 from agent.launch import LaunchSpec
 from agent.node.policy import Policy
-from agent.node.supervisor import EngineSupervisor
+from agent.node.supervisor import EngineSupervisor, Patience
 from tests import kit
 from tests.kit.fakelauncher import Engine, FakeLauncher, InlineSink
 
@@ -45,7 +45,13 @@ CRASH = Engine(lines=("RuntimeError: weights are corrupt",), healthy_after=None,
 class Harness:
     """A supervisor over a ``FakeLauncher``; records the states it went through and its restarts."""
 
-    def __init__(self, tmp: Path, script: Sequence[Engine], policy: Policy = POLICY) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        script: Sequence[Engine],
+        policy: Policy = POLICY,
+        patience: Patience | None = None,
+    ) -> None:
         self.launcher = FakeLauncher(script)
         self.client = httpx.AsyncClient(transport=self.launcher.health_transport())
         self.states: list[str] = []
@@ -62,6 +68,7 @@ class Harness:
             log=self.log,
             on_change=lambda: self.states.append(self.sup.state),
             client=self.client,
+            patience=patience,
         )
 
     def restart_delays(self, caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -150,6 +157,41 @@ async def test_probe_failures_make_it_unhealthy_then_it_is_restarted(
         assert first.returncode is not None  # the hung engine was stopped before the restart
         assert "unhealthy" in h.states
     assert "3 consecutive health probe failures" in h.sink.path.read_text()
+
+
+class Busy:
+    """A ``Patience`` that excuses failed probes while ``busy`` (the head's starved router)."""
+
+    def __init__(self) -> None:
+        self.busy = True
+        self.excused = 0
+        self.answers = 0
+
+    def answered(self) -> None:
+        self.answers += 1
+
+    async def excuse(self, client: httpx.AsyncClient) -> bool:  # noqa: ARG002
+        self.excused += self.busy
+        return self.busy
+
+
+async def test_excused_probe_failures_do_not_restart_until_no_longer_excused(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001
+    tmp_path: Path,
+) -> None:
+    """An engine whose probes fail while its patience excuses them stays healthy (no restart,
+    however long); once they are no longer excused, the threshold counts as before."""
+    patience = Busy()
+    h = Harness(tmp_path, [Engine(healthy_after=0.0), Engine()], patience=patience)
+    async with running(h):
+        await kit.until(lambda: patience.answers >= 1, "a liveness probe answered", 60, 1.0)
+        h.launcher.started[0].engine = Engine(healthy_after=None)  # /health stops answering
+        await kit.until(lambda: patience.excused >= 50, "fifty excused failures", 600, 1.0)
+        assert h.sup.state == "healthy"
+        assert len(h.launcher.started) == 1
+        patience.busy = False
+        await kit.until(lambda: len(h.launcher.started) == 2, "the restart once not excused")
+    assert "unhealthy" in h.states
 
 
 async def test_a_stop_during_the_backoff_ends_stopped_without_another_start(

@@ -73,6 +73,7 @@ def front_app() -> App:
         policy=FrontPolicy(),
         router=lambda: RouterNow(None, False, "no router in this test"),
         figures=FrontFigures(None, {"agent": "prefill-0"}),
+        capacity=lambda: 0,
     ).app
 
 

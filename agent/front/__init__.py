@@ -3,6 +3,8 @@ front of TileRT's router (docs/agent.md, "The front door").
 
 - ``app``: ``Front``, the ASGI app (``/v1/models``, ``/health``, chats and completions), served
   with ``agent.web.asgi`` on hypercorn.
+- ``admission``: ``Admission``, no more requests at the router than it has decodes; the rest
+  wait in one FIFO queue bounded in length and time (pure trio).
 - ``proxy``: the way to the router: its URL asked at every try, a wait while it is handed over,
   tries again before the client's first byte; httpx's AsyncClient.
 - ``retry``: which failures are tried again, the pause, the budget (pure).

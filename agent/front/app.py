@@ -3,8 +3,10 @@
 Served by the head agent from its start (before the router) on ``agent.front.port``, fixed for the
 job's life. ``GET /v1/models`` and the refusals of what TileRT 0.1.6 cannot serve are answered
 here; chats and completions go to the router through ``agent.front.proxy`` (tries, waits for a
-hand-over); a streamed reply is passed on event by event through ``agent.front.sse``. Before a
-router serves, and after the job ended, every request gets 503 with Retry-After.
+hand-over), no more at a time than the router has decodes (``agent.front.admission``: the
+others wait in the front's queue, in arrival order); a streamed reply is passed on event by
+event through ``agent.front.sse``. Before a router serves, and after the job ended, every request
+gets 503 with Retry-After; past the queue's bounds, 429 with Retry-After.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import httpx
 import trio
 
 from agent.errors import BadInput
+from agent.front.admission import Admission, QueueRefused, Slot
 from agent.front.figures import FrontFigures, Outcome
 from agent.front.openai import (
     CHAT,
@@ -75,6 +78,7 @@ class Front:
         policy: FrontPolicy,
         router: Callable[[], RouterNow],
         figures: FrontFigures,
+        capacity: Callable[[], int],
         log: logging.Logger = log,
     ) -> None:
         self.model = model
@@ -85,10 +89,17 @@ class Front:
         self.budget = RetryBudget(policy.retry.attempts, policy.retry.budget_s)
         self.router = router
         self.proxy: Proxy | None = None
+        # Slots for the router's decodes (``capacity``: how many are in its list now).
+        queue = policy.queue
+        self.admission = Admission(
+            capacity, max_waiting=queue.max_waiting, max_wait_s=queue.max_wait_s, watcher=figures
+        )
         self.app = self._build()
 
     def changed(self) -> None:
-        """The head saw a change: requests waiting for the router look again."""
+        """The head saw a change: requests waiting for the router look again, and the queue
+        lets in whom a grown pool allows."""
+        self.admission.changed()
         if self.proxy is not None:
             self.proxy.changed()
 
@@ -163,13 +174,37 @@ class Front:
         why = unsupported(request.path, value)
         if why is not None:
             return _error(400, why, "unsupported"), "rejected"
-        stream = bool(value.get("stream"))
         if self.proxy is None:  # not serving yet: run() makes it before the socket serves
             return _error(503, "the front is starting", "unavailable"), "rejected"
+        now = self.router()
+        if now.url is None:  # no router yet, or the job ended: no queue to wait in
+            why = now.why or "no router serves this job yet"
+            return _error(
+                503, why, "unavailable", **{"retry-after": str(RETRY_AFTER_S)}
+            ), "rejected"
         try:
-            result = await self.proxy.send(
-                request.path, body, stream=stream, want_usage=wants_usage(value)
-            )
+            slot = await self.admission.enter()
+        except QueueRefused as exc:
+            return _queue_refusal(exc), "rejected"
+        kept = False  # a stream keeps its slot until its relay ends
+        try:
+            answer = await self._send(request.path, body, value, slot, started)
+            kept = answer[1] is None
+            return answer
+        finally:
+            if not kept:
+                slot.release()
+
+    async def _send(
+        self, path: str, body: bytes, value: dict[str, Any], slot: Slot, started: float
+    ) -> tuple[Response | StreamingResponse, Outcome | None]:
+        """The request at the router, within its slot (a stream's relay releases it)."""
+        proxy = self.proxy
+        if proxy is None:  # _answer checked it; said again for the type checker
+            return _error(503, "the front is starting", "unavailable"), "rejected"
+        stream = bool(value.get("stream"))
+        try:
+            result = await proxy.send(path, body, stream=stream, want_usage=wants_usage(value))
         except Unavailable as exc:
             retry = {"retry-after": str(RETRY_AFTER_S)}
             return _error(503, str(exc), "unavailable", **retry), "rejected"
@@ -179,7 +214,7 @@ class Front:
         if result.stream is None:
             ctype = result.response.headers.get("content-type", "application/json")
             return Response(result.body, 200, ctype), outcome
-        chunks = self._relay(result.response, result.stream, started, outcome)
+        chunks = self._relay(result.response, result.stream, started, outcome, slot)
         return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}), None
 
     def _refused(self, refused: Refused) -> tuple[Response, Outcome]:
@@ -200,9 +235,15 @@ class Front:
         return response, "failed"
 
     async def _relay(
-        self, response: httpx.Response, start: StreamStart, started: float, outcome: Outcome
+        self,
+        response: httpx.Response,
+        start: StreamStart,
+        started: float,
+        outcome: Outcome,
+        slot: Slot,
     ) -> AsyncIterator[bytes]:
-        """The stream passed on event by event; its outcome counted when it ends."""
+        """The stream passed on event by event; its outcome counted when it ends, its slot
+        released once the router's reply ended (the router has freed its decode by then)."""
         watch, splitter, chunks = start.watch, start.splitter, start.chunks
         finished = False
         try:
@@ -227,6 +268,7 @@ class Front:
         finally:
             with trio.CancelScope(shield=True):
                 await response.aclose()
+            slot.release()
             # A cut counts as truncated even when the client left on its error event.
             ended: Outcome = "truncated" if watch.truncated else outcome
             self.figures.ended(
@@ -239,6 +281,14 @@ def _refusal(status: int, message: str) -> Response:
     OpenAI's error shape like every other answer of the front."""
     kind = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
     return _error(status, message, kind)
+
+
+def _queue_refusal(exc: QueueRefused) -> Response:
+    """429 past the queue's bound, in OpenAI's shape, with its reason and Retry-After."""
+    body = error_body(str(exc), "rate_limit_exceeded", code=429, reason=exc.reason)
+    response = json_response(body, 429)
+    response.headers["retry-after"] = str(exc.retry_after_s)
+    return response
 
 
 def _too_big(limit: int) -> str:

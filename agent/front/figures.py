@@ -3,7 +3,9 @@
 Outcomes: ``ok`` (served at the first try), ``retried_ok`` (served after a retry), ``failed``
 (the router could not serve it within the retry budget), ``truncated`` (a stream cut after its
 first byte: the client got the error event), ``rejected`` (a 4xx: the request itself, or no
-router yet), ``cancelled`` (the client went away first). docs/metrics.md lists the series.
+router yet, or the queue's 429), ``cancelled`` (the client went away first). The queue's own
+series (``tilert_front_queue_*``) say how many wait for a decode, how long they waited, and how
+many were refused by its bounds (``agent.front.admission``). docs/metrics.md lists the series.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ REASONS = (
     "stream_error",
     "engine_restarted",
 )
+QUEUE_REFUSALS = ("full", "wait")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -37,6 +40,8 @@ class FrontFigures:
         self.tally: Tally[str] = Tally()
         self.retry_tally: Tally[str] = Tally()
         self.in_flight = 0
+        self.queue_waiting = 0
+        self.queue_refusals: Tally[str] = Tally()
         names = list(base)
         values = list(base.values())
         self._requests = Counter(
@@ -71,7 +76,28 @@ class FrontFigures:
             labelnames=names,
             registry=registry,
         ).labels(*values)
+        self._queue_waiting = Gauge(
+            "tilert_front_queue_waiting",
+            "Requests waiting at the front for a free decode (agent.front.queue)",
+            labelnames=names,
+            registry=registry,
+        ).labels(*values)
+        self._queue_wait = Histogram(
+            "tilert_front_queue_wait_seconds",
+            "Request's wait at the front for a free decode, observed when it was let in",
+            labelnames=names,
+            buckets=BUCKETS,
+            registry=registry,
+        ).labels(*values)
+        self._queue_rejected = Counter(
+            "tilert_front_queue_rejected",
+            "Requests answered 429 by the queue's bounds: full (max_waiting), wait (max_wait_s)",
+            labelnames=[*names, "reason"],
+            registry=registry,
+        )
         self._values = values
+        for reason in QUEUE_REFUSALS:
+            self._queue_rejected.labels(*values, reason)
         for outcome in OUTCOMES:  # every outcome's series from the start: rates need no gap
             self._requests.labels(*values, outcome)
         for reason in REASONS:
@@ -98,3 +124,17 @@ class FrontFigures:
         """A request is tried again after ``reason``."""
         self.retry_tally[reason] += 1
         self._retries.labels(*self._values, reason).inc()
+
+    def queue_length(self, waiting: int) -> None:
+        """The number of requests waiting for a decode changed."""
+        self.queue_waiting = waiting
+        self._queue_waiting.set(waiting)
+
+    def queue_waited(self, seconds: float) -> None:
+        """A request was let in after waiting ``seconds``."""
+        self._queue_wait.observe(seconds)
+
+    def queue_refused(self, reason: str) -> None:
+        """A request was answered 429 by the queue's bound ``reason``."""
+        self.queue_refusals[reason] += 1
+        self._queue_rejected.labels(*self._values, reason).inc()

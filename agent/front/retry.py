@@ -74,7 +74,7 @@ def backoff_s(failure: Failure, tries: int) -> float:
 
 @dataclass(frozen=True)
 class RetryBudget:
-    """``agent.front.retry``: tries in all, and seconds from the request's arrival."""
+    """``agent.front.retry``: tries in all, and seconds from the moment the request is sent."""
 
     attempts: int
     budget_s: float

@@ -11,6 +11,7 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``router``: the router's preflight, start and relaunch (a hand-over); ``canaries``: the
   streaming chat check; ``trial``: a trial router proving decodes joining the pool; ``proof``:
   ready means proven (canaries at the start and after every restart).
+  ``starved``: a router alive but too busy to answer ``/health`` is not killed for it.
 - ``pool``: the decode pool ``tilert-submit scale`` asks for (``J/pool.json``) and where each
   decode stands in it.
 - ``benchstage``: the recipe's benchmark, checked before the load and run once ready.
@@ -22,10 +23,9 @@ prove the router, keep the job serving, and write status.json and targets.json.
   nothing for a worker (``Duties``), the head, its ports and figures for prefill-0
   (``HeadDuties``).
 
-May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.job``, ``agent.launch``,
-``agent.node``, ``agent.benchmark``, ``agent.http``, ``agent.front``, ``agent.web`` (the front
-door's socket). Imported by
-``agent.nodeagent`` only.
+May import: ``agent.facts``, ``agent.problems``, ``agent.errors``, ``agent.signatures``,
+``agent.job``, ``agent.launch``, ``agent.node``, ``agent.benchmark``, ``agent.http``,
+``agent.front``, ``agent.web`` (the front door's socket). Imported by ``agent.nodeagent`` only.
 """
 
 from agent.head.context import HeadContext

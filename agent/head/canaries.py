@@ -11,6 +11,8 @@ and body, an error chunk, or a stream without text.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,8 +140,13 @@ async def run_canaries(
     client: httpx.AsyncClient,
     log: logging.Logger,
     router_log: Path,
+    gate: Callable[[], AbstractAsyncContextManager[object]] = nullcontext,
 ) -> list[float]:
-    """Send ``count`` canaries at once; each must stream text. Their latencies, or ``JobFailed``."""
+    """Send ``count`` canaries at once; each must stream text. Their latencies, or ``JobFailed``.
+
+    ``gate``: each attempt holds one of the front's slots of the router's decodes (ahead of its
+    queue), so a canary meets a free decode and the front counts it (``agent.front.admission``).
+    """
     deadline = trio.current_time() + canary.timeout_s
     url = f"{canary.router_url}/v1/chat/completions"
     body = canary.body()
@@ -159,7 +166,8 @@ async def run_canaries(
             cause = ""
             with trio.move_on_after(max(bound, 0.0)) as scope:
                 try:
-                    text = await _attempt(client, url, body, timeout)
+                    async with gate():
+                        text = await _attempt(client, url, body, timeout)
                 except (CanaryFailed, httpx.HTTPError) as exc:
                     cause = failure_cause(exc)
                 else:

@@ -9,13 +9,14 @@ before the router starts and after the job ends, the front answers 503.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 
 import trio
 
 from agent.front import Front, RouterNow
 from agent.head.context import HeadContext
 from agent.head.router import Router
-from agent.job.records import FrontSummary
+from agent.job.records import FrontSummary, QueueSummary
 from agent.job.urls import front_url
 
 
@@ -45,6 +46,7 @@ class FrontDoor:
                 policy=ctx.plan.agent.front,
                 router=self.now,
                 figures=figures,
+                capacity=self.capacity,
                 log=ctx.log,
             )
 
@@ -57,15 +59,36 @@ class FrontDoor:
         settling, marks = self.pool()
         return RouterNow(url, sup.state == "healthy", why, settling, marks)
 
+    def capacity(self) -> int:
+        """The decodes the front may keep busy at once: those in the router's list (each serves
+        one request; the canaries take their slots too)."""
+        return len(self.router.decodes) if self.router.supervisor is not None else 0
+
+    def canary_slot(self) -> AbstractAsyncContextManager[object]:
+        """A slot for one canary of the serving router: ahead of the front's queue, so the
+        canary finds a free decode and the front sends no more than the decodes left."""
+        if self.front is None:
+            return nullcontext()
+        return self.front.admission.slot(first=True)
+
     def summary(self) -> FrontSummary | None:
         """The request counts status.json shows; None without a front door."""
         figures = self.ctx.front_figures
         if self.front is None or figures is None:
             return None
+        admission = self.front.admission
+        queue = QueueSummary(
+            waiting=admission.waiting,
+            oldest_wait_s=round(admission.oldest_wait_s(), 3),
+            admitted=admission.admitted,
+            capacity=self.capacity(),
+            refused={k: v for k, v in figures.queue_refusals.items() if v},
+        )
         return FrontSummary(
             requests={k: v for k, v in figures.tally.items() if v},
             retries={k: v for k, v in figures.retry_tally.items() if v},
             in_flight=figures.in_flight,
+            queue=queue,
         )
 
     def changed(self) -> None:

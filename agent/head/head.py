@@ -104,7 +104,7 @@ class Head:
         self._changes = 0
         self._viewed: tuple[tuple[int, int, object], JobView] | None = None
         # Ready means proven: canaries through the router (agent.head.proof).
-        self.proof = Proof(ctx, self.router.url, self._view, self.poke)
+        self.proof = Proof(ctx, self.router.url, self._view, self.poke, self.front.canary_slot)
 
     @property
     def dropped(self) -> dict[str, str]:

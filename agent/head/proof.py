@@ -8,6 +8,7 @@ in the degraded reason and tried again after ``PROOF_RETRY_S``, never failing th
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from contextlib import AbstractAsyncContextManager, nullcontext
 
 import trio
 
@@ -29,8 +30,11 @@ class Proof:
         router_url: str,
         view: Callable[[], JobView],
         poke: Callable[[], None],
+        gate: Callable[[], AbstractAsyncContextManager[object]] = nullcontext,
     ) -> None:
         self.ctx = ctx
+        # Each canary holds one of the front door's slots (``FrontDoor.canary_slot``).
+        self.gate = gate
         self.router_url = router_url
         self.view = view
         self.poke = poke
@@ -49,6 +53,7 @@ class Proof:
             client=self.ctx.client,
             log=self.ctx.log,
             router_log=log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan),
+            gate=self.gate,
         )
 
     def start_if_due(self, view: JobView, dropped: Collection[str], nursery: trio.Nursery) -> None:

@@ -18,6 +18,7 @@ import trio
 from agent.facts import ROUTER_MODULE
 from agent.head.context import HeadContext
 from agent.head.decisions import JobFailed
+from agent.head.starved import StarvedRouter
 from agent.job.logfiles import log_path
 from agent.job.names import ROUTER_NAME
 from agent.job.records import EngineStatus, JobAgent, RendezvousRecord
@@ -56,6 +57,7 @@ class Router:
         self.decodes: list[str] = []
         self.standin = False
         self.supervisor: EngineSupervisor | None = None
+        self.starved: StarvedRouter | None = None
 
     async def preflight(self) -> None:
         """Can this node start the real router? Under --mock a missing one means the stand-in."""
@@ -143,6 +145,15 @@ class Router:
         )
         if ctx.pool is not None:
             sink.watchers.append(ctx.pool.feed)  # the refusals it logs per decode
+        figures = ctx.front_figures
+        # Alive but too busy to answer /health is not dead (agent.head.starved).
+        self.starved = StarvedRouter(
+            lambda: self.url,
+            timeout_s=plan.agent.probe_timeout_s,
+            note=sink.note,
+            in_flight=lambda: figures.in_flight if figures is not None else 0,
+            log=ctx.log,
+        )
         self.supervisor = EngineSupervisor(
             name=ROUTER_NAME,
             launcher=ctx.launcher,
@@ -161,6 +172,7 @@ class Router:
             client=ctx.client,
             handover_drain_s=HANDOVER_DRAIN_S,
             where="router",
+            patience=self.starved,
         )
         nursery.start_soon(self.supervisor.run)
         return self.supervisor
@@ -177,10 +189,13 @@ class Router:
     def _endpoints(self) -> list[DecodeEndpoint]:
         return decode_endpoints(self.records(), self.decodes)
 
-    def mark(self) -> tuple[str, int, str] | None:
-        """What the router's row shows (state, restarts, reason); None before it starts."""
+    def mark(self) -> tuple[str, int, str, int] | None:
+        """What the router's row shows (state, restarts, reason, whole seconds starved); None
+        before it starts."""
         sup = self.supervisor
-        return None if sup is None else (sup.state, sup.restarts, sup.reason)
+        starved = self.starved.starved_for() if self.starved is not None else None
+        seconds = -1 if starved is None else int(starved)
+        return None if sup is None else (sup.state, sup.restarts, sup.reason, seconds)
 
     def status(self) -> EngineStatus | None:
         """The router's ``/status`` view; None before it starts."""
@@ -192,6 +207,13 @@ class Router:
         status = self.status()
         if status is None:
             return None
+        reason = status.reason
+        starved = self.starved.starved_for() if self.starved is not None else None
+        if starved is not None and status.state == "healthy":
+            reason += (
+                f"; but starved for {starved:.0f}s: /health too slow under load while its event "
+                "loop answers (not counted as a failure; tilert-submit diagnose)"
+            )
         return JobAgent(
             name=ROUTER_NAME,
             role="router",
@@ -199,7 +221,7 @@ class Router:
             node=self.ctx.identity.node,
             state=status.state,
             restarts=status.restarts,
-            reason=status.reason,
+            reason=reason,
             log=str(log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan)),
             metrics_url=head_record.metrics_url if head_record else None,
             status_url=head_record.status_url if head_record else None,

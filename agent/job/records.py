@@ -160,6 +160,19 @@ class Gate(msgspec.Struct, kw_only=True):
     decision_s: float
 
 
+class QueueSummary(msgspec.Struct, kw_only=True):
+    """The front's admission queue now (status.json ``front.queue``, agent.front.queue)."""
+
+    waiting: int = 0
+    # How long the request at the queue's head has waited (s).
+    oldest_wait_s: float = 0.0
+    # Requests (and canaries) at the router now, and how many it may take at once (its decodes).
+    admitted: int = 0
+    capacity: int = 0
+    # reason (full: max_waiting, wait: max_wait_s) -> requests answered 429 since the head started
+    refused: dict[str, int] = {}
+
+
 class FrontSummary(msgspec.Struct, kw_only=True):
     """The front door's request counts since the head started (status.json ``front``)."""
 
@@ -168,6 +181,7 @@ class FrontSummary(msgspec.Struct, kw_only=True):
     # reason (connect, status_502, busy, stream_error, ...) -> tries again
     retries: dict[str, int] = {}
     in_flight: int = 0
+    queue: QueueSummary = msgspec.field(default_factory=QueueSummary)
 
 
 class JobStatus(msgspec.Struct, kw_only=True):

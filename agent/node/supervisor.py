@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -61,6 +62,16 @@ from agent.signatures import Where
 FAILURE_LOG_LINES = 50
 # How long an engine that exited while starting may take to get its last lines to the log pump.
 _LAST_LINES_S = 2.0
+
+
+class Patience(Protocol):
+    """Whether a failed liveness probe is excused: the engine is alive but busy, not dead."""
+
+    def answered(self) -> None:
+        """The probe passed."""
+
+    async def excuse(self, client: httpx.AsyncClient) -> bool:
+        """After a failed probe: True when it does not count as a failure."""
 
 
 @dataclass
@@ -92,6 +103,7 @@ class EngineSupervisor:
         client: httpx.AsyncClient | None = None,
         handover_drain_s: float = 0.0,
         where: Where | None = None,
+        patience: Patience | None = None,
     ) -> None:
         self.name = name
         self.launcher = launcher
@@ -104,6 +116,8 @@ class EngineSupervisor:
         self.on_change = on_change
         self.on_address_in_use = on_address_in_use
         self.observe_probe = observe_probe
+        # Excuses a failed probe of an engine alive but too busy to answer (the head's router).
+        self.patience = patience
         # The agent's shared client (agent.http.client); None: one of its own (tests).
         self.client = client
         self.state: EngineState = "starting"
@@ -474,9 +488,13 @@ class EngineSupervisor:
                 return exit_reason(engine)
             if await self._probe(client):
                 failures = 0
+                if self.patience is not None:
+                    self.patience.answered()
                 continue
             if exited.is_set():
                 return exit_reason(engine)
+            if self.patience is not None and await self.patience.excuse(client):
+                continue
             failures += 1
             self.log.info(
                 "%s: health probe failed (%d/%d)",
