@@ -12,7 +12,7 @@ before its first token is tried again too.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -27,7 +27,7 @@ from agent.front.retry import (
     status_failure,
     stream_failure,
 )
-from agent.front.sse import EventSplitter, StreamWatch
+from agent.front.sse import StreamReader, StreamWatch
 
 WAIT_POLL_S = 0.5  # a safety net: the head's changes wake waiting requests before this
 # A stream with no first event this long after an engine restarted and the pool is whole again
@@ -60,12 +60,11 @@ class Unavailable(RuntimeFailure):
 
 @dataclass
 class StreamStart:
-    """A stream that passed its first content: the events for the client so far, the rest."""
+    """A stream that passed its first content: what the client gets so far, the reader of the
+    rest."""
 
     first: list[bytes]
-    chunks: AsyncIterator[bytes]
-    splitter: EventSplitter
-    watch: StreamWatch
+    reader: StreamReader
 
 
 @dataclass
@@ -87,11 +86,12 @@ class Refused:
     content: bytes = b""
 
 
-def make_client() -> httpx.AsyncClient:
-    """The front's own client to the router: keep-alive, no overall timeout on a stream."""
+def make_client(transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The front's own client to the router: keep-alive, no overall timeout on a stream
+    (``transport``: the router in process, for tests/kit/front.py; None: the network)."""
     timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S, write=60.0, pool=60.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, transport=transport)
 
 
 class Proxy:
@@ -102,12 +102,10 @@ class Proxy:
         client: httpx.AsyncClient,
         router: Callable[[], RouterNow],
         budget: RetryBudget,
-        on_retry: Callable[[str], None],
     ) -> None:
         self.client = client
         self.router = router
         self.budget = budget
-        self.on_retry = on_retry
         self._wake = trio.Event()
 
     def changed(self) -> None:
@@ -130,9 +128,16 @@ class Proxy:
                 await self._wake.wait()
 
     async def send(
-        self, path: str, body: bytes, *, stream: bool, want_usage: bool = False
+        self,
+        path: str,
+        body: bytes,
+        *,
+        stream: bool,
+        on_retry: Callable[[str], None],
+        want_usage: bool = False,
     ) -> Opened | Refused:
-        """Try ``body`` at the router's ``path`` until an answer passes or the budget ends."""
+        """Try ``body`` at the router's ``path`` until an answer passes or the budget ends;
+        ``on_retry`` is told each try again's reason (the request's ``Ticket``)."""
         start = trio.current_time()
         deadline = start + self.budget.budget_s
         tries = made = 0  # the tries counted (a refused connection is not), and all of them
@@ -147,7 +152,7 @@ class Proxy:
             if delay is None:
                 content = result.message.encode()
                 return Refused(result, made, content)
-            self.on_retry(result.reason)
+            on_retry(result.reason)
             await trio.sleep(delay)
             await self.settle(deadline)
 
@@ -233,15 +238,13 @@ async def _first_events(
 ) -> Opened | Failure:
     """Read the stream up to its first content (or its end); a cut before that is a failure
     (nothing reached the client yet: it may be tried again)."""
-    chunks = response.aiter_raw()
-    splitter = EventSplitter()
-    out: list[bytes] = []
-    async for data in chunks:
-        for event in splitter.feed(data):
-            out += watch.push(event)
+    reader = StreamReader(response.aiter_raw(), watch)
+    first: list[bytes] = []
+    while (out := await reader.read()) is not None:
+        first.append(out)
         if watch.truncated is not None:
             return stream_failure(f"the stream failed before its first token: {watch.truncated}")
         if watch.chunks > 0 or watch.done:
-            return Opened(response, tries, stream=StreamStart(out, chunks, splitter, watch))
-    watch.end()
+            return Opened(response, tries, stream=StreamStart(first, reader))
+    reader.end()
     return stream_failure(f"the stream ended before its first event: {watch.truncated}")

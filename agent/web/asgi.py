@@ -112,7 +112,8 @@ def error_response(status: int, message: str) -> Response:
 
 class App:
     """An ASGI app that dispatches on (method, path) to handlers; ``errors`` shapes the answer
-    to an ``HTTPError`` (one a handler raised, or a route or a header refused here)."""
+    to an ``HTTPError`` (one a handler raised, or a route or a header refused here) and the 500
+    of a handler that failed."""
 
     def __init__(self, errors: Callable[[int, str], Response] = error_response) -> None:
         self.routes: dict[tuple[str, str], Handler] = {}
@@ -141,7 +142,7 @@ class App:
             response = self.errors(exc.status, exc.message)
         except Exception:
             log.exception("handler for %s %s failed", scope["method"], scope["path"])
-            response = json_response({"error": "internal error"}, 500)
+            response = self.errors(500, "internal error")
         await _send_response(send, receive, response)
 
 
