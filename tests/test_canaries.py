@@ -108,7 +108,8 @@ def read(events: bytes) -> StreamWatch:
 
 async def mock_chunks() -> AsyncIterator[bytes]:
     """No chunks: ``read`` feeds its reader by hand."""
-    for chunk in ():
+    none: tuple[bytes, ...] = ()
+    for chunk in none:
         yield chunk
 
 

@@ -15,7 +15,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -286,12 +286,14 @@ async def _bounded_body(request: Request, limit: int, timeout_s: float) -> bytes
     """The body read within ``limit`` bytes and ``timeout_s`` (a slow client gets 408)."""
     parts: list[bytes] = []
     size = 0
+    # Closed at once when it is refused part-way (not left to the collector).
     with trio.move_on_after(timeout_s) as scope:
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise BodyError(413, _too_big(limit), "request_too_large")
-            parts.append(part)
+        async with aclosing(request.stream()) as arriving:
+            async for part in arriving:
+                size += len(part)
+                if size > limit:
+                    raise BodyError(413, _too_big(limit), "request_too_large")
+                parts.append(part)
     if scope.cancelled_caught:
         raise BodyError(
             408,

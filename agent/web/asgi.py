@@ -9,7 +9,7 @@ decode stand-in's busy flag).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
@@ -39,7 +39,7 @@ class Request:
             self._body = b"".join([chunk async for chunk in self.stream()])
         return self._body
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncGenerator[bytes]:
         """The request body part by part as it arrives (read once; a caller that must bound
         its size or its time reads it this way)."""
         while True:
