@@ -72,7 +72,6 @@ class Opened:
     """A router reply that passed: a stream (``stream``) or a whole body."""
 
     response: httpx.Response
-    tries: int
     body: bytes = b""
     stream: StreamStart | None = None
 
@@ -144,7 +143,7 @@ class Proxy:
         while True:
             url = await self.router_url(deadline)
             made += 1
-            result = await self._try(url + path, body, stream, made, want_usage)
+            result = await self._try(url + path, body, stream, want_usage)
             if isinstance(result, Opened):
                 return result
             tries += 0 if result.refused else 1
@@ -167,9 +166,7 @@ class Proxy:
             with trio.move_on_after(min(remaining, WAIT_POLL_S)):
                 await self._wake.wait()
 
-    async def _try(
-        self, url: str, body: bytes, stream: bool, tries: int, want_usage: bool
-    ) -> Opened | Failure:
+    async def _try(self, url: str, body: bytes, stream: bool, want_usage: bool) -> Opened | Failure:
         headers = {"content-type": "application/json", "accept": "*/*"}
         request = self.client.build_request("POST", url, content=body, headers=headers)
         response: httpx.Response | None = None
@@ -180,7 +177,7 @@ class Proxy:
                     nursery.start_soon(self._give_up_if_lost, scope, self.router().marks)
                 try:
                     response = await self.client.send(request, stream=True)
-                    result = await _answer(response, tries, stream, want_usage)
+                    result = await _answer(response, stream, want_usage)
                 except httpx.ConnectError as exc:
                     why = f"the router at {url} refused the connection: {exc!r}"
                     result = connect_failure(why, refused=True)
@@ -207,16 +204,14 @@ class Proxy:
                 await self._wake.wait()
 
 
-async def _answer(
-    response: httpx.Response, tries: int, stream: bool, want_usage: bool
-) -> Opened | Failure:
+async def _answer(response: httpx.Response, stream: bool, want_usage: bool) -> Opened | Failure:
     """The router's answer: a failure (its status), a whole body, or a stream begun."""
     if response.status_code != 200:
         content = await _read_bounded(response)
         return status_failure(response.status_code, content.decode(errors="replace"))
     if not stream:
-        return Opened(response, tries, body=await _read_bounded(response))
-    return await _first_events(response, tries, StreamWatch(want_usage=want_usage))
+        return Opened(response, body=await _read_bounded(response))
+    return await _first_events(response, StreamWatch(want_usage=want_usage))
 
 
 async def _read_bounded(response: httpx.Response) -> bytes:
@@ -233,9 +228,7 @@ async def _read_bounded(response: httpx.Response) -> bytes:
     return b"".join(parts)
 
 
-async def _first_events(
-    response: httpx.Response, tries: int, watch: StreamWatch
-) -> Opened | Failure:
+async def _first_events(response: httpx.Response, watch: StreamWatch) -> Opened | Failure:
     """Read the stream up to its first content (or its end); a cut before that is a failure
     (nothing reached the client yet: it may be tried again)."""
     reader = StreamReader(response.aiter_raw(), watch)
@@ -245,6 +238,6 @@ async def _first_events(
         if watch.truncated is not None:
             return stream_failure(f"the stream failed before its first token: {watch.truncated}")
         if watch.chunks > 0 or watch.done:
-            return Opened(response, tries, stream=StreamStart(first, reader))
+            return Opened(response, stream=StreamStart(first, reader))
     reader.end()
     return stream_failure(f"the stream ended before its first event: {watch.truncated}")
