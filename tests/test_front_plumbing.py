@@ -22,8 +22,8 @@ from tests.kit.front import (
     chat_body,
     chunk,
     events,
+    full_reply,
     refused,
-    reply,
     status,
     whole,
 )
@@ -186,10 +186,10 @@ async def test_a_stream_passes_whole_and_its_slot_is_given_back(
     autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
 ) -> None:
     kit = served(FrontKit())
-    kit.upstream.script(events(*reply("Hel", "lo")))
+    kit.upstream.script(events(*full_reply("Hel", "lo")))
     async with kit.front.connected():
         got = await kit.chat(stream=True)
-    assert got.events() == reply("Hel", "lo")
+    assert got.events() == full_reply("Hel", "lo")
     assert kit.outcomes() == {"ok": 1}
     assert kit.upstream.streams[0].closed
     assert kit.front.admission.admitted == 0
@@ -228,10 +228,10 @@ async def test_a_stream_that_fails_before_its_first_token_is_tried_again(
     """The role chunk is held until the first content: the failed try's never reaches the
     client, which gets one whole reply."""
     kit = served(FrontKit())
-    kit.upstream.script(events(ROLE, CUT, DONE), events(*reply("Hi")))
+    kit.upstream.script(events(ROLE, CUT, DONE), events(*full_reply("Hi")))
     async with kit.front.connected():
         got = await kit.chat(stream=True)
-    assert got.events() == reply("Hi")
+    assert got.events() == full_reply("Hi")
     assert dict(kit.figures.retry_tally) == {"stream_error": 1}
     assert kit.outcomes() == {"retried_ok": 1}
 

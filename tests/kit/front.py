@@ -51,7 +51,7 @@ def chunk(content: str | None = None, finish: str | None = None) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def reply(*texts: str) -> list[bytes]:
+def full_reply(*texts: str) -> list[bytes]:
     """A whole streamed reply: the role, ``texts``, the ``stop`` and ``[DONE]``."""
     return [ROLE, *(chunk(t) for t in texts), chunk(None, "stop"), DONE]
 
