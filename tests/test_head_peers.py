@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -33,6 +34,18 @@ from agent.node.rendezvous import Records, write_record
 from agent.node.statuswriter import StatusWriter
 from tests import kit
 from tests.test_head import LOG, record, state_of, status, view
+
+
+def head_peers(names: list[str], job: JobDir, **kwargs: Any) -> Peers:
+    """The head's peers of ``names`` in ``job``, its own status healthy."""
+    return Peers(
+        names,
+        job=job,
+        own_status=lambda: status("healthy", HEAD_NAME),
+        log=LOG,
+        on_change=lambda: None,
+        **kwargs,
+    )
 
 
 def test_peer_state_tells_missing_lost_and_stopped_apart() -> None:
@@ -64,13 +77,7 @@ def test_peer_notes_when_it_turned_healthy_not_each_healthy_answer() -> None:
 
 def test_peers_rows_feed_the_decisions(tmp_path: Path) -> None:
     names = list(agent_names(1, 2))
-    peers = Peers(
-        names,
-        job=JobDir(tmp_path),
-        own_status=lambda: status("healthy", HEAD_NAME),
-        log=LOG,
-        on_change=lambda: None,
-    )
+    peers = head_peers(names, JobDir(tmp_path))
     peers.by_name["decode-0"] = Peer(record=record("decode-0", "0.2"), reachable=True)
     peers.by_name["decode-0"].observe(status("failed", reason="exit 1"), now=1.0)
     peers.by_name[HEAD_NAME].record = record(HEAD_NAME, "0.1")
@@ -194,13 +201,7 @@ async def test_peers_take_bad_files_and_strays_logging_each_once(
 ) -> None:
     caplog.set_level(logging.INFO, LOG.name)
     names = list(agent_names(1, 2))
-    peers = Peers(
-        names,
-        job=JobDir(tmp_path),
-        own_status=lambda: status("healthy", HEAD_NAME),
-        log=LOG,
-        on_change=lambda: None,
-    )
+    peers = head_peers(names, JobDir(tmp_path))
     problem = "J/rendezvous/decode-1.json: empty"
     found = Records(
         by_name={"decode-0": record("decode-0")},
@@ -247,14 +248,7 @@ async def test_peers_follow_every_peer_over_the_agents_one_client(
         raise AssertionError("the head built an HTTP client of its own")
 
     monkeypatch.setattr(httpx.AsyncClient, "__init__", no_second_client)
-    peers = Peers(
-        names,
-        job=job,
-        own_status=lambda: status("healthy", HEAD_NAME),
-        log=LOG,
-        on_change=lambda: None,
-        fetch=lambda: ClientFetch(client),
-    )
+    peers = head_peers(names, job, fetch=lambda: ClientFetch(client))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(peers.follow, lambda: None)
         await kit.until(
@@ -285,12 +279,9 @@ async def test_a_peer_answering_an_unknown_state_is_unreachable_alone(tmp_path: 
             answer["state"] = "exploded"
         return httpx.Response(200, content=msgspec.json.encode(answer))
 
-    peers = Peers(
+    peers = head_peers(
         names,
-        job=job,
-        own_status=lambda: status("healthy", HEAD_NAME),
-        log=LOG,
-        on_change=lambda: None,
+        job,
         fetch=lambda: ClientFetch(httpx.AsyncClient(transport=httpx.MockTransport(handler))),
     )
     async with trio.open_nursery() as nursery:

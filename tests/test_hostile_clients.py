@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tests.conftest import require
 from tests.infra.nginx import Nginx, nginx_binary
 from tests.kit import FAST
 from tests.kit.chatload import ChatLoad
+from tests.kit.endpoints import exchange
 from tests.test_front import CHAT, MODEL, READY_S, TOKEN_DELAY, events, front
 from tests.test_web import LATIN1, NESTED, endpoint_app, front_app
 
@@ -71,16 +71,6 @@ def listener(port: int) -> psutil.Process:
         if conn.status == psutil.CONN_LISTEN and bound == port and conn.pid:
             return psutil.Process(conn.pid)
     raise AssertionError(f"nothing listens on {port}")
-
-
-def exchange(port: int, request: bytes) -> bytes:
-    """Send ``request`` on a new connection and read until the server closes it (bounded)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
-        conn.sendall(request)
-        data = b""
-        while chunk := conn.recv(65536):
-            data += chunk
-        return data
 
 
 def malformed(port: int, paths: list[str], tries: int) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -27,6 +26,7 @@ from agent.job.frontpolicy import FrontPolicy
 from agent.web import server
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
 from agent.web.server import bound_socket, serve
+from tests.kit.endpoints import exchange
 
 NESTED = b"[" * 100_000
 LATIN1 = "caf\xe9".encode("latin-1")  # a Latin-1 byte that starts no UTF-8 sequence
@@ -153,16 +153,6 @@ def streaming_app(ended: trio.Event) -> App:
     app.route("GET", "/slow")(slow)
     app.route("GET", "/fast")(fast)
     return app
-
-
-def exchange(port: int, request: bytes) -> bytes:
-    """Send ``request`` on a new connection and read until the server closes it (bounded)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
-        conn.sendall(request)
-        data = b""
-        while chunk := conn.recv(65536):
-            data += chunk
-        return data
 
 
 async def open_long(port: int) -> trio.SocketStream:

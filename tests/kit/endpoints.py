@@ -26,6 +26,17 @@ def get(url: str, **kwargs: Any) -> httpx.Response:
     return httpx.get(url, timeout=10, **kwargs)
 
 
+def exchange(port: int, request: bytes, timeout: float = 30.0) -> bytes:
+    """Send raw ``request`` bytes on a new connection to 127.0.0.1:``port`` and read until the
+    server closes it (each read bounded by ``timeout``)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+        conn.sendall(request)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+        return data
+
+
 def agent_status(status_url: str) -> dict[str, Any]:
     """An agent's live ``/status``."""
     response = httpx.get(status_url, timeout=5)
