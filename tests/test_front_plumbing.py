@@ -252,6 +252,26 @@ async def test_a_client_that_leaves_mid_stream_closes_the_routers_stream_and_fre
     assert second.status == 200
 
 
+async def test_a_stream_stopped_before_its_first_chunk_closes_the_routers_stream_and_frees_its_slot(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    # Cancelled while its start is sent, the relay (an async generator) never runs, nor its
+    # ``finally``: the response's ``closed`` hook gives back what it holds.
+    kit = served(FrontKit(capacity=1))
+    kit.upstream.script(events(ROLE, chunk("H"), then="hang"), whole(ANSWER))
+    async with kit.front.connected():
+        stopped = await kit.call(
+            "POST", CHAT, Client((chat_body(stream=True),), stopped_at_start=True)
+        )
+        assert (stopped.status, stopped.body) == (200, b"")
+        assert kit.upstream.streams[0].closed
+        assert (kit.front.admission.admitted, kit.figures.in_flight) == (0, 0)
+        assert kit.outcomes() == {"cancelled": 1}
+        with trio.fail_after(1.0):  # the one slot is free: no wait in the queue
+            second = await kit.chat()
+    assert second.status == 200
+
+
 # ---- bad bodies and every error in OpenAI's shape --------------------------------------------
 
 

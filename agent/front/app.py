@@ -209,7 +209,16 @@ class Front:
             ctype = result.response.headers.get("content-type", "application/json")
             return ticket.answer(Response(result.body, 200, ctype), ticket.served())
         chunks = self._relay(result.response, result.stream, ticket)
-        return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"})
+        upstream = result.response
+
+        async def closed() -> None:
+            # The relay's own ``finally`` ends the ticket; this covers a relay that never ran
+            # (the response cancelled before its first chunk): the router's stream closed, the
+            # slot given back. Both are no-ops after the relay's end.
+            await upstream.aclose()
+            ticket.end("cancelled")
+
+        return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}, closed)
 
     async def _relay(
         self, response: httpx.Response, start: StreamStart, ticket: Ticket

@@ -89,6 +89,10 @@ class StreamingResponse:
     status: int = 200
     content_type: str = "text/plain; charset=utf-8"
     headers: dict[str, str] = field(default_factory=dict)
+    # Awaited once the response is done with, whether or not ``chunks`` ever ran: an async
+    # generator cancelled before its first step never runs its ``finally``, so what it holds
+    # (an upstream stream, a slot) is given back here too.
+    closed: Callable[[], Awaitable[None]] | None = None
 
 
 class HTTPError(TilertError):
@@ -169,10 +173,21 @@ async def _send_response(
 ) -> None:
     headers = [(b"content-type", response.content_type.encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    start = {"type": "http.response.start", "status": response.status, "headers": headers}
     if isinstance(response, Response):
+        await send(start)
         await send({"type": "http.response.body", "body": response.body})
         return
+    try:
+        await send(start)
+        await _send_chunks(send, receive, response)
+    finally:
+        if response.closed is not None:
+            with trio.CancelScope(shield=True):
+                await response.closed()
+
+
+async def _send_chunks(send: Send, receive: Receive, response: StreamingResponse) -> None:
     # hypercorn drops sends after a hang-up without raising, so watch for the disconnect ourselves
     # and cancel the iteration: that runs the async generator's ``finally`` at once.
     ended = False

@@ -36,6 +36,7 @@ CUT = (
 )
 USAGE = b'data: {"id": "chatcmpl-1", "choices": [], "usage": {"completion_tokens": 2}}\n\n'
 WAIT_S = 3600.0  # a test's own bound on trio's clock: never reached unless the front hangs
+STOP_S = 5.0  # when a client with ``stopped_at_start`` has the app cancelled (trio's clock)
 
 
 def chunk(content: str | None = None, finish: str | None = None) -> bytes:
@@ -231,6 +232,8 @@ class Client:
     parts: Sequence[bytes] = (b"",)
     stall: bool = False
     leave_after: int | None = None
+    # The server stops (cancels the app) while the reply's start is being sent, before any chunk.
+    stopped_at_start: bool = False
 
 
 async def call(
@@ -257,14 +260,20 @@ async def call(
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             start.update(message)
+            if client.stopped_at_start:
+                await trio.sleep_forever()  # cancelled by the stop, below
             return
         if message.get("body"):
             parts.append(message["body"])
         if client.leave_after is not None and len(parts) >= client.leave_after:
             left.set()
 
-    with trio.fail_after(WAIT_S):
-        await app(scope, receive, send)
+    if client.stopped_at_start:
+        with trio.move_on_after(STOP_S):
+            await app(scope, receive, send)
+    else:
+        with trio.fail_after(WAIT_S):
+            await app(scope, receive, send)
     headers_ = {k.decode(): v.decode() for k, v in start.get("headers", [])}
     return Reply(start["status"], headers_, b"".join(parts))
 
