@@ -236,34 +236,26 @@ async def test_a_stream_that_fails_before_its_first_token_is_tried_again(
     assert kit.outcomes() == {"retried_ok": 1}
 
 
-async def test_a_client_that_leaves_mid_stream_closes_the_routers_stream_and_frees_its_slot(
+@pytest.mark.parametrize(
+    ("client", "sent"),
+    [
+        (Client((chat_body(stream=True),), leave_after=1), [ROLE, chunk("H")]),
+        # Cancelled while its start is sent, the relay (an async generator) never runs, nor its
+        # ``finally``: the response's ``closed`` hook gives back what it holds.
+        (Client((chat_body(stream=True),), stopped_at_start=True), []),
+    ],
+    ids=["leaves-mid-stream", "stopped-before-its-first-chunk"],
+)
+async def test_a_stream_that_ends_early_closes_the_routers_stream_and_frees_its_slot(
     autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+    client: Client,
+    sent: list[bytes],
 ) -> None:
     kit = served(FrontKit(capacity=1))
     kit.upstream.script(events(ROLE, chunk("H"), then="hang"), whole(ANSWER))
     async with kit.front.connected():
-        first = await kit.chat(stream=True, leave_after=1)
-        assert first.events() == [ROLE, chunk("H")]
-        assert kit.upstream.streams[0].closed
-        assert (kit.front.admission.admitted, kit.figures.in_flight) == (0, 0)
-        assert kit.outcomes() == {"cancelled": 1}
-        with trio.fail_after(1.0):  # the one slot is free: no wait in the queue
-            second = await kit.chat()
-    assert second.status == 200
-
-
-async def test_a_stream_stopped_before_its_first_chunk_closes_the_routers_stream_and_frees_its_slot(
-    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
-) -> None:
-    # Cancelled while its start is sent, the relay (an async generator) never runs, nor its
-    # ``finally``: the response's ``closed`` hook gives back what it holds.
-    kit = served(FrontKit(capacity=1))
-    kit.upstream.script(events(ROLE, chunk("H"), then="hang"), whole(ANSWER))
-    async with kit.front.connected():
-        stopped = await kit.call(
-            "POST", CHAT, Client((chat_body(stream=True),), stopped_at_start=True)
-        )
-        assert (stopped.status, stopped.body) == (200, b"")
+        first = await kit.call("POST", CHAT, client)
+        assert (first.status, first.events()) == (200, sent)
         assert kit.upstream.streams[0].closed
         assert (kit.front.admission.admitted, kit.figures.in_flight) == (0, 0)
         assert kit.outcomes() == {"cancelled": 1}
