@@ -2,8 +2,9 @@
 
 ``check`` runs srtctl's own rules and the failures srtctl would see only on the nodes
 (``srtctl``), then the prefill/decode agreements that TileRT checks only at the first request
-(``agreements``), that the router renders chats as the prefill does (``chattemplate``), whether the weights conversion agrees with the decode (``weights``), and the
-``benchmark:`` section (``benchmark``), reading values through ``values``. It returns every
+(``agreements``), that the router renders chats as the prefill does (``chattemplate``), whether
+the weights conversion agrees with the decode (``weights``), and the ``benchmark:`` section
+(``benchmark``), reading values through ``values``. It returns every
 problem, in a fixed order, so that one run reports all of them; the loader runs it on every
 recipe, and every agent again on its node.
 
