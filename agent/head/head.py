@@ -236,6 +236,7 @@ class Head:
             standins=[n for n in self.plan.standins if n != ROUTER_NAME or self.router.standin],
             benchmark=self.bench.status() if self.bench is not None else msgspec.UNSET,
             gate=self.gate if self.gate is not None else msgspec.UNSET,
+            router_tokenize=self.ctx.pool.tokenize if self.ctx.pool is not None else None,
         )
         if self.ended:
             # The job has ended: no agent is shown serving for good (their last words may come
