@@ -25,6 +25,7 @@ import msgspec
 import trio
 
 from agent.errors import EXIT_OK, EXIT_RUNTIME
+from agent.head.answers import Answers
 from agent.head.benchstage import BenchmarkStage
 from agent.head.canaries import Canary, run_canaries
 from agent.head.context import HeadContext
@@ -90,6 +91,8 @@ class Head:
         self.front = FrontDoor(ctx, self.router, lambda: self.router_url, self._pool_now)
         # Decodes the router no longer uses, with the failure that dropped each.
         self.dropped: dict[str, str] = {}
+        # Decodes whose answers were wrong (agent.canary.verify): failed in the view.
+        self.answers = Answers(ctx)
         # How often each decode was taken back once healthy again (bounded by agent.max_rejoins),
         # and the last word on it (taken back after what, or why it stays out).
         self.rejoins: dict[str, int] = {}
@@ -201,6 +204,7 @@ class Head:
                 row.reason = f"leaving the pool: {row.reason}"
             else:
                 row.pool, row.pool_since = "member", pool.member_since.get(name, self.started_at)
+            self.answers.mark(row)
         return row
 
     def _pool_now(self) -> tuple[str | None, tuple[tuple[str, int], ...]]:
@@ -318,6 +322,10 @@ class Head:
         self._note_gate(router, view, decision_s, decodes)
         marks = restart_marks(self._view())
         self.ctx.figures.canary_latency_s = await self._canaries(len(decodes))
+        if await self._check_answers(decodes):
+            view = self._view()
+            self._check_fatal(view)  # no decode answers right: the job fails
+            self._change_pool(view, to_drop(view, self.dropped), [])
         self.proven = marks
         self._set_state("degraded" if self.dropped else "ready", "canaries answered")
         url = self.front.url or self.router.url
@@ -383,6 +391,14 @@ class Head:
             router_log=log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan),
         )
 
+    async def _check_answers(self, names: list[str]) -> list[str]:
+        """``agent.canary.verify`` on ``names``: those whose answers are wrong (failed now)."""
+        wrong = await self.answers.check(names, self.peers.records(), restart_marks(self._view()))
+        if wrong:
+            self._changes += 1
+            self.poke()
+        return wrong
+
     async def _prove(self, marks: dict[str, int], count: int) -> None:
         """Canaries after a restart: the job is ``ready`` again only once they pass."""
         self.log.info(
@@ -391,6 +407,7 @@ class Head:
         self._proof = "healthy again; canary through the router running"
         try:
             latencies = await self._canaries(count)
+            await self._check_answers(list(self.router.decodes))
         except JobFailed as exc:
             # Degrade, don't die: say why and try again.
             self._proof = f"healthy again, but the canary failed: {exc}"
@@ -520,6 +537,9 @@ class Head:
         pool = self.pool
         try:
             await prove_joining(self.ctx, self.peers.records(), names, standin=self.router.standin)
+            wrong = await self._check_answers(names)
+            if wrong:
+                raise JobFailed(f"the answers of {', '.join(wrong)} are wrong (see its reason)")
         except JobFailed as exc:
             for name in names:
                 pool.note[name] = f"its canary through a trial router failed: {exc}"
