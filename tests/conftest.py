@@ -78,6 +78,7 @@ UNIT_MODULES = frozenset(
         "test_sweep",
         "test_systemd",
         "test_upstream",
+        "test_verify",
     }
 )
 # What a test outside the fast lane asks for: these markers, or these fixtures (tests/infra/).
