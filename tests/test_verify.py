@@ -35,7 +35,7 @@ def test_a_wrong_answer_fails_and_its_score_is_low() -> None:
     assert not judged.agree
     assert not judged.passed
     assert judged.score < judged.own - 1.0
-    assert "mean log-prob -15.70/token" in judged.describe()
+    assert "mean log-prob -15.7/token" in judged.describe()
 
 
 def test_a_different_answer_that_scores_within_the_margin_passes() -> None:

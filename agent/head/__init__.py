@@ -7,6 +7,8 @@ prove the router, keep the job serving, and write status.json and targets.json.
 - ``decisions``: gate, drop, fatal and the job's state, as plain functions over a ``JobView``.
 - ``router``: the router's preflight, start and relaunch (a hand-over); ``canaries``: the
   streaming chat check; ``trial``: a trial router proving decodes joining the pool.
+- ``verify``: the verified canary, each decode's answers judged against the prefill's own model;
+  ``answers``: which decodes answered wrong (``failed`` in the head's view until they restart).
 - ``pool``: the decode pool ``tilert-submit scale`` asks for (``J/pool.json``) and where each
   decode stands in it.
 - ``benchstage``: the recipe's benchmark, checked before the load and run once ready.

@@ -91,7 +91,7 @@ class Answers:
         wrong = []
         for name, found in sorted(verdicts.items()):
             self.last[name] = found
-            scores = ", ".join(f"{j.score:.3f} vs {j.own:.3f}" for j in found.judged)
+            scores = ", ".join(f"{j.score:.3g} vs {j.own:.3g}" for j in found.judged)
             if found.wrong is None:
                 self.wrong.pop(name, None)
                 self.log.info(

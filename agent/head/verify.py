@@ -79,8 +79,8 @@ class Judged:
         ref = self.reference
         return (
             f"{ref.prompt!r} -> decode {self.text!r} {self.answer[:ANSWER_TOKENS]} "
-            f"(mean log-prob {self.score:.2f}/token under the prefill's model), prefill "
-            f"{ref.text!r} {ref.ids[:ANSWER_TOKENS]} ({self.own:.2f}/token)"
+            f"(mean log-prob {self.score:.3g}/token under the prefill's model), prefill "
+            f"{ref.text!r} {ref.ids[:ANSWER_TOKENS]} ({self.own:.3g}/token)"
         )
 
 
