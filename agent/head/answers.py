@@ -55,6 +55,7 @@ class Answers:
     ) -> list[str]:
         """Check ``names`` (off: nothing); the names found wrong now."""
         plan = self.ctx.plan
+        names = [n for n in names if n in records]  # a decode without a record cannot be asked
         if not plan.agent.canary_verify or not names:
             return []
         verifier = Verifier(

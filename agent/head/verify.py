@@ -139,20 +139,26 @@ class Verifier:
         if response.status_code != 200:
             detail = printable(response.text.strip()[:300])
             raise Inconclusive(f"{url} answered HTTP {response.status_code}: {detail}")
-        return response.json()
+        try:
+            return response.json()
+        except ValueError:
+            raise Inconclusive(f"{url} answered no JSON: {response.text[:200]!r}") from None
 
     async def _complete(self, prompt: str | list[int], **extra: Any) -> dict[str, Any]:
         body = {"model": self.model, "prompt": prompt, "temperature": 0.0, "stream": False}
         reply = await self._post(f"{self.prefill_url}/v1/completions", {**body, **extra})
-        choice: dict[str, Any] = reply["choices"][0]
-        choice["id"] = reply.get("id", "")
+        try:
+            choice: dict[str, Any] = dict(reply["choices"][0])
+            choice["id"] = str(reply.get("id", ""))
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+            raise Inconclusive(f"the prefill's completion has no choice: {reply!r}"[:300]) from None
         return choice
 
     async def text(self, ids: list[int]) -> str:
         """The tokens as text (vLLM's ``/detokenize``)."""
         body = {"model": self.model, "tokens": ids}
         reply = await self._post(f"{self.prefill_url}/detokenize", body)
-        return str(reply.get("prompt", ""))
+        return str(reply.get("prompt", "")) if isinstance(reply, dict) else ""
 
     async def reference(self, prompt: str) -> Reference:
         """The prefill's own greedy answer, asked without ``kv_transfer_params``."""
@@ -162,10 +168,13 @@ class Verifier:
         choice = await self._complete(prompt, max_tokens=ANSWER_TOKENS, logprobs=0)
         logprobs = choice.get("logprobs") or {}
         ids = [_token_id(t) for t in logprobs.get("tokens") or []]
-        values = [float(v) for v in logprobs.get("token_logprobs") or []]
+        values = [float(v) if v is not None else -1e9 for v in logprobs.get("token_logprobs") or []]
         if not ids:
             raise Inconclusive(f"the prefill answered {prompt!r} with no token")
-        return Reference(prompt, list(tokenized["tokens"]), ids, values, await self.text(ids))
+        prompt_ids = tokenized.get("tokens") if isinstance(tokenized, dict) else None
+        if not isinstance(prompt_ids, list):
+            raise Inconclusive(f"the prefill's /tokenize answered {tokenized!r}"[:300])
+        return Reference(prompt, prompt_ids, ids, values, await self.text(ids))
 
     async def answer(self, decode: DecodeEndpoint, reference: Reference) -> list[int]:
         """The decode's greedy answer: the prefill's KV sent to it, as the router would."""
@@ -175,7 +184,7 @@ class Verifier:
             logprobs=1,
             kv_transfer_params={"tilert_host": decode.host, "tilert_ctrl_port": decode.ctrl},
         )
-        first = _token_id((choice.get("logprobs") or {}).get("tokens", [None])[0])
+        first = _token_id(((choice.get("logprobs") or {}).get("tokens") or [None])[0])
         body = {
             "rid": derive_rid(str(choice["id"])),
             "first_token_id": first,
@@ -183,7 +192,7 @@ class Verifier:
             "sampling": {"temperature": 0.0},
         }
         reply = await self._post(f"http://{decode.host}:{decode.http}/pd/decode", body)
-        ids = reply.get("token_ids")
+        ids = reply.get("token_ids") if isinstance(reply, dict) else None
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise Inconclusive(f"the decode's reply has no token_ids: {reply!r}"[:300])
         return ids or [first]
