@@ -62,6 +62,7 @@ def job(
         f"roles.decode.env.TILERT_MOCK_NEXT_TOKENS={counting_model / NEXT_TOKENS}",
         "roles.decode.env.TILERT_MOCK_WRONG_ANSWERS=1",
         "roles.decode.env.TILERT_MOCK_FAULT_TARGET=decode-1",
+        "agent.canary.verify=true",
     )
     env = {**os.environ, "TMPDIR": str(temp)}
     root = tmp_path_factory.mktemp("verify")
