@@ -18,6 +18,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     ├── RuntimeFailure            exit 1: what failed, where, and what to do next
     │   ├── JobFailed             agent.head.decisions: the job can no longer serve
     │   ├── CanaryFailed          agent.head.canaries: a canary through the router failed
+    │   ├── Inconclusive          agent.head.verify: a decode's answers could not be checked
     │   ├── WeightsError          agent.node.conversion: the weights folder cannot be served
     │   ├── LockLost              agent.node.folderlock: the weights folder's lock was taken
     │   ├── HubCacheError         agent.node.hubcache: a hub id's snapshot is not in the cache
