@@ -7,7 +7,7 @@ autojump clock waits out their budget.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +15,13 @@ import httpx
 import pytest
 import trio
 
+from agent.front.sse import StreamReader, StreamWatch
 from agent.head.canaries import (
     CANARY_RETRY_S,
     Canary,
     CanaryFailed,
-    canary_text,
     failure_cause,
+    reply_text,
     run_canaries,
 )
 from agent.head.decisions import JobFailed
@@ -98,13 +99,47 @@ def test_every_canary_failure_names_its_cause(exc: Exception, cause: str) -> Non
     assert failure_cause(exc) == cause
 
 
-def test_canary_text_reads_the_event_stream() -> None:
-    assert canary_text('data: {"choices": [{"delta": {"content": "Hi"}}]}') == "Hi"
-    assert canary_text("data: [DONE]") == ""
-    assert canary_text(": keep-alive") == ""
-    assert canary_text("data: not json") == ""
+def read(events: bytes) -> StreamWatch:
+    """What the front's reader makes of a canary's reply (``events``)."""
+    reader = StreamReader(mock_chunks(), StreamWatch(keep_text=True))
+    reader.feed(events)
+    return reader.watch
+
+
+async def mock_chunks() -> AsyncIterator[bytes]:
+    """No chunks: ``read`` feeds its reader by hand."""
+    none: tuple[bytes, ...] = ()
+    for chunk in none:
+        yield chunk
+
+
+def test_a_canarys_reply_is_read_by_the_fronts_reader() -> None:
+    assert read(b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n').text == "Hi"
+    assert read(b"data: [DONE]\n\n").text == ""
+    assert read(b": keep-alive\n\n").text == ""
+    assert read(b"data: not json\n\n").text == ""
     with pytest.raises(CanaryFailed, match="error chunk from the router: boom"):
-        canary_text('data: {"error": "boom"}')
+        reply_text(read(b'data: {"error": "boom"}\n\n'))
+
+
+async def test_a_canary_whose_reply_is_a_decode_error_fails(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    """TileRT's router puts a decode's untyped error in the reply's text, then a ``stop``: the
+    front marks such a reply cut, and a canary that gets one fails."""
+    failed_decode = stream("Hel", "\\n[decode error: CUDA error: an illegal memory access]")
+
+    def handler(_request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=failed_decode)
+
+    with pytest.raises(JobFailed) as failed:
+        await run_canaries(
+            canary(timeout_s=2.0), 1, client=mock_client(handler), log=LOG, router_log=ROUTER_LOG
+        )
+    assert (
+        "canary 1: canary got an error chunk from the router: "
+        "[decode error: CUDA error: an illegal memory access]"
+    ) in str(failed.value)
 
 
 async def test_a_canary_that_fails_then_answers_within_budget_passes(

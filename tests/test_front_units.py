@@ -1,8 +1,9 @@
 """The front door's pure parts: which failures are tried again, how a proxied stream is passed on
 and marked when cut, and what TileRT 0.1.6 cannot serve (agent/front/retry.py, sse.py, openai.py).
 
-The events below are the real router's (tilert 0.1.6.post3), as tests/test_front.py sees them:
-a decode that dies mid-stream ends with a ``stop`` chunk, ``data: {"error": ...}``, ``[DONE]``.
+The events (tests/kit/front.py) are the real router's (tilert 0.1.6.post3), as tests/test_front.py
+sees them: a decode that dies mid-stream ends with a ``stop`` chunk, ``data: {"error": ...}``,
+``[DONE]``. The plumbing around them (the proxy, the relay): tests/test_front_plumbing.py.
 """
 
 from __future__ import annotations
@@ -23,27 +24,7 @@ from agent.front.retry import (
     stream_failure,
 )
 from agent.front.sse import DONE, EventSplitter, StreamWatch, event_data
-
-
-def chunk(content: str | None = None, finish: str | None = None) -> bytes:
-    """One chat.completion.chunk event as the router sends it."""
-    delta = {} if content is None else {"content": content}
-    choice = {"index": 0, "delta": delta, "finish_reason": finish}
-    body = {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "model": "m",
-        "choices": [choice],
-    }
-    return f"data: {json.dumps(body)}\n\n".encode()
-
-
-ROLE = b'data: {"id": "chatcmpl-1", "choices": [{"delta": {"role": "assistant"}}]}\n\n'
-CUT = (
-    b'data: {"error": {"error": "stream failed: peer closed", '
-    b'"error_type": "decode_stream_failed"}}\n\n'
-)
-USAGE = b'data: {"id": "chatcmpl-1", "choices": [], "usage": {"completion_tokens": 2}}\n\n'
+from tests.kit.front import CUT, ROLE, USAGE, chunk
 
 
 def run(watch: StreamWatch, events: list[bytes], *, end: bool = True) -> list[bytes]:

@@ -27,6 +27,8 @@ from agent.web import server
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
 from agent.web.server import bound_socket, serve
 from tests.kit.endpoints import exchange
+from tests.kit.front import Client
+from tests.kit.front import call as in_process
 
 NESTED = b"[" * 100_000
 LATIN1 = "caf\xe9".encode("latin-1")  # a Latin-1 byte that starts no UTF-8 sequence
@@ -37,33 +39,10 @@ WAIT_S = 30.0
 async def call(
     app: App, method: str, path: str, headers: Iterable[tuple[bytes, bytes]] = (), body: bytes = b""
 ) -> tuple[int, bytes]:
-    """One request through the ASGI app in process: its status and body (a streamed reply is
-    hung up on at its first part)."""
-    scope = {"type": "http", "method": method, "path": path, "query_string": b""}
-    scope["headers"] = [(b"host", b"x"), *headers]
-    answered = trio.Event()
-    status, parts = 0, []
-    requested = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await answered.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        else:
-            parts.append(message.get("body", b""))
-            answered.set()
-
-    with trio.fail_after(WAIT_S):
-        await app(scope, receive, send)
-    return status, b"".join(parts)
+    """One request through the ASGI app in process (tests/kit/front.py): its status and body (a
+    streamed reply is hung up on at its first part)."""
+    got = await in_process(app, method, path, Client((body,), leave_after=1), list(headers))
+    return got.status, got.body
 
 
 def front_app() -> App:

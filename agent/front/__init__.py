@@ -5,11 +5,15 @@ front of TileRT's router (docs/agent.md, "The front door").
   with ``agent.web.asgi`` on hypercorn.
 - ``admission``: ``Admission``, no more requests at the router than it has decodes; the rest
   wait in one FIFO queue bounded in length and time (pure trio).
+- ``ticket``: ``Ticket``, one request from its arrival to its last byte: its outcome, timings and
+  figures counted in this one place, its slot given back once.
 - ``proxy``: the way to the router: its URL asked at every try, a wait while it is handed over,
-  tries again before the client's first byte; httpx's AsyncClient.
+  tries again before the client's first byte; httpx's AsyncClient (a transport may be handed in:
+  the router in process, for tests).
 - ``retry``: which failures are tried again, the pause, the budget (pure).
 - ``sse``: a proxied stream event by event; a cut stream marked with the ``stream_truncated``
-  error event (pure).
+  error event; ``StreamReader``, the one reader of TileRT's event stream (the proxy, the relay and
+  the head's canaries).
 - ``openai``: ``/v1/models``, what TileRT 0.1.6 cannot serve, OpenAI's error shape (pure).
 - ``figures``: the ``tilert_front_*`` series, in the registry the head agent hands over.
 

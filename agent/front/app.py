@@ -15,13 +15,14 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
 import trio
 
 from agent.errors import BadInput
-from agent.front.admission import Admission, QueueRefused, Slot
+from agent.front.admission import Admission, QueueRefused
 from agent.front.figures import FrontFigures, Outcome
 from agent.front.openai import (
     CHAT,
@@ -35,6 +36,7 @@ from agent.front.openai import (
 )
 from agent.front.proxy import Proxy, Refused, RouterNow, StreamStart, Unavailable, make_client
 from agent.front.retry import RetryBudget
+from agent.front.ticket import Ticket
 from agent.job.frontpolicy import FrontPolicy
 from agent.web.asgi import (
     App,
@@ -80,6 +82,7 @@ class Front:
         figures: FrontFigures,
         capacity: Callable[[], int],
         log: logging.Logger = log,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
@@ -88,6 +91,7 @@ class Front:
         self.created = int(time.time())
         self.budget = RetryBudget(policy.retry.attempts, policy.retry.budget_s)
         self.router = router
+        self.transport = transport  # None: the router over the network (tests: in process)
         self.proxy: Proxy | None = None
         # Slots for the router's decodes (``capacity``: how many are in its list now).
         queue = policy.queue
@@ -117,9 +121,15 @@ class Front:
         self, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve on ``sock`` until cancelled."""
-        async with make_client() as client:
-            self.proxy = Proxy(client, self.router, self.budget, self.figures.retried)
+        async with self.connected():
             await serve(self.app, sock, task_status=task_status)
+
+    @asynccontextmanager
+    async def connected(self) -> AsyncIterator[None]:
+        """The front's client to the router open: ``app`` sends requests on within it."""
+        async with make_client(self.transport) as client:
+            self.proxy = Proxy(client, self.router, self.budget)
+            yield
 
     async def _models(self, _request: Request) -> Response:
         return json_response(models_body(self.model, self.created))
@@ -132,9 +142,9 @@ class Front:
         return json_response({"status": "ok", "router": now.url})
 
     async def _no_engine(self, request: Request) -> Response:
-        self.figures.started()
-        self.figures.ended("rejected", 0.0)
-        return _error(404, NO_ENGINE[request.path], "unsupported")
+        return Ticket(self.figures).answer(
+            _error(404, NO_ENGINE[request.path], "unsupported"), "rejected"
+        )
 
     async def _read_json(self, request: Request) -> tuple[bytes, dict[str, Any]]:
         """The request's body within ``agent.front.max_body_bytes`` and ``body_timeout_s``."""
@@ -152,115 +162,83 @@ class Front:
         return body, value
 
     async def _generate(self, request: Request) -> Response | StreamingResponse:
-        started = trio.current_time()
-        self.figures.started()
+        ticket = Ticket(self.figures)
         try:
-            response, outcome = await self._answer(request, started)
-        except BaseException:
-            self.figures.ended("cancelled", trio.current_time() - started)
+            return await self._answer(request, ticket)
+        except BaseException:  # the client left (a stream's relay ends its own ticket)
+            ticket.end("cancelled")
             raise
-        if outcome is not None:  # a stream ends its own count when it ends
-            self.figures.first_byte(trio.current_time() - started)
-            self.figures.ended(outcome, trio.current_time() - started)
-        return response
 
-    async def _answer(
-        self, request: Request, started: float
-    ) -> tuple[Response | StreamingResponse, Outcome | None]:
+    async def _answer(self, request: Request, ticket: Ticket) -> Response | StreamingResponse:
         try:
             body, value = await self._read_json(request)
         except BodyError as exc:
-            return _error(exc.status, exc.message, exc.kind), "rejected"
+            return ticket.answer(_error(exc.status, exc.message, exc.kind), "rejected")
         why = unsupported(request.path, value)
         if why is not None:
-            return _error(400, why, "unsupported"), "rejected"
+            return ticket.answer(_error(400, why, "unsupported"), "rejected")
         if self.proxy is None:  # not serving yet: run() makes it before the socket serves
-            return _error(503, "the front is starting", "unavailable"), "rejected"
+            return ticket.answer(_error(503, "the front is starting", "unavailable"), "rejected")
         now = self.router()
         if now.url is None:  # no router yet, or the job ended: no queue to wait in
             why = now.why or "no router serves this job yet"
-            return _error(
-                503, why, "unavailable", **{"retry-after": str(RETRY_AFTER_S)}
-            ), "rejected"
+            retry = {"retry-after": str(RETRY_AFTER_S)}
+            return ticket.answer(_error(503, why, "unavailable", **retry), "rejected")
         try:
             slot = await self.admission.enter()
         except QueueRefused as exc:
-            return _queue_refusal(exc), "rejected"
-        kept = False  # a stream keeps its slot until its relay ends
-        try:
-            answer = await self._send(request.path, body, value, slot, started)
-            kept = answer[1] is None
-            return answer
-        finally:
-            if not kept:
-                slot.release()
+            return ticket.answer(_queue_refusal(exc), "rejected")
+        ticket.hold(slot)  # given back when the ticket ends: a stream's when its relay ends
+        return await self._send(self.proxy, request.path, body, value, ticket)
 
     async def _send(
-        self, path: str, body: bytes, value: dict[str, Any], slot: Slot, started: float
-    ) -> tuple[Response | StreamingResponse, Outcome | None]:
-        """The request at the router, within its slot (a stream's relay releases it)."""
-        proxy = self.proxy
-        if proxy is None:  # _answer checked it; said again for the type checker
-            return _error(503, "the front is starting", "unavailable"), "rejected"
+        self, proxy: Proxy, path: str, body: bytes, value: dict[str, Any], ticket: Ticket
+    ) -> Response | StreamingResponse:
+        """The request at the router, within its slot."""
         stream = bool(value.get("stream"))
         try:
-            result = await proxy.send(path, body, stream=stream, want_usage=wants_usage(value))
+            result = await proxy.send(
+                path, body, stream=stream, on_retry=ticket.retried, want_usage=wants_usage(value)
+            )
         except Unavailable as exc:
             retry = {"retry-after": str(RETRY_AFTER_S)}
-            return _error(503, str(exc), "unavailable", **retry), "rejected"
+            return ticket.answer(_error(503, str(exc), "unavailable", **retry), "rejected")
         if isinstance(result, Refused):
-            return self._refused(result)
-        outcome: Outcome = "ok" if result.tries == 1 else "retried_ok"
+            return ticket.answer(*_refused(result))
         if result.stream is None:
             ctype = result.response.headers.get("content-type", "application/json")
-            return Response(result.body, 200, ctype), outcome
-        chunks = self._relay(result.response, result.stream, started, outcome, slot)
-        return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}), None
+            return ticket.answer(Response(result.body, 200, ctype), ticket.served())
+        chunks = self._relay(result.response, result.stream, ticket)
+        upstream = result.response
 
-    def _refused(self, refused: Refused) -> tuple[Response, Outcome]:
-        """The router's last answer: its 4xx passed on (a 501 said as 400), a failure as 502/503."""
-        failure = refused.failure
-        status = failure.status
-        if status is not None and 400 <= status < 500 and failure.reason != "busy":
-            return json_response(upstream_error(status, refused.content), status), "rejected"
-        if status == 501:
-            body = upstream_error(400, refused.content)
-            body["error"]["type"] = "unsupported"
-            return json_response(body, 400), "rejected"
-        message = f"the router could not serve the request in {refused.tries} tries: "
-        answer = 503 if status in (None, 429, 503) else 502
-        body = error_body(message + failure.message[:500], "upstream_failed", code=answer)
-        response = json_response(body, answer)
-        response.headers["retry-after"] = str(RETRY_AFTER_S)
-        return response, "failed"
+        async def closed() -> None:
+            # The relay's own ``finally`` ends the ticket; this covers a relay that never ran
+            # (the response cancelled before its first chunk): the router's stream closed, the
+            # slot given back. Both are no-ops after the relay's end.
+            await upstream.aclose()
+            ticket.end("cancelled")
+
+        return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}, closed)
 
     async def _relay(
-        self,
-        response: httpx.Response,
-        start: StreamStart,
-        started: float,
-        outcome: Outcome,
-        slot: Slot,
+        self, response: httpx.Response, start: StreamStart, ticket: Ticket
     ) -> AsyncIterator[bytes]:
-        """The stream passed on event by event; its outcome counted when it ends, its slot
-        released once the router's reply ended (the router has freed its decode by then)."""
-        watch, splitter, chunks = start.watch, start.splitter, start.chunks
+        """The stream passed on as it arrives; its ticket ended when it ends (its slot given
+        back once the router's reply ended: the router has freed its decode by then)."""
+        reader, watch = start.reader, start.reader.watch
         finished = False
         try:
-            self.figures.first_byte(trio.current_time() - started)
-            # What one read from the router completes goes out as one write: each write costs
-            # the ASGI server a send (docs/performance.md, "The front's cost"); nothing waits
-            # for more than what has arrived.
+            ticket.first_byte()
+            # Nothing waits for more than what has arrived (``StreamReader.read``).
             if start.first:
                 yield b"".join(start.first)
             try:
-                async for data in chunks:
-                    out = [o for event in splitter.feed(data) for o in watch.push(event)]
+                while (out := await reader.read()) is not None:
                     if out:
-                        yield b"".join(out)
+                        yield out
             except httpx.HTTPError as exc:
                 self.log.warning("front: the router's stream broke: %r", exc)
-            if tail := b"".join(watch.end()):
+            if tail := reader.end():
                 yield tail
             finished = True
             if watch.truncated:
@@ -268,18 +246,36 @@ class Front:
         finally:
             with trio.CancelScope(shield=True):
                 await response.aclose()
-            slot.release()
             # A cut counts as truncated even when the client left on its error event.
-            ended: Outcome = "truncated" if watch.truncated else outcome
-            self.figures.ended(
-                ended if finished or watch.truncated else "cancelled", trio.current_time() - started
-            )
+            if watch.truncated:
+                ticket.end("truncated")
+            else:
+                ticket.end(ticket.served() if finished else "cancelled")
+
+
+def _refused(refused: Refused) -> tuple[Response, Outcome]:
+    """The router's last answer: its 4xx passed on (a 501 said as 400), a failure as 502/503."""
+    failure = refused.failure
+    status = failure.status
+    if status is not None and 400 <= status < 500 and failure.reason != "busy":
+        return json_response(upstream_error(status, refused.content), status), "rejected"
+    if status == 501:
+        body = upstream_error(400, refused.content)
+        body["error"]["type"] = "unsupported"
+        return json_response(body, 400), "rejected"
+    message = f"the router could not serve the request in {refused.tries} tries: "
+    answer = 503 if status in (None, 429, 503) else 502
+    body = error_body(message + failure.message[:500], "upstream_failed", code=answer)
+    response = json_response(body, answer)
+    response.headers["retry-after"] = str(RETRY_AFTER_S)
+    return response, "failed"
 
 
 def _refusal(status: int, message: str) -> Response:
-    """What the toolkit refuses before a handler (no route, a header that is not UTF-8), in
-    OpenAI's error shape like every other answer of the front."""
-    kind = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+    """What the toolkit answers itself (no route, a header that is not UTF-8, a handler that
+    failed), in OpenAI's error shape like every other answer of the front."""
+    kinds = {404: "not_found", 405: "method_not_allowed", 500: "server_error"}
+    kind = kinds.get(status, "invalid_request")
     return _error(status, message, kind)
 
 
@@ -301,12 +297,14 @@ async def _bounded_body(request: Request, limit: int, timeout_s: float) -> bytes
     """The body read within ``limit`` bytes and ``timeout_s`` (a slow client gets 408)."""
     parts: list[bytes] = []
     size = 0
+    # Closed at once when it is refused part-way (not left to the collector).
     with trio.move_on_after(timeout_s) as scope:
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise BodyError(413, _too_big(limit), "request_too_large")
-            parts.append(part)
+        async with aclosing(request.stream()) as arriving:
+            async for part in arriving:
+                size += len(part)
+                if size > limit:
+                    raise BodyError(413, _too_big(limit), "request_too_large")
+                parts.append(part)
     if scope.cancelled_caught:
         raise BodyError(
             408,

@@ -12,7 +12,7 @@ before its first token is tried again too.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -27,7 +27,7 @@ from agent.front.retry import (
     status_failure,
     stream_failure,
 )
-from agent.front.sse import EventSplitter, StreamWatch
+from agent.front.sse import StreamReader, StreamWatch
 
 WAIT_POLL_S = 0.5  # a safety net: the head's changes wake waiting requests before this
 # A stream with no first event this long after an engine restarted and the pool is whole again
@@ -60,12 +60,11 @@ class Unavailable(RuntimeFailure):
 
 @dataclass
 class StreamStart:
-    """A stream that passed its first content: the events for the client so far, the rest."""
+    """A stream that passed its first content: what the client gets so far, the reader of the
+    rest."""
 
     first: list[bytes]
-    chunks: AsyncIterator[bytes]
-    splitter: EventSplitter
-    watch: StreamWatch
+    reader: StreamReader
 
 
 @dataclass
@@ -73,7 +72,6 @@ class Opened:
     """A router reply that passed: a stream (``stream``) or a whole body."""
 
     response: httpx.Response
-    tries: int
     body: bytes = b""
     stream: StreamStart | None = None
 
@@ -87,11 +85,12 @@ class Refused:
     content: bytes = b""
 
 
-def make_client() -> httpx.AsyncClient:
-    """The front's own client to the router: keep-alive, no overall timeout on a stream."""
+def make_client(transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The front's own client to the router: keep-alive, no overall timeout on a stream
+    (``transport``: the router in process, for tests/kit/front.py; None: the network)."""
     timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S, write=60.0, pool=60.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, transport=transport)
 
 
 class Proxy:
@@ -102,12 +101,10 @@ class Proxy:
         client: httpx.AsyncClient,
         router: Callable[[], RouterNow],
         budget: RetryBudget,
-        on_retry: Callable[[str], None],
     ) -> None:
         self.client = client
         self.router = router
         self.budget = budget
-        self.on_retry = on_retry
         self._wake = trio.Event()
 
     def changed(self) -> None:
@@ -130,16 +127,23 @@ class Proxy:
                 await self._wake.wait()
 
     async def send(
-        self, path: str, body: bytes, *, stream: bool, want_usage: bool = False
+        self,
+        path: str,
+        body: bytes,
+        *,
+        stream: bool,
+        on_retry: Callable[[str], None],
+        want_usage: bool = False,
     ) -> Opened | Refused:
-        """Try ``body`` at the router's ``path`` until an answer passes or the budget ends."""
+        """Try ``body`` at the router's ``path`` until an answer passes or the budget ends;
+        ``on_retry`` is told each try again's reason (the request's ``Ticket``)."""
         start = trio.current_time()
         deadline = start + self.budget.budget_s
         tries = made = 0  # the tries counted (a refused connection is not), and all of them
         while True:
             url = await self.router_url(deadline)
             made += 1
-            result = await self._try(url + path, body, stream, made, want_usage)
+            result = await self._try(url + path, body, stream, want_usage)
             if isinstance(result, Opened):
                 return result
             tries += 0 if result.refused else 1
@@ -147,7 +151,7 @@ class Proxy:
             if delay is None:
                 content = result.message.encode()
                 return Refused(result, made, content)
-            self.on_retry(result.reason)
+            on_retry(result.reason)
             await trio.sleep(delay)
             await self.settle(deadline)
 
@@ -162,9 +166,7 @@ class Proxy:
             with trio.move_on_after(min(remaining, WAIT_POLL_S)):
                 await self._wake.wait()
 
-    async def _try(
-        self, url: str, body: bytes, stream: bool, tries: int, want_usage: bool
-    ) -> Opened | Failure:
+    async def _try(self, url: str, body: bytes, stream: bool, want_usage: bool) -> Opened | Failure:
         headers = {"content-type": "application/json", "accept": "*/*"}
         request = self.client.build_request("POST", url, content=body, headers=headers)
         response: httpx.Response | None = None
@@ -175,7 +177,7 @@ class Proxy:
                     nursery.start_soon(self._give_up_if_lost, scope, self.router().marks)
                 try:
                     response = await self.client.send(request, stream=True)
-                    result = await _answer(response, tries, stream, want_usage)
+                    result = await _answer(response, stream, want_usage)
                 except httpx.ConnectError as exc:
                     why = f"the router at {url} refused the connection: {exc!r}"
                     result = connect_failure(why, refused=True)
@@ -202,16 +204,14 @@ class Proxy:
                 await self._wake.wait()
 
 
-async def _answer(
-    response: httpx.Response, tries: int, stream: bool, want_usage: bool
-) -> Opened | Failure:
+async def _answer(response: httpx.Response, stream: bool, want_usage: bool) -> Opened | Failure:
     """The router's answer: a failure (its status), a whole body, or a stream begun."""
     if response.status_code != 200:
         content = await _read_bounded(response)
         return status_failure(response.status_code, content.decode(errors="replace"))
     if not stream:
-        return Opened(response, tries, body=await _read_bounded(response))
-    return await _first_events(response, tries, StreamWatch(want_usage=want_usage))
+        return Opened(response, body=await _read_bounded(response))
+    return await _first_events(response, StreamWatch(want_usage=want_usage))
 
 
 async def _read_bounded(response: httpx.Response) -> bytes:
@@ -228,20 +228,16 @@ async def _read_bounded(response: httpx.Response) -> bytes:
     return b"".join(parts)
 
 
-async def _first_events(
-    response: httpx.Response, tries: int, watch: StreamWatch
-) -> Opened | Failure:
+async def _first_events(response: httpx.Response, watch: StreamWatch) -> Opened | Failure:
     """Read the stream up to its first content (or its end); a cut before that is a failure
     (nothing reached the client yet: it may be tried again)."""
-    chunks = response.aiter_raw()
-    splitter = EventSplitter()
-    out: list[bytes] = []
-    async for data in chunks:
-        for event in splitter.feed(data):
-            out += watch.push(event)
+    reader = StreamReader(response.aiter_raw(), watch)
+    first: list[bytes] = []
+    while (out := await reader.read()) is not None:
+        first.append(out)
         if watch.truncated is not None:
             return stream_failure(f"the stream failed before its first token: {watch.truncated}")
         if watch.chunks > 0 or watch.done:
-            return Opened(response, tries, stream=StreamStart(out, chunks, splitter, watch))
-    watch.end()
+            return Opened(response, stream=StreamStart(first, reader))
+    reader.end()
     return stream_failure(f"the stream ended before its first event: {watch.truncated}")

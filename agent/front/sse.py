@@ -7,10 +7,16 @@ decode died with a normal ``stop`` chunk, then ``data: {"error": ...}``, then ``
 decode's untyped error becomes the text ``\\n[decode error: ...]`` before that ``stop``. The
 front turns both, and a stream that ends without ``[DONE]`` or without a finish reason, into the
 contract's ``stream_truncated`` error event, so no cut reads as an answer (docs/reliability.md).
+
+``StreamReader`` is the one reader of TileRT's event stream: the front's proxy reads a stream up to
+its first content with it, the relay reads the rest, and the head's canaries read their replies
+with it, so a reply the front would mark cut (an error chunk, a decode error in the text) is a
+failed canary too.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,12 +108,28 @@ class StreamWatch:
     chunk_id: str = ""
     created: int = 0
     upstream_error: dict[str, Any] | None = field(default=None)
+    # The router's error in words (its error chunk's ``error``, or the decode's error text).
+    error_text: str | None = None
+    events: int = 0  # events with data read (a comment or keep-alive is none)
+    keep_text: bool = False  # keep the reply's text (``text``): a canary's, not a proxied one
+    _texts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The reply's text so far (with ``keep_text``)."""
+        return "".join(self._texts)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the stream has said its last: ``[DONE]`` passed, or a cut."""
+        return self.done or self.truncated is not None
 
     def push(self, event: bytes) -> list[bytes]:
         """One event from the router -> what the client gets now."""
-        if self.done or self.truncated:
-            return []  # after [DONE] or the cut's own events: nothing more
         data = event_data(event)
+        self.events += data is not None
+        if self.ended:
+            return []  # after [DONE] or the cut's own events: nothing more
         if data is None:
             return [event]  # a comment or keep-alive
         if data.strip() == b"[DONE]":
@@ -118,9 +140,12 @@ class StreamWatch:
         if "error" in chunk:
             error = chunk["error"]
             self.upstream_error = error if isinstance(error, dict) else {"error": error}
+            self.error_text = str(error)
             return self._cut("the router sent an error mid-stream")
-        if _content(chunk).startswith(DECODE_ERROR_TEXT):
-            self.upstream_error = {"error": _content(chunk).strip()}
+        content = _content(chunk)
+        if content.startswith(DECODE_ERROR_TEXT):
+            self.error_text = content.strip()
+            self.upstream_error = {"error": self.error_text}
             return self._cut("the decode sent an error mid-stream")
         self.chunk_id = chunk.get("id") or self.chunk_id
         self.model = chunk.get("model") or self.model
@@ -128,8 +153,10 @@ class StreamWatch:
         out = self._release()
         if "usage" in chunk and not chunk.get("choices"):
             self.usage_seen = True
-        if _content(chunk):
+        if content:
             self.chunks += 1
+            if self.keep_text:
+                self._texts.append(content)
         reason = _finish_reason(chunk)
         if reason is not None:
             self.finish = reason
@@ -139,7 +166,7 @@ class StreamWatch:
 
     def end(self) -> list[bytes]:
         """The router's stream ended (cleanly or not) -> the client's last events."""
-        if self.done or self.truncated:
+        if self.ended:
             return []
         if self.finish is None:
             return self._cut("the stream ended without a finish reason")
@@ -180,3 +207,31 @@ class StreamWatch:
             extra["upstream"] = self.upstream_error
         message = f"the reply was cut after {self.chunks} chunk(s): {why}"
         return [error_event(message, "stream_truncated", **extra), DONE]
+
+
+class StreamReader:
+    """TileRT's event stream read as it arrives: each read from the router -> the events the
+    client gets now; the stream's state (its text, how it ended) in ``watch``."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], watch: StreamWatch) -> None:
+        self.chunks = chunks
+        self.watch = watch
+        self.splitter = EventSplitter()
+
+    def feed(self, data: bytes) -> bytes:
+        """What the client gets for ``data``: the events it completes, through the watch."""
+        return b"".join(out for event in self.splitter.feed(data) for out in self.watch.push(event))
+
+    async def read(self) -> bytes | None:
+        """The next read from the router, for the client (b"": nothing whole yet); None once the
+        router's stream ended. What one read completes goes out as one write: each write costs
+        the ASGI server a send (docs/performance.md, "The front's cost")."""
+        try:
+            data = await anext(self.chunks)
+        except StopAsyncIteration:
+            return None
+        return self.feed(data)
+
+    def end(self) -> bytes:
+        """The router's stream ended: the client's last events (a cut marked)."""
+        return b"".join(self.watch.end())

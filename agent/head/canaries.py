@@ -5,7 +5,8 @@ Each attempt is bounded (``agent.canary.attempt_timeout_s``) and retried until t
 (``agent.canary.timeout_s``) is spent: a router that has just turned healthy may still be
 connecting to its decodes, and a first request to a freshly started vLLM can take tens of seconds.
 Every failed attempt says why (``CanaryFailed``): a timeout, a refused connection, the HTTP status
-and body, an error chunk, or a stream without text.
+and body, an error chunk (or a decode's error in the text), or a stream without text. The reply is
+read by the front door's reader of TileRT's stream (``agent.front.sse``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import trio
 
 from agent.errors import RuntimeFailure
+from agent.front.sse import StreamReader, StreamWatch
 from agent.head.decisions import JobFailed
 from agent.job.plan import Plan
 from agent.problems import printable
@@ -51,29 +52,19 @@ def failure_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {detail}"
 
 
-def canary_text(line: str) -> str:
-    """The text one line of the router's event stream carries ("" for anything else).
+def reply_text(watch: StreamWatch) -> str:
+    """The text a canary's reply streamed, as the front's reader saw it (``agent.front.sse``).
 
-    Raises ``CanaryFailed`` for an error chunk: the router reports a failed decode that way.
+    Raises ``CanaryFailed`` for an error chunk or a decode's error in the text (the router reports
+    a failed decode either way: the front would mark the reply cut), or a reply without text.
     """
-    if not line.startswith("data:"):
-        return ""
-    data = line[5:].strip()
-    if data == "[DONE]" or not data:
-        return ""
-    try:
-        chunk = msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        return ""
-    if not isinstance(chunk, dict):
-        return ""
-    if "error" in chunk:
-        raise CanaryFailed(f"canary got an error chunk from the router: {chunk['error']}")
-    text = ""
-    for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") or {}
-        text += delta.get("content") or ""
-    return text
+    if watch.error_text is not None:
+        raise CanaryFailed(f"canary got an error chunk from the router: {watch.error_text}")
+    if not watch.text.strip():
+        raise CanaryFailed(
+            f"router streamed no text ({watch.events} event(s), then the stream ended)"
+        )
+    return watch.text
 
 
 @dataclass(frozen=True)
@@ -114,8 +105,6 @@ async def _attempt(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], bounds: httpx.Timeout
 ) -> str:
     """One canary chat: the text it streamed; ``CanaryFailed`` (or httpx's error) otherwise."""
-    text = ""
-    events = 0
     # Connection: close, so no idle connection is left per decode in the router's pool (httpcore
     # looks at each idle one on every request: with 1,024 decodes that is a million looks).
     headers = {"Connection": "close"}
@@ -125,12 +114,10 @@ async def _attempt(
             raise CanaryFailed(
                 f"router answered HTTP {response.status_code}: {detail or '(no body)'}"
             )
-        async for line in response.aiter_lines():
-            events += line.startswith("data:")
-            text += canary_text(line)
-    if not text.strip():
-        raise CanaryFailed(f"router streamed no text ({events} event(s), then the stream ended)")
-    return text
+        reader = StreamReader(response.aiter_bytes(), StreamWatch(keep_text=True))
+        while not reader.watch.ended and await reader.read() is not None:
+            pass
+    return reply_text(reader.watch)
 
 
 async def run_canaries(

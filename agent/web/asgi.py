@@ -9,7 +9,7 @@ decode stand-in's busy flag).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
@@ -39,7 +39,7 @@ class Request:
             self._body = b"".join([chunk async for chunk in self.stream()])
         return self._body
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncGenerator[bytes]:
         """The request body part by part as it arrives (read once; a caller that must bound
         its size or its time reads it this way)."""
         while True:
@@ -89,6 +89,10 @@ class StreamingResponse:
     status: int = 200
     content_type: str = "text/plain; charset=utf-8"
     headers: dict[str, str] = field(default_factory=dict)
+    # Awaited once the response is done with, whether or not ``chunks`` ever ran: an async
+    # generator cancelled before its first step never runs its ``finally``, so what it holds
+    # (an upstream stream, a slot) is given back here too.
+    closed: Callable[[], Awaitable[None]] | None = None
 
 
 class HTTPError(TilertError):
@@ -112,7 +116,8 @@ def error_response(status: int, message: str) -> Response:
 
 class App:
     """An ASGI app that dispatches on (method, path) to handlers; ``errors`` shapes the answer
-    to an ``HTTPError`` (one a handler raised, or a route or a header refused here)."""
+    to an ``HTTPError`` (one a handler raised, or a route or a header refused here) and the 500
+    of a handler that failed."""
 
     def __init__(self, errors: Callable[[int, str], Response] = error_response) -> None:
         self.routes: dict[tuple[str, str], Handler] = {}
@@ -141,7 +146,7 @@ class App:
             response = self.errors(exc.status, exc.message)
         except Exception:
             log.exception("handler for %s %s failed", scope["method"], scope["path"])
-            response = json_response({"error": "internal error"}, 500)
+            response = self.errors(500, "internal error")
         await _send_response(send, receive, response)
 
 
@@ -168,10 +173,21 @@ async def _send_response(
 ) -> None:
     headers = [(b"content-type", response.content_type.encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    start = {"type": "http.response.start", "status": response.status, "headers": headers}
     if isinstance(response, Response):
+        await send(start)
         await send({"type": "http.response.body", "body": response.body})
         return
+    try:
+        await send(start)
+        await _send_chunks(send, receive, response)
+    finally:
+        if response.closed is not None:
+            with trio.CancelScope(shield=True):
+                await response.closed()
+
+
+async def _send_chunks(send: Send, receive: Receive, response: StreamingResponse) -> None:
     # hypercorn drops sends after a hang-up without raising, so watch for the disconnect ourselves
     # and cancel the iteration: that runs the async generator's ``finally`` at once.
     ended = False

@@ -30,6 +30,9 @@ the /metrics page readers, which are imported from ``tests.kit.metrics``. One co
 - ``fakelauncher``: an in-memory ``Launcher`` whose engines follow a script (exit, lines,
   ``/health`` answers through an ``httpx.MockTransport``), for supervisor and head tests that
   start no process; imported from ``tests.kit.fakelauncher``.
+- ``front``: the front door in process (``FrontKit``): the router on an ``httpx.MockTransport``
+  with scripted answers, its state scripted (none, handing over, serving), requests through the
+  ASGI app with no socket, on trio's autojump clock; imported from ``tests.kit.front``.
 
 Free ports come from ``tests/infra/ports.py`` (``free_port``, ``free_ports``), the only place
 that picks them.
