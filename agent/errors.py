@@ -26,7 +26,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── UpstreamError         agent.http.upstream: vLLM's /metrics answer is unusable
     │   ├── PollFailed            agent.http.longpoll: a peer's long poll got no usable answer
     │   ├── Unavailable           agent.front.proxy: no router takes a request in time (503)
-    │   ├── QueueRefused          agent.front.admission: past the queue's bounds (429; 503: no decode)
+    │   ├── QueueRefused          agent.front.admission: past the queue bounds (429; 503: no decode)
     │   ├── PageError             agent.http.reexport: vLLM's /metrics page does not parse
     │   ├── RunTimeout            agent.launch.spec: a one-shot process ran past its bound
     │   ├── ResultsError          agent.benchmark.results: a level's export is unreadable
