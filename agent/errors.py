@@ -18,6 +18,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     ├── RuntimeFailure            exit 1: what failed, where, and what to do next
     │   ├── JobFailed             agent.head.decisions: the job can no longer serve
     │   ├── CanaryFailed          agent.head.canaries: a canary through the router failed
+    │   ├── Inconclusive          agent.head.verify: a decode's answers could not be checked
     │   ├── WeightsError          agent.node.conversion: the weights folder cannot be served
     │   ├── LockLost              agent.node.folderlock: the weights folder's lock was taken
     │   ├── HubCacheError         agent.node.hubcache: a hub id's snapshot is not in the cache
@@ -25,7 +26,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── UpstreamError         agent.http.upstream: vLLM's /metrics answer is unusable
     │   ├── PollFailed            agent.http.longpoll: a peer's long poll got no usable answer
     │   ├── Unavailable           agent.front.proxy: no router takes a request in time (503)
-    │   ├── QueueRefused          agent.front.admission: past the front's queue bounds (429)
+    │   ├── QueueRefused          agent.front.admission: past the queue bounds (429; 503: no decode)
     │   ├── PageError             agent.http.reexport: vLLM's /metrics page does not parse
     │   ├── RunTimeout            agent.launch.spec: a one-shot process ran past its bound
     │   ├── ResultsError          agent.benchmark.results: a level's export is unreadable

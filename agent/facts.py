@@ -183,3 +183,20 @@ def human_bytes(value: float) -> str:
             break
         size /= 1024
     return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def derive_rid(request_id: str) -> str:
+    """The rid prefill and decode both derive from a vLLM request id: the router's from the
+    prefill's reply id, the connector's from vLLM's request id (``tilert.pd_vllm.wire``)."""
+    rid = request_id
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if rid.startswith(prefix):
+            rid = rid[len(prefix) :]
+            break
+    head, sep, tail = rid.rpartition("-")
+    if sep and len(tail) <= 8 and all(c in "0123456789abcdef" for c in tail):
+        rid = head
+    head, sep, tail = rid.rpartition("-")
+    if sep and tail.isdigit() and len(tail) <= 3:
+        rid = head
+    return rid

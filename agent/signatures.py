@@ -260,6 +260,19 @@ SIGNATURES: tuple[Signature, ...] = (
         "keep concurrency at most the number of decodes",
     ),
     _sig(
+        "pipeline-abandoned",
+        "prefill",
+        r"pipeline: (?P<rid>\S+) rank=(?P<rank>\d+) got no layer/end for (?P<secs>\d+)s; "
+        r"abandoning",
+        ["; abandoning"],
+        "the prefill's pipelined KV send of {rid} (rank {rank}) got no layer from vLLM's forward "
+        "pass for {secs} s and gave up: the forward pass stalled or the request was dropped "
+        "mid-prefill; its KV was not sent and the decode will answer 504",
+        "read the prefill's log before this line (a stalled or preempted forward pass, a CUDA "
+        "error); if it recurs under load, set TILERT_PD_PIPELINE=0 in roles.prefill.env (the "
+        "whole-request send after the forward pass)",
+    ),
+    _sig(
         "decode-busy",
         "router",
         r"decode node (?P<node>\S+) still busy for (?P<rid>\S+) after \d+ attempts"

@@ -369,6 +369,8 @@ _AGENT_VALUES: dict[str, Callable[[Plan], str]] = {
     "agent.canary.max_tokens": lambda p: str(p.agent.canary_max_tokens),
     "agent.canary.timeout_s": lambda p: _seconds(p.agent.canary_timeout_s),
     "agent.canary.attempt_timeout_s": lambda p: _seconds(p.agent.canary_attempt_timeout_s),
+    "agent.canary.verify": lambda p: "on" if p.agent.canary_verify else "off",
+    "agent.canary.verify_margin": lambda p: f"{p.agent.canary_verify_margin:g} nats/token",
     "agent.max_rejoins": lambda p: str(p.agent.max_rejoins),
     "agent.down_decode_out_after_s": lambda p: (
         "never (null)"

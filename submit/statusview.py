@@ -19,7 +19,7 @@ from agent.errors import EXIT_BAD_INPUT
 from agent.job.benchmark import BenchmarkStatus
 from agent.job.paths import JobDir
 from agent.job.plan import Plan, load_plan
-from agent.job.records import FrontSummary, JobAgent, JobStatus
+from agent.job.records import FrontSummary, JobAgent, JobStatus, RouterTokenize
 from agent.job.vocab import LIVE_STATES
 from agent.problems import printable
 from submit.choice import backend_of
@@ -150,6 +150,16 @@ def front_line(front: FrontSummary) -> str:
     return text
 
 
+def tokenize_warning(t: RouterTokenize) -> str:
+    """The router's tokenization fell back to vLLM's chat path for some chats."""
+    state = "on" if t.on else "now OFF"
+    return (
+        f"warning: the router's own tokenization fell back to vLLM's chat path for "
+        f"{t.fallback} of {t.requests} chats ({state}): router.log says why "
+        "(tilert-submit logs J router); an extra round trip per chat, answers unchanged"
+    )
+
+
 def render_table(status: JobStatus, stale: str | None) -> str:
     """The human view: a header and one row per agent and the router."""
     lines = [f"job: {status.state}{' (STALE: ' + stale + ')' if stale else ''}"]
@@ -167,6 +177,8 @@ def render_table(status: JobStatus, stale: str | None) -> str:
     lines.append(f"updated: {age:.1f}s ago")
     if status.error:
         lines.append(f"error: {status.error}")
+    if status.router_tokenize is not None and status.router_tokenize.fallback:
+        lines.append(tokenize_warning(status.router_tokenize))
     if not isinstance(status.benchmark, msgspec.UnsetType):
         lines.append(benchmark_line(status.benchmark))
     rows = [["NAME", "NODE", "STATE", "POOL", "RESTARTS", "REASON", "ENDPOINTS"]]

@@ -83,6 +83,7 @@ UNIT_MODULES = frozenset(
         "test_sweep",
         "test_systemd",
         "test_upstream",
+        "test_verify",
         "test_web",
     }
 )

@@ -12,6 +12,7 @@ import trio
 
 from agent.front.admission import (
     Admission,
+    NoDecode,
     QueueFull,
     QueueRefused,
     Refusal,
@@ -281,8 +282,9 @@ async def test_no_decode_no_admission_until_one_joins(
     """Capacity 0 (every decode out of the router's list): requests wait, bounded."""
     pool = {"decodes": 0}
     adm, _ = admission(lambda: pool["decodes"], max_wait_s=10.0)
-    with pytest.raises(WaitedTooLong):
+    with pytest.raises(NoDecode) as info:  # no decode at all: 503, not busy's 429
         await adm.enter()
+    assert info.value.status == 503
     async with trio.open_nursery() as nursery:
 
         async def later() -> None:

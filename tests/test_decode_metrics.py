@@ -132,6 +132,8 @@ def test_decode_series_count_the_requests_sent(job: kit.LocalJob) -> None:
     head = after["prefill-0"]
     nodes = [_total(head, "tilert_decode_pool_nodes", state=s) for s in ("free", "busy")]
     assert sum(nodes) == len(decodes), nodes
+    # TileRT 0.1.6.post3's router tokenizes chats itself (its /pool_status router_tokenize).
+    assert "tilert_router_tokenize_on" in {name for name, _ in head}, sorted(head)[:20]
 
 
 def test_promtool_accepts_decode_and_head_pages(job: kit.LocalJob) -> None:

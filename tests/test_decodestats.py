@@ -105,6 +105,37 @@ def test_router_refusals_and_pool() -> None:
     assert figures() == (None, None)
 
 
+# TileRT 0.1.6.post3's /pool_status with router-side tokenization armed (pd_router.py).
+TOKENIZE_STATUS = (
+    b'{"nodes": [{"host": "10.0.0.2", "busy": false}], "router_tokenize": {"on": true, '
+    b'"requests": 40, "fallback": 3, "before_self_check": 2, "cache": {"entries": 5, '
+    b'"bytes": 100, "max_bytes": 1000, "evicted": 0, "hit_rate_chars": 0.5}}}'
+)
+
+
+def test_router_tokenize_block_as_series() -> None:
+    """``router_tokenize`` of /pool_status: on, requests, fallbacks on the head's page; gone
+    when the router's answer has none (not armed) or no router runs."""
+    pool = PoolFigures()
+    pool.pool(TOKENIZE_STATUS, now=1.0)
+    page = AgentMetrics(
+        role="prefill",
+        node="n1",
+        slurm_job_id="1",
+        supervisors=dict,
+        pool=(pool, lambda _url: "decode-0"),
+    ).render()
+    assert 'tilert_router_tokenize_on{node="n1",role="prefill",slurm_job_id="1"} 1.0' in page
+    assert "tilert_router_tokenize_requests_total{" in page
+    assert '"} 40.0' in page.split("tilert_router_tokenize_requests_total{", 1)[1][:80]
+    assert '"} 3.0' in page.split("tilert_router_tokenize_fallbacks_total{", 1)[1][:80]
+    pool.pool(b'{"nodes": []}', now=2.0)
+    assert pool.tokenize is None
+    pool.pool(TOKENIZE_STATUS, now=3.0)
+    pool.forget()
+    assert pool.tokenize is None
+
+
 def test_page_passes_promtool() -> None:
     from tests.conftest import require
 
@@ -113,7 +144,7 @@ def test_page_passes_promtool() -> None:
     stats.feed(REQSTAT_LINES + REFUSAL_LINES)
     stats.sample(True, 1.0)
     pool.feed(ROUTER_LINES)
-    pool.pool(b'{"nodes": [{"host": "10.0.0.2", "busy": true}]}', now=1.0)
+    pool.pool(TOKENIZE_STATUS, now=1.0)
     for kw in ({"decode": stats}, {"pool": (pool, lambda _url: "decode-0")}):
         page = AgentMetrics(
             role="decode", node="n1", slurm_job_id="1", supervisors=dict, **kw

@@ -529,3 +529,48 @@ def test_agent_logs_location_and_node_dir() -> None:
     exc = failure(data)
     assert {"agent.logs.node_dir", "agent.logs.max_bytes"} <= set(_paths(exc.problems))
     assert "not an absolute path" in str(exc)
+
+
+@pytest.mark.parametrize(
+    ("router", "engine", "keys"),
+    [
+        ({"chat-template": "/m/a.jinja"}, {}, ("chat-template", "chat-template")),
+        ({}, {"chat_template": "/m/a.jinja"}, ("chat-template", "chat_template")),
+        (
+            {"chat_template": "/m/a.jinja"},
+            {"chat-template": "/m/b.jinja"},
+            ("chat_template", "chat-template"),
+        ),
+        (
+            {"default-chat-template-kwargs": '{"enable_thinking": false}'},
+            {"default-chat-template-kwargs": {"enable_thinking": True}},
+            ("default-chat-template-kwargs", "default-chat-template-kwargs"),
+        ),
+    ],
+)
+def test_router_and_prefill_chat_templates_must_agree(
+    router: dict[str, Any], engine: dict[str, Any], keys: tuple[str, str]
+) -> None:
+    """TileRT 0.1.6.post3's router turns its tokenization off when these differ: refused at load,
+    naming the router's key and the prefill's in the user's spelling."""
+    data = b200()
+    data.setdefault("frontend", {}).setdefault("args", {}).update(router)
+    prefill(data)["args"].update(engine)
+    exc = failure(data)
+    text = str(exc)
+    assert f"frontend.args.{keys[0]}" in _paths(exc.problems), text
+    assert f"roles.prefill.args.{keys[1]}" in text, text
+
+
+def test_router_and_prefill_chat_templates_equal_load() -> None:
+    data = b200()
+    data.setdefault("frontend", {}).setdefault("args", {}).update(
+        {"chat-template": "/m/a.jinja", "default-chat-template-kwargs": {"enable_thinking": False}}
+    )
+    prefill(data)["args"].update(
+        {
+            "chat-template": "/m/a.jinja",
+            "default-chat-template-kwargs": '{"enable_thinking": false}',
+        }
+    )
+    assert load(data).recipe.frontend.args["chat-template"] == "/m/a.jinja"

@@ -18,7 +18,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.facts import DECODE_KV_LAYOUT, PREFILL_KV_LAYOUT, TILERT_MODELS
+from agent.facts import DECODE_KV_LAYOUT, PREFILL_KV_LAYOUT, TILERT_MODELS, derive_rid
 from agent.node.ports import is_bindable
 from agent.standins import kvlink, tokens, wire
 from agent.standins.faults import FaultConfigError, Faults
@@ -238,7 +238,7 @@ def test_decode_endpoints_and_unknown_flags(stack: Stack) -> None:
 def test_handshake_then_streamed_decode(stack: Stack) -> None:
     _http, ctrl = stack.decodes[0]
     reply = chat(stack.prefill_url, ctrl)
-    rid = wire.derive_rid(reply["id"])
+    rid = derive_rid(reply["id"])
     first = int(reply["choices"][0]["logprobs"]["content"][0]["token"].split(":")[1])
     body = {"rid": rid, "first_token_id": first, "max_tokens": 100, "stream": True, "timeout_s": 10}
     r = httpx.post(f"{stack.decode_url(0)}/pd/decode", json=body, timeout=20)
@@ -260,7 +260,7 @@ def test_non_streamed_decode_is_cut_at_max_tokens(stack: Stack) -> None:
     _http, ctrl = stack.decodes[0]
     reply = chat(stack.prefill_url, ctrl)
     body = {
-        "rid": wire.derive_rid(reply["id"]),
+        "rid": derive_rid(reply["id"]),
         "first_token_id": tokens.first_token_id(),
         "max_tokens": 4,
     }
@@ -393,8 +393,8 @@ def test_layout_versions_and_rid() -> None:
     assert wire.layout_version("glm5", "fp8", DECODE_KV_LAYOUT) == 10
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         wire.layout_version("glm5", "int4", DECODE_KV_LAYOUT)
-    assert wire.derive_rid("chatcmpl-abc123-0-1a2b3c4d") == "abc123"
-    assert wire.derive_rid("cmpl-deadbeef") == "cmpl-deadbeef"[5:]
+    assert derive_rid("chatcmpl-abc123-0-1a2b3c4d") == "abc123"
+    assert derive_rid("cmpl-deadbeef") == "cmpl-deadbeef"[5:]
 
 
 async def test_kvlink_sender_and_receiver_in_process(
@@ -551,7 +551,7 @@ def test_prefill_no_kv_metrics_file_and_sigterm(stack: Stack, spawn: Spawn, tmp_
     _http, ctrl = stack.decodes[1]
     reply = chat(base, ctrl)
     assert reply["choices"][0]["logprobs"]["content"][0]["token"] == tokens.FIRST_TOKEN_TEXT
-    body = {"rid": wire.derive_rid(reply["id"]), "first_token_id": 1, "timeout_s": 0.5}
+    body = {"rid": derive_rid(reply["id"]), "first_token_id": 1, "timeout_s": 0.5}
     assert httpx.post(f"{stack.decode_url(1)}/pd/decode", json=body, timeout=10).status_code == 504
     assert "--enforce-eager" in proc.output()
     proc.signal(signal.SIGTERM)

@@ -462,6 +462,25 @@ def test_status_reads_every_word_a_row_has_ever_shown(
     assert all(f"decode-{i}" in shown and word in shown for i, word in enumerate(words))
 
 
+def test_status_warns_when_the_router_tokenization_fell_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "J"
+    assert main([str(DEMO), "--dry-run", "--job-dir", str(root)]) == 0
+    data = json.loads(JobDir(root).status.read_text())
+    data["router_tokenize"] = {"on": True, "requests": 10, "fallback": 0}
+    JobDir(root).status.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["status", str(root)]) == 0
+    assert "warning" not in capsys.readouterr().out
+    data["router_tokenize"] = {"on": False, "requests": 10, "fallback": 2}
+    JobDir(root).status.write_text(json.dumps(data))
+    assert main(["status", str(root)]) == 0
+    shown = capsys.readouterr().out
+    assert "warning: the router's own tokenization fell back" in shown
+    assert "for 2 of 10 chats (now OFF)" in shown
+
+
 def test_a_recipe_named_like_a_command(tmp_path: Path) -> None:
     (tmp_path / "status").write_text(
         DEMO.read_text().replace("./local-demo-model", str(RECIPES / "local-demo-model"))

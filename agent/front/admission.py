@@ -41,9 +41,10 @@ Refusal = Literal["full", "wait"]
 
 
 class QueueRefused(RuntimeFailure):
-    """Past the queue's bound: answered 429 with ``retry_after_s``."""
+    """Past the queue's bound: answered ``status`` (429) with ``retry_after_s``."""
 
     reason: Refusal = "full"
+    status = 429
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
@@ -60,6 +61,13 @@ class WaitedTooLong(QueueRefused):
     """The request waited ``max_wait_s`` without a free decode."""
 
     reason: Refusal = "wait"
+
+
+class NoDecode(WaitedTooLong):
+    """The request waited ``max_wait_s`` and the router's list held no decode at all: answered
+    503, not 429 (429 says every decode is busy; here none serves)."""
+
+    status = 503
 
 
 class QueueWatcher(Protocol):
@@ -167,6 +175,12 @@ class Admission:
         if not waiter.admitted:
             self._leave(waiter)
             self._refused("wait")
+            if self.capacity() == 0:
+                raise NoDecode(
+                    f"no decode was in the router's pool within {self.max_wait_s:g} s "
+                    "(agent.front.queue.max_wait_s)",
+                    self.retry_after_s(),
+                )
             raise WaitedTooLong(
                 f"no decode was free within {self.max_wait_s:g} s (agent.front.queue.max_wait_s)",
                 self.retry_after_s(),

@@ -280,9 +280,11 @@ def _refusal(status: int, message: str) -> Response:
 
 
 def _queue_refusal(exc: QueueRefused) -> Response:
-    """429 past the queue's bound, in OpenAI's shape, with its reason and Retry-After."""
-    body = error_body(str(exc), "rate_limit_exceeded", code=429, reason=exc.reason)
-    response = json_response(body, 429)
+    """429 past the queue's bound (503 when no decode was in the pool at all), in OpenAI's
+    shape, with its reason and Retry-After."""
+    kind = "rate_limit_exceeded" if exc.status == 429 else "unavailable"
+    body = error_body(str(exc), kind, code=exc.status, reason=exc.reason)
+    response = json_response(body, exc.status)
     response.headers["retry-after"] = str(exc.retry_after_s)
     return response
 

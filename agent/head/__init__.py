@@ -12,6 +12,8 @@ prove the router, keep the job serving, and write status.json and targets.json.
   streaming chat check; ``trial``: a trial router proving decodes joining the pool; ``proof``:
   ready means proven (canaries at the start and after every restart).
   ``starved``: a router alive but too busy to answer ``/health`` is not killed for it.
+- ``verify``: the verified canary, each decode's answers judged against the prefill's own model;
+  ``answers``: which decodes answered wrong (``failed`` in the head's view until they restart).
 - ``pool``: the decode pool ``tilert-submit scale`` asks for (``J/pool.json``) and where each
   decode stands in it.
 - ``benchstage``: the recipe's benchmark, checked before the load and run once ready.

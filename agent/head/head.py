@@ -104,7 +104,15 @@ class Head:
         self._changes = 0
         self._viewed: tuple[tuple[int, int, object], JobView] | None = None
         # Ready means proven: canaries through the router (agent.head.proof).
-        self.proof = Proof(ctx, self.router.url, self._view, self.poke, self.front.canary_slot)
+        # Each canary and answer check holds a front slot; the answers are the keeper's to judge.
+        self.proof = Proof(
+            ctx,
+            self.router.url,
+            self._view,
+            self.poke,
+            self.front.canary_slot,
+            self.keeper.check_answers,
+        )
 
     @property
     def dropped(self) -> dict[str, str]:
@@ -182,6 +190,7 @@ class Head:
             standins=[n for n in self.plan.standins if n != ROUTER_NAME or self.router.standin],
             benchmark=self.bench.status() if self.bench is not None else msgspec.UNSET,
             gate=self.gate if self.gate is not None else msgspec.UNSET,
+            router_tokenize=self.ctx.pool.tokenize if self.ctx.pool is not None else None,
         )
         if self.ended:
             # The job has ended: no agent is shown serving for good (their last words may come
@@ -254,6 +263,10 @@ class Head:
         self._note_gate(router, view, decision_s, decodes)
         marks = restart_marks(self._view())
         self.ctx.figures.canary_latency_s = await self.proof.canaries(len(decodes))
+        if await self.proof.answers(decodes):
+            view = self._view()
+            _check_fatal(view)  # no decode answers right: the job fails
+            self.keeper.drop_and_rejoin(view)  # the wrong ones out of the router's list
         self.proof.proven = marks
         self._set_state("degraded" if self.dropped else "ready", "canaries answered")
         url = self.front.url or self.router.url

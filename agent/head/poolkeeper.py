@@ -10,16 +10,22 @@ the serving head: a decode that failed is dropped and one healthy again taken ba
 ``agent.head.trial``, then members) and removes them (leaving: out of the list, then asked to
 leave). The list itself is ``decisions.router_list`` of the members, the dropped and the
 resting; the ``Router`` is handed it and restarts (a hand-over) only when it differs.
+
+A decode whose answers were found wrong (``agent.canary.verify``: ``agent.head.answers``, asked
+by the ``Proof`` after its canaries and here for a joining decode) is ``failed`` in its row until
+its engine restarts, so it is dropped like any failed decode.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 
 import httpx
 import trio
 
+from agent.head.answers import Answers
 from agent.head.context import HeadContext
 from agent.head.decisions import (
     JobFailed,
@@ -72,6 +78,8 @@ class PoolKeeper:
         # The decode pool tilert-submit scale changes while the job serves (agent.head.pool).
         self.pool_file = PoolFile(ctx.job, ctx.plan.decode.workers, ctx.log)
         self.pool = Membership()
+        # Decodes whose answers were wrong (agent.canary.verify): failed in their rows.
+        self.answers = Answers(ctx)
         self.started_at = time.time()
         # Bumped at every change of the rows above: the head's view is built again after one.
         self.version = 0
@@ -114,7 +122,23 @@ class PoolKeeper:
                 row.reason = f"leaving the pool: {row.reason}"
             else:
                 row.pool, row.pool_since = "member", pool.member_since.get(name, self.started_at)
+            self.answers.mark(row)
         return row
+
+    async def check_answers(
+        self,
+        names: Sequence[str] | None = None,
+        gate: Callable[[], AbstractAsyncContextManager[object]] = nullcontext,
+    ) -> list[str]:
+        """``agent.canary.verify`` on ``names`` (None: the router's list now), each check holding
+        ``gate``; those found wrong, failed in their rows now (the next look drops them)."""
+        names = list(self.router.decodes if names is None else names)
+        restarts = {n: self.peers.entry(n).restarts for n in names if n in self.peers.by_name}
+        wrong = await self.answers.check(names, self.peers.records(), restarts, gate)
+        self.version += 1  # a verdict may have changed a row
+        if wrong:
+            self.poke()
+        return wrong
 
     # ---- the changes -------------------------------------------------------------------------
 
@@ -266,6 +290,10 @@ class PoolKeeper:
         pool = self.pool
         try:
             await prove_joining(self.ctx, self.peers.records(), names, standin=self.router.standin)
+            # Not in the router's list yet: no client meets them, no front slot is held.
+            wrong = await self.check_answers(names)
+            if wrong:
+                raise JobFailed(f"the answers of {', '.join(wrong)} are wrong (see its reason)")
         except JobFailed as exc:
             for name in names:
                 pool.note[name] = f"its canary through a trial router failed: {exc}"

@@ -1,5 +1,7 @@
 """Ready means proven: canaries through the router, once at the job's start and again after any
-restart (an engine's or the router's) before the job is ``ready`` again.
+restart (an engine's or the router's) before the job is ``ready`` again; after them, each decode's
+answers are checked (``agent.canary.verify``: ``agent.head.answers``; a decode found wrong is
+failed, and the ``PoolKeeper`` drops it).
 
 A re-proof runs beside the serving head (its canary budget can be long); one that fails is said
 in the degraded reason and tried again after ``PROOF_RETRY_S``, never failing the job.
@@ -7,7 +9,7 @@ in the degraded reason and tried again after ``PROOF_RETRY_S``, never failing th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 
 import trio
@@ -17,6 +19,12 @@ from agent.head.context import HeadContext
 from agent.head.decisions import JobFailed, JobView, proof_due, restart_marks
 from agent.job.logfiles import log_path
 from agent.job.names import ROUTER_NAME
+
+# A front slot, held by each canary and each decode's answer check (``FrontDoor.canary_slot``).
+Gate = Callable[[], AbstractAsyncContextManager[object]]
+# Check the answers of these decodes (None: the router's list now), each holding a slot; the names
+# found wrong (``PoolKeeper.check_answers``).
+CheckAnswers = Callable[[Sequence[str] | None, Gate], Awaitable[list[str]]]
 
 PROOF_RETRY_S = 5.0  # after a failed re-proof (its whole canary budget spent), try again after this
 
@@ -30,11 +38,13 @@ class Proof:
         router_url: str,
         view: Callable[[], JobView],
         poke: Callable[[], None],
-        gate: Callable[[], AbstractAsyncContextManager[object]] = nullcontext,
+        gate: Gate = nullcontext,
+        check: CheckAnswers | None = None,
     ) -> None:
         self.ctx = ctx
         # Each canary holds one of the front door's slots (``FrontDoor.canary_slot``).
         self.gate = gate
+        self.check = check
         self.router_url = router_url
         self.view = view
         self.poke = poke
@@ -55,6 +65,14 @@ class Proof:
             router_log=log_path(self.ctx.job, ROUTER_NAME, plan=self.ctx.plan),
             gate=self.gate,
         )
+
+    async def answers(self, names: Sequence[str] | None = None) -> list[str]:
+        """Check the answers of ``names`` (None: the router's list now), each holding a front
+        slot as a canary does, so a check and a client never meet on one decode; those found
+        wrong."""
+        if self.check is None:
+            return []
+        return await self.check(names, self.gate)
 
     def start_if_due(self, view: JobView, dropped: Collection[str], nursery: trio.Nursery) -> None:
         """Start a re-proof when something restarted since the last one passed and everything the
@@ -77,6 +95,7 @@ class Proof:
         self.where = "healthy again; canary through the router running"
         try:
             latencies = await self.canaries(count)
+            await self.answers()  # the wrong ones are failed: the serving head drops them
         except JobFailed as exc:
             # Degrade, don't die: say why and try again.
             self.where = f"healthy again, but the canary failed: {exc}"

@@ -1,4 +1,5 @@
-"""The ``tilert_decode_*`` series: a decode's figures (decode agent) and the router's pool (head).
+"""The ``tilert_decode_*`` series: a decode's figures (decode agent) and the router's pool (head),
+with the router's own tokenization (``tilert_router_tokenize_*``).
 
 Read at scrape time from ``agent.node.decodestats``; each series carries ``role``, ``node`` and
 ``slurm_job_id`` like the agent's own. docs/metrics.md documents every name.
@@ -16,6 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from agent.job.records import RouterTokenize
 from agent.node.decodestats import KIND_OF_STATUS, DecodeStats, Histogram, PoolFigures
 
 # Every family this module may serve (the re-export must never repeat one).
@@ -33,6 +35,9 @@ FAMILIES = (
     "tilert_decode_busy_seconds",
     "tilert_decode_status_polls",
     "tilert_decode_pool_nodes",
+    "tilert_router_tokenize_on",
+    "tilert_router_tokenize_requests",
+    "tilert_router_tokenize_fallbacks",
 )
 _STAGE_HELP = {
     "transfer_wait": "Wait for the KV of every sender rank after /pd/decode arrived (wire_wait)",
@@ -172,3 +177,23 @@ class PoolCollector(Collector):
             pool.add_metric([*base, "free"], float(f.free))
             pool.add_metric([*base, "busy"], float(f.busy))
             yield pool
+        if f.tokenize is not None:
+            yield from _tokenize_series(f.tokenize, names, base)
+
+
+def _tokenize_series(t: RouterTokenize, names: list[str], base: list[str]) -> Iterable[Metric]:
+    """``tilert_router_tokenize_*``: TileRT 0.1.6.post3's router-side tokenization."""
+    on = GaugeMetricFamily(
+        "tilert_router_tokenize_on",
+        "1 when the router tokenizes chats itself (armed, self-check passed; /pool_status)",
+        labels=names,
+    )
+    on.add_metric(base, 1.0 if t.on else 0.0)
+    yield on
+    for name, doc, value in (
+        ("requests", "Chats the router tokenized itself (/pool_status)", t.requests),
+        ("fallbacks", "Of those, chats that fell back to vLLM's chat path", t.fallback),
+    ):
+        family = CounterMetricFamily(f"tilert_router_tokenize_{name}", doc, labels=names)
+        family.add_metric(base, float(value))
+        yield family

@@ -138,6 +138,9 @@ class AgentPlan(msgspec.Struct, kw_only=True, omit_defaults=True):
     # agent.startup_silence_s / startup_max_s: startup deadlines that watch progress.
     startup_silence_s: float = 900.0
     startup_max_s: float = 14400.0
+    # agent.canary.verify / verify_margin: each decode's answers checked (agent.head.verify).
+    canary_verify: bool = True
+    canary_verify_margin: float = 1.0
     # agent.preflight: the node checks' policy (omitted when every value is the default).
     preflight: PreflightPolicy = msgspec.field(default_factory=PreflightPolicy)
     # agent.max_rejoins: how often a dropped decode healthy again is taken back (the head's).

@@ -184,6 +184,16 @@ class FrontSummary(msgspec.Struct, kw_only=True):
     queue: QueueSummary = msgspec.field(default_factory=QueueSummary)
 
 
+class RouterTokenize(msgspec.Struct, kw_only=True):
+    """TileRT 0.1.6.post3's router-side tokenization as its ``/pool_status`` says
+    (``router_tokenize``; status.json ``router_tokenize``): on (armed and self-checked), chats it
+    tokenized, and of those the ones that fell back to vLLM's chat path."""
+
+    on: bool
+    requests: int = 0
+    fallback: int = 0
+
+
 class JobStatus(msgspec.Struct, kw_only=True):
     """``J/status.json``: the submitter writes ``pending``; the head agent every change and every 5
     s."""
@@ -212,6 +222,8 @@ class JobStatus(msgspec.Struct, kw_only=True):
     standins: list[str] = []
     # The benchmark the head runs once ready (docs/benchmark.md); absent without one.
     benchmark: BenchmarkStatus | msgspec.UnsetType = msgspec.UNSET
+    # The router's own tokenization (TileRT 0.1.6.post3), while its /pool_status shows it.
+    router_tokenize: RouterTokenize | None = None
     # Once the router has started (bring-up only; a restart without a dropped decode is no gate).
     gate: Gate | msgspec.UnsetType = msgspec.UNSET
 

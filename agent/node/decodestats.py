@@ -24,6 +24,7 @@ import trio
 from agent.job.names import agent_names
 from agent.job.paths import JobDir
 from agent.job.plan import Plan
+from agent.job.records import RouterTokenize
 from agent.node.rendezvous import read_records
 
 _log = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ class _PoolNode(msgspec.Struct):
 
 class _PoolStatus(msgspec.Struct):
     nodes: list[_PoolNode]
+    router_tokenize: RouterTokenize | None = None
 
 
 @dataclass
@@ -256,6 +258,8 @@ class PoolFigures:
     free: int | None = None
     busy: int | None = None
     answered_at: float | None = None  # trio's clock: the last readable /pool_status
+    # The router's own tokenization (None: not armed, or no router answers).
+    tokenize: RouterTokenize | None = None
 
     def feed(self, block: bytes) -> None:
         """Count the router's refusal lines in a block of its log (a log pump watcher)."""
@@ -270,20 +274,21 @@ class PoolFigures:
         """Take one ``/pool_status`` answer at ``now``; None or unreadable keeps the last one
         for ``POOL_KEEP_S``, then the pool is unknown."""
         try:
-            nodes = msgspec.json.decode(raw, type=_PoolStatus).nodes if raw else None
+            status = msgspec.json.decode(raw, type=_PoolStatus) if raw else None
         except (msgspec.DecodeError, msgspec.ValidationError):
-            nodes = None
-        if nodes is None:
+            status = None
+        if status is None:
             if self.answered_at is None or now - self.answered_at >= POOL_KEEP_S:
                 self.forget()
             return
         self.answered_at = now
+        nodes, self.tokenize = status.nodes, status.router_tokenize
         self.busy = sum(1 for n in nodes if n.busy)
         self.free = len(nodes) - self.busy
 
     def forget(self) -> None:
         """No router runs: the pool is unknown at once."""
-        self.free = self.busy = self.answered_at = None
+        self.free = self.busy = self.answered_at = self.tokenize = None
 
 
 async def poll_pool_status(

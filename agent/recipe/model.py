@@ -230,6 +230,10 @@ class Canary(_Strict):
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] = 180.0
     # Default: CANARY_ATTEMPT_S, or timeout_s when that is shorter (canary_attempt_s).
     attempt_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=_DAY_S)] | None = None
+    # Each decode's greedy answers checked against the prefill's own model (agent.head.verify).
+    verify: bool = True
+    # Nats per token the decode's answer may score below the prefill's own (docs/agent.md).
+    verify_margin: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
 
 
 # An attempt's bound unless agent.canary.attempt_timeout_s says otherwise.

@@ -348,6 +348,8 @@ def _agent_plan(agent: AgentSection) -> AgentPlan:
         canary_max_tokens=agent.canary.max_tokens,
         canary_timeout_s=agent.canary.timeout_s,
         canary_attempt_timeout_s=canary_attempt_s(agent.canary),
+        canary_verify=agent.canary.verify,
+        canary_verify_margin=agent.canary.verify_margin,
         scratch_dir=agent.scratch_dir,
         log_node_dir=agent.logs.node_dir if agent.logs.location == "node" else None,
         startup_silence_s=agent.startup_silence_s,

@@ -175,7 +175,9 @@ class Origins:
         # Longest first, so roles.decode.args.model-weights-dir is not read as ...args.model.
         for new in sorted(self.paths, key=len, reverse=True):
             if new in text:
-                text = re.sub(re.escape(new) + r"(?![\w.\[-])", self.paths[new], text)
+                # Escaped for the template: a key's own backslashes are text (a user's typo).
+                old = self.paths[new].replace("\\", "\\\\")
+                text = re.sub(re.escape(new) + r"(?![\w.\[-])", old, text)
         return text
 
 

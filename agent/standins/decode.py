@@ -114,8 +114,14 @@ class DecodeState:
     cancel: trio.Event | None = None
 
 
-def _plan(first_token_id: int, max_tokens: int, ignore_eos: bool) -> tuple[list[int], str]:
-    """The tokens to emit and the finish reason."""
+def _plan(
+    first_token_id: int, max_tokens: int, ignore_eos: bool, table: list[int] | None = None
+) -> tuple[list[int], str]:
+    """The tokens to emit and the finish reason: the model's greedy continuation by ``table``
+    (``TILERT_MOCK_NEXT_TOKENS``), else the fixed reply."""
+    if table is not None:
+        ids = tokens.continued(first_token_id, table, max(1, max_tokens))
+        return ids, "stop" if ids[-1] == tokens.EOS_ID else "length"
     tail = tokens.continuation_ids()
     if ignore_eos:
         tail = [t for t in tail if t != tokens.EOS_ID]
@@ -257,6 +263,8 @@ class DecodeService:
     faults: Faults
     crasher: Crasher
     state: DecodeState
+    # The model's greedy next tokens (TILERT_MOCK_NEXT_TOKENS), or None: the fixed reply.
+    next_tokens: list[int] | None = None
 
     async def health(self, _request: Request) -> Response:
         """``GET /health``: ok (held while the fault says so)."""
@@ -336,8 +344,12 @@ class DecodeService:
 
     def _answer(self, body: DecodeBody, seq_len: int, cancel: trio.Event, t0: float) -> _Answer:
         """What to answer once the KV is in (the fault may make it nothing)."""
+        table = None if self.faults.wrong_answers else self.next_tokens
         ids, finish = _plan(
-            body.first_token_id, body.max_tokens, bool((body.sampling or {}).get("ignore_eos"))
+            body.first_token_id,
+            body.max_tokens,
+            bool((body.sampling or {}).get("ignore_eos")),
+            table,
         )
         limit = self.faults.no_tokens_after_requests
         if limit is not None and self.crasher.answered >= limit:
@@ -386,7 +398,8 @@ def build_app(
 ) -> App:
     """The decode server's HTTP app."""
     app = App()
-    svc = DecodeService(receiver, kind, profile, faults, crasher, DecodeState())
+    table = tokens.next_tokens(os.environ.get(tokens.NEXT_TOKENS_ENV, "").strip())
+    svc = DecodeService(receiver, kind, profile, faults, crasher, DecodeState(), table)
     app.route("GET", "/health")(svc.health)
     app.route("GET", "/capabilities")(svc.capabilities)
     app.route("GET", "/decode_status")(svc.decode_status)

@@ -266,6 +266,14 @@ MODES: dict[str, FailMode] = {
             "kv_transfer_timeout for this request"
         ),
     ),
+    "pipeline-abandoned": FailMode(
+        "prefill",
+        "serve",
+        _core(
+            "prefill_connector.py:419 [ERROR]: pipeline: 7f3c2a0b9d1e rank=0 got no layer/end "
+            "for 600s; abandoning"
+        ),
+    ),
     # ---- the router ----
     "kv-transfer-timeout": FailMode(
         "router",

@@ -16,6 +16,14 @@ Every switch is off when unset or empty:
 - ``TILERT_MOCK_NO_TOKENS_AFTER_REQUESTS=N``: once N requests were answered, the decode answers
   every request with no token at all (as TileRT does when the first token is a stop token): a
   job that turns ready, then "serves" nothing; a benchmark must fail on it.
+- ``TILERT_MOCK_NEXT_TOKENS=PATH``: not a fault (the fault target does not apply; read by the
+  decode, ``agent.standins.tokens``): a model's greedy next token per last token
+  (``{"next": [id, ...]}``, written by tests/infra/vllm_env.py for a model whose next token
+  depends on the last one only): the decode continues the first token by it, as a decode with
+  the prefill's weights and a compatible KV would. Unset: a fixed reply.
+- ``TILERT_MOCK_WRONG_ANSWERS=1``: the decode ignores ``TILERT_MOCK_NEXT_TOKENS`` and answers
+  its fixed reply, whatever the prompt: fluent tokens that do not follow from the KV, as a
+  decode reading a mismatched KV layout would.
 - ``TILERT_MOCK_METRICS_FILE``: the prefill's ``/metrics`` serves this file verbatim (re-read on
   every scrape, 500 while it is missing) instead of its live registry.
 - ``TILERT_MOCK_PROGRESS_EVERY_S=S``: while "loading" (``TILERT_MOCK_STARTUP_DELAY_S``), print a
@@ -82,6 +90,7 @@ class Faults:
     metrics_file: Path | None = None
     progress_every_s: float | None = None
     failure: str | None = None
+    wrong_answers: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Faults:
@@ -110,6 +119,7 @@ class Faults:
             metrics_file=Path(metrics) if metrics else None,
             progress_every_s=_number(env, "PROGRESS_EVERY_S") or None,
             failure=failure,
+            wrong_answers=_flag(env, "WRONG_ANSWERS"),
         )
 
     async def hold_health(self) -> None:

@@ -26,6 +26,7 @@ from agent.facts import (
     DEFAULT_TILERT_MODEL,
     DEFAULT_TRANSPORT,
     PREFILL_KV_LAYOUT,
+    derive_rid,
 )
 from agent.standins import tokens, wire
 
@@ -135,7 +136,7 @@ class Sender:
     ) -> None:
         """Take a request whose ``kv_transfer_params`` name a decode node; send its KV soon."""
         c = self.config
-        rid = wire.derive_rid(request_id)
+        rid = derive_rid(request_id)
         host = params["tilert_host"]
         conn_log.info(
             "claimed %s (rid=%s, %d tokens) -> %s:%s",

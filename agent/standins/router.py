@@ -26,8 +26,8 @@ import httpx
 import msgspec
 import trio
 
-from agent.facts import ROUTER_PARSERS
-from agent.standins import lifecycle, openai_api, tokens, wire
+from agent.facts import ROUTER_PARSERS, derive_rid
+from agent.standins import lifecycle, openai_api, tokens
 from agent.standins.failmodes import print_failure
 from agent.standins.faults import Crasher, Faults
 from agent.web.asgi import (
@@ -245,7 +245,7 @@ class Router:
                 prefill = await self.prefill(path, body, node)
                 if isinstance(prefill, Response):
                     return prefill
-                rid = wire.derive_rid(prefill["id"])
+                rid = derive_rid(prefill["id"])
                 first = self.first_token(prefill, is_chat)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 log.exception("pd request failed")

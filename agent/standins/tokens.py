@@ -9,6 +9,7 @@ stand-ins emit ASCII text byte by byte, and any real tokenizer built that way de
 
 from __future__ import annotations
 
+import json
 from functools import cache
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -75,3 +76,27 @@ def render(ids: list[int]) -> str:
         elif i >= len(SPECIAL_TOKENS):
             raw += f"<{i}>".encode()
     return raw.decode(errors="replace")
+
+
+NEXT_TOKENS_ENV = "TILERT_MOCK_NEXT_TOKENS"
+
+
+def next_tokens(path: str) -> list[int] | None:
+    """A model's greedy next token per last token (``{"next": [...]}`` at ``path``; None: ``""``).
+
+    The decode continues the prefill's first token by it (``TILERT_MOCK_NEXT_TOKENS``)."""
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        table = json.load(f)["next"]
+    if not isinstance(table, list) or not all(isinstance(t, int) for t in table):
+        raise ValueError(f"{NEXT_TOKENS_ENV}={path}: 'next' must be a list of token ids")
+    return table
+
+
+def continued(first: int, table: list[int], count: int) -> list[int]:
+    """``first`` and the ``count - 1`` tokens the table continues it with (EOS ends it)."""
+    ids = [first]
+    while len(ids) < count and ids[-1] != EOS_ID and 0 <= ids[-1] < len(table):
+        ids.append(table[ids[-1]])
+    return ids

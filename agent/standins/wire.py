@@ -89,22 +89,6 @@ class WireError(RuntimeFailure):
     """The peer broke the protocol (closed mid-frame, oversized frame, wrong message)."""
 
 
-def derive_rid(request_id: str) -> str:
-    """The rid both sides derive from a vLLM request id (``tilert.pd_vllm.wire.derive_rid``)."""
-    rid = request_id
-    for prefix in ("chatcmpl-", "cmpl-"):
-        if rid.startswith(prefix):
-            rid = rid[len(prefix) :]
-            break
-    head, sep, tail = rid.rpartition("-")
-    if sep and len(tail) <= 8 and all(c in "0123456789abcdef" for c in tail):
-        rid = head
-    head, sep, tail = rid.rpartition("-")
-    if sep and tail.isdigit() and len(tail) <= 3:
-        rid = head
-    return rid
-
-
 def layout_version(profile: str, kv_cache_dtype: str, layouts: Mapping[str, str]) -> int:
     """The KV layout version of a profile and cache dtype; ValueError for unknown ones."""
     # ``layouts`` is the side's dtype -> layout table: vLLM reads "fp8" as the flat (ROCm) fp8

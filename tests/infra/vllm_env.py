@@ -57,6 +57,49 @@ config = LlamaConfig(
 LlamaForCausalLM(config).save_pretrained(dest, safe_serialization=True)
 """
 
+# Runs in the venv's python: a Llama whose greedy next token depends on the last token only and is
+# the next ordinary id (the byte tokens are in symbol order, so "a" -> "b" -> "c"): attention and
+# MLP write nothing (o_proj, down_proj zero), so the last position's hidden state is its token's
+# embedding; the output row of id s+1 is the (scaled) embedding of id s. The table of the model's
+# own greedy next tokens is computed by running the model (not from the rule) and checked to
+# hold for a context too; the verified canary's test (tests/test_verify.py) needs a model whose
+# right answer is known and whose wrong answers score low.
+_BUILD_COUNTING = """
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+dest, vocab, eos, max_len, specials = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
+                                       int(sys.argv[4]), int(sys.argv[5]))
+torch.manual_seed(0)
+config = LlamaConfig(
+    vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=max_len,
+    eos_token_id=eos, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+model = LlamaForCausalLM(config).eval()
+ordinary = list(range(specials, vocab))
+succ = {t: ordinary[(i + 1) % len(ordinary)] for i, t in enumerate(ordinary)}
+with torch.no_grad():
+    emb = torch.randn(vocab, config.hidden_size)
+    model.model.embed_tokens.weight.copy_(emb)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    head = torch.zeros(vocab, config.hidden_size)
+    unit = emb / emb.norm(dim=1, keepdim=True)
+    for t, s in succ.items():
+        head[s] = 1.5 * unit[t]
+    model.lm_head.weight.copy_(head)
+    ids = torch.arange(vocab).unsqueeze(1)
+    table = model(input_ids=ids).logits[:, -1, :].argmax(-1).tolist()
+    assert table[specials:] == [succ[t] for t in ordinary], "the model does not count"
+    seq = torch.tensor([[7, 99, 300, 41, 42]])
+    assert model(input_ids=seq).logits[0].argmax(-1).tolist() == [succ[int(t)] for t in seq[0]]
+model.save_pretrained(dest, safe_serialization=True)
+json.dump({"next": table}, open(dest + "/next-token.json", "w"))
+"""
+NEXT_TOKENS = "next-token.json"
+
 
 def shim_dir(dest: Path) -> Path:
     """The folder to put on the prefill's PYTHONPATH so that ``vllm serve`` finds its metadata."""
@@ -110,6 +153,19 @@ def build_tiny_model(dest: Path) -> Path:
     )
     shutil.copyfile(DEMO_MODEL / "generation_config.json", model / "generation_config.json")
     return model
+
+
+def build_counting_model(venv: Path, dest: Path) -> Path:
+    """The demo tokenizer plus a Llama whose greedy answer is known (``_BUILD_COUNTING``), in
+    ``dest`` (seconds; not part of the venv's marker), with its table ``NEXT_TOKENS``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(DEMO_MODEL / name, dest / name)
+    demo_config = _read_json(DEMO_MODEL / "config.json")
+    args = [str(demo_config["vocab_size"]), str(demo_config["eos_token_id"]), str(TINY_MAX_LEN)]
+    _run([str(venv_python(venv)), "-c", _BUILD_COUNTING, str(dest), *args, "3"])
+    shutil.copyfile(DEMO_MODEL / "generation_config.json", dest / "generation_config.json")
+    return dest
 
 
 def _read_json(path: Path) -> dict[str, int]:

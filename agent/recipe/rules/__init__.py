@@ -2,8 +2,9 @@
 
 ``check`` runs srtctl's own rules and the failures srtctl would see only on the nodes
 (``srtctl``), then the prefill/decode agreements that TileRT checks only at the first request
-(``agreements``), whether the weights conversion agrees with the decode (``weights``), and the
-``benchmark:`` section (``benchmark``), reading values through ``values``. It returns every
+(``agreements``), that the router renders chats as the prefill does (``chattemplate``), whether
+the weights conversion agrees with the decode (``weights``), and the ``benchmark:`` section
+(``benchmark``), reading values through ``values``. It returns every
 problem, in a fixed order, so that one run reports all of them; the loader runs it on every
 recipe, and every agent again on its node.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from agent.problems import Problem
 from agent.recipe.model import Recipe
-from agent.recipe.rules import agreements, benchmark, srtctl, weights
+from agent.recipe.rules import agreements, benchmark, chattemplate, srtctl, weights
 
 
 def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
@@ -33,6 +34,8 @@ def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
     prefill, decode = recipe.roles.prefill, recipe.roles.decode
     if prefill is not None and decode is not None:
         agreements.agreement(recipe, prefill, decode, out)
+    if prefill is not None:
+        chattemplate.chat_template(recipe, prefill, out)
     srtctl.model(recipe, out)
     srtctl.images(recipe, launcher, out)
     srtctl.settings(recipe, out)
