@@ -146,7 +146,8 @@ def front_line(front: FrontSummary) -> str:
         f"{queue.admitted}/{queue.capacity} at the router"
     )
     if queue.refused:
-        text += ", 429: " + ", ".join(f"{k} {v}" for k, v in sorted(queue.refused.items()))
+        # "refused", not "429": a ``wait`` with no decode in the router's list is answered 503.
+        text += ", refused: " + ", ".join(f"{k} {v}" for k, v in sorted(queue.refused.items()))
     return text
 
 

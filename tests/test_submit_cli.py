@@ -16,11 +16,13 @@ import pytest
 
 from agent.job.paths import JobDir
 from agent.job.plan import load_plan
+from agent.job.records import FrontSummary, QueueSummary
 from agent.recipe.loader import load_recipe
 from agent.recipe.model import agent_keys
 from agent.recipe.planner import make_plan
 from submit.backend import Submitted
 from submit.cli import main, submitted_text
+from submit.statusview import front_line
 from tests import kit
 from tests.golden import GOLDEN_DIR, RECIPES
 
@@ -577,3 +579,13 @@ def test_dry_run_masks_the_secret(tmp_path: Path) -> None:
     for path in job_dir.rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
+
+
+def test_the_front_line_shows_the_queue_and_its_refusals() -> None:
+    # "refused", not "429": a request that waited with no decode in the router's list is a 503.
+    queue = QueueSummary(waiting=2, oldest_wait_s=1.25, admitted=2, capacity=2, refused={"full": 3})
+    line = front_line(FrontSummary(requests={"ok": 12}, in_flight=2, queue=queue))
+    assert line == (
+        "front requests: ok 12; in flight 2; queue: 2 waiting (oldest 1.2s), 2/2 at the router, "
+        "refused: full 3"
+    )
