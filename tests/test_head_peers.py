@@ -36,6 +36,18 @@ from tests import kit
 from tests.test_head import LOG, record, state_of, status, view
 
 
+def job_of_three(tmp_path: Path) -> tuple[JobDir, list[str]]:
+    """A job directory whose two decodes published records with a status URL at ``p:9200``."""
+    job = JobDir(tmp_path)
+    job.rendezvous.mkdir()
+    names = list(agent_names(1, 3))
+    for name in names[1:]:
+        url = f"http://p:9200/{name}/status"
+        index = int(name.rsplit("-", 1)[1])
+        write_record(job, msgspec.structs.replace(record(name), index=index, status_url=url))
+    return job, names
+
+
 def head_peers(names: list[str], job: JobDir, **kwargs: Any) -> Peers:
     """The head's peers of ``names`` in ``job``, its own status healthy."""
     return Peers(
@@ -226,13 +238,7 @@ async def test_peers_follow_every_peer_over_the_agents_one_client(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A client per peer built an SSL context each (~25 ms): 1,024 peers took 25 s to follow.
-    job = JobDir(tmp_path)
-    job.rendezvous.mkdir()
-    names = list(agent_names(1, 3))
-    for name in names[1:]:
-        url = f"http://p:9200/{name}/status"
-        index = int(name.rsplit("-", 1)[1])
-        write_record(job, msgspec.structs.replace(record(name), index=index, status_url=url))
+    job, names = job_of_three(tmp_path)
     polls: list[str] = []
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -262,13 +268,7 @@ async def test_a_peer_answering_an_unknown_state_is_unreachable_alone(tmp_path: 
     # States are typed words (agent.job.vocab): an answer with another word (a newer or broken
     # agent) is no answer. That peer turns unreachable (then failed after the bound, as any peer
     # that does not answer); the others are followed as before.
-    job = JobDir(tmp_path)
-    job.rendezvous.mkdir()
-    names = list(agent_names(1, 3))
-    for name in names[1:]:
-        url = f"http://p:9200/{name}/status"
-        index = int(name.rsplit("-", 1)[1])
-        write_record(job, msgspec.structs.replace(record(name), index=index, status_url=url))
+    job, names = job_of_three(tmp_path)
 
     async def handler(request: httpx.Request) -> httpx.Response:
         name = request.url.path.split("/")[1]
