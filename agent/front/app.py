@@ -34,7 +34,16 @@ from agent.front.openai import (
     upstream_error,
     wants_usage,
 )
-from agent.front.proxy import Proxy, Refused, RouterNow, StreamStart, Unavailable, make_client
+from agent.front.proxy import (
+    Proxy,
+    Refused,
+    RouterNow,
+    StreamStart,
+    Unavailable,
+    make_client,
+    relayed,
+)
+from agent.front.resume import Resume, why_not
 from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
 from agent.job.frontpolicy import FrontPolicy
@@ -196,9 +205,15 @@ class Front:
     ) -> Response | StreamingResponse:
         """The request at the router, within its slot."""
         stream = bool(value.get("stream"))
+        resume = self._resume(proxy, path, value, ticket)
         try:
             result = await proxy.send(
-                path, body, stream=stream, on_retry=ticket.retried, want_usage=wants_usage(value)
+                path,
+                body,
+                stream=stream,
+                on_retry=ticket.retried,
+                want_usage=wants_usage(value),
+                new_watch=None if resume is None else resume.first_watch,
             )
         except Unavailable as exc:
             retry = {"retry-after": str(RETRY_AFTER_S)}
@@ -208,7 +223,7 @@ class Front:
         if result.stream is None:
             ctype = result.response.headers.get("content-type", "application/json")
             return ticket.answer(Response(result.body, 200, ctype), ticket.served())
-        chunks = self._relay(result.response, result.stream, ticket)
+        chunks = self._relay(result.response, result.stream, ticket, resume)
         upstream = result.response
 
         async def closed() -> None:
@@ -220,26 +235,34 @@ class Front:
 
         return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}, closed)
 
+    def _resume(
+        self, proxy: Proxy, path: str, value: dict[str, Any], ticket: Ticket
+    ) -> Resume | None:
+        """The request's continuations after a cut, when ``agent.front.resume`` and the request
+        allow them (``agent.front.resume``)."""
+        if not self.policy.resume or why_not(path, value) is not None:
+            return None
+        return Resume(proxy, path, value, wants_usage(value), ticket.retried, self.log)
+
     async def _relay(
-        self, response: httpx.Response, start: StreamStart, ticket: Ticket
+        self, response: httpx.Response, start: StreamStart, ticket: Ticket, resume: Resume | None
     ) -> AsyncIterator[bytes]:
-        """The stream passed on as it arrives; its ticket ended when it ends (its slot given
-        back once the router's reply ended: the router has freed its decode by then)."""
-        reader, watch = start.reader, start.reader.watch
+        """The stream passed on as it arrives (a cut continued by ``resume``); its ticket ended
+        when it ends (its slot given back once the router's reply ended: the router has freed
+        its decode by then)."""
+        watch = start.reader.watch
         finished = False
         try:
             ticket.first_byte()
-            # Nothing waits for more than what has arrived (``StreamReader.read``).
-            if start.first:
-                yield b"".join(start.first)
-            try:
-                while (out := await reader.read()) is not None:
-                    if out:
+            async with aclosing(relayed(response, start, self.log)) as events:
+                async for out in events:
+                    yield out
+            if watch.truncated and resume is not None:
+                self.log.warning("front: a stream was cut, continuing it: %s", watch.truncated)
+                async with aclosing(resume.rest(watch)) as events:
+                    async for out in events:
                         yield out
-            except httpx.HTTPError as exc:
-                self.log.warning("front: the router's stream broke: %r", exc)
-            if tail := reader.end():
-                yield tail
+                watch = resume.last or watch
             finished = True
             if watch.truncated:
                 self.log.warning("front: a stream was cut: %s", watch.truncated)
@@ -247,10 +270,13 @@ class Front:
             with trio.CancelScope(shield=True):
                 await response.aclose()
             # A cut counts as truncated even when the client left on its error event.
-            if watch.truncated:
+            last = watch if resume is None or resume.last is None else resume.last
+            if last.truncated:
                 ticket.end("truncated")
+            elif not finished:
+                ticket.end("cancelled")
             else:
-                ticket.end(ticket.served() if finished else "cancelled")
+                ticket.end("resumed" if resume is not None and resume.count else ticket.served())
 
 
 def _refused(refused: Refused) -> tuple[Response, Outcome]:

@@ -12,8 +12,10 @@ before its first token is tried again too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 import trio
@@ -134,16 +136,20 @@ class Proxy:
         stream: bool,
         on_retry: Callable[[str], None],
         want_usage: bool = False,
+        new_watch: Callable[[], StreamWatch] | None = None,
     ) -> Opened | Refused:
         """Try ``body`` at the router's ``path`` until an answer passes or the budget ends;
-        ``on_retry`` is told each try again's reason (the request's ``Ticket``)."""
+        ``on_retry`` is told each try again's reason (the request's ``Ticket``); a stream is
+        watched by a ``new_watch()`` of each try (``agent.front.resume``'s), else a plain one."""
+        if new_watch is None:
+            new_watch = partial(StreamWatch, want_usage=want_usage)
         start = trio.current_time()
         deadline = start + self.budget.budget_s
         tries = made = 0  # the tries counted (a refused connection is not), and all of them
         while True:
             url = await self.router_url(deadline)
             made += 1
-            result = await self._try(url + path, body, stream, want_usage)
+            result = await self._try(url + path, body, stream, new_watch)
             if isinstance(result, Opened):
                 return result
             tries += 0 if result.refused else 1
@@ -166,7 +172,9 @@ class Proxy:
             with trio.move_on_after(min(remaining, WAIT_POLL_S)):
                 await self._wake.wait()
 
-    async def _try(self, url: str, body: bytes, stream: bool, want_usage: bool) -> Opened | Failure:
+    async def _try(
+        self, url: str, body: bytes, stream: bool, new_watch: Callable[[], StreamWatch]
+    ) -> Opened | Failure:
         headers = {"content-type": "application/json", "accept": "*/*"}
         request = self.client.build_request("POST", url, content=body, headers=headers)
         response: httpx.Response | None = None
@@ -177,7 +185,7 @@ class Proxy:
                     nursery.start_soon(self._give_up_if_lost, scope, self.router().marks)
                 try:
                     response = await self.client.send(request, stream=True)
-                    result = await _answer(response, stream, want_usage)
+                    result = await _answer(response, stream, new_watch)
                 except httpx.ConnectError as exc:
                     why = f"the router at {url} refused the connection: {exc!r}"
                     result = connect_failure(why, refused=True)
@@ -204,14 +212,16 @@ class Proxy:
                 await self._wake.wait()
 
 
-async def _answer(response: httpx.Response, stream: bool, want_usage: bool) -> Opened | Failure:
+async def _answer(
+    response: httpx.Response, stream: bool, new_watch: Callable[[], StreamWatch]
+) -> Opened | Failure:
     """The router's answer: a failure (its status), a whole body, or a stream begun."""
     if response.status_code != 200:
         content = await _read_bounded(response)
         return status_failure(response.status_code, content.decode(errors="replace"))
     if not stream:
         return Opened(response, body=await _read_bounded(response))
-    return await _first_events(response, StreamWatch(want_usage=want_usage))
+    return await _first_events(response, new_watch())
 
 
 async def _read_bounded(response: httpx.Response) -> bytes:
@@ -241,3 +251,26 @@ async def _first_events(response: httpx.Response, watch: StreamWatch) -> Opened 
             return Opened(response, stream=StreamStart(first, reader))
     reader.end()
     return stream_failure(f"the stream ended before its first event: {watch.truncated}")
+
+
+async def relayed(
+    response: httpx.Response, start: StreamStart, log: logging.Logger
+) -> AsyncGenerator[bytes, None]:
+    """A stream begun (``start``) passed on as it arrives, to its end (a cut marked by its
+    watch); the router's reply closed however it ends. Nothing waits for more than what has
+    arrived (``StreamReader.read``)."""
+    reader = start.reader
+    try:
+        if start.first:
+            yield b"".join(start.first)
+        try:
+            while (out := await reader.read()) is not None:
+                if out:
+                    yield out
+        except httpx.HTTPError as exc:
+            log.warning("front: the router's stream broke: %r", exc)
+        if tail := reader.end():
+            yield tail
+    finally:
+        with trio.CancelScope(shield=True):
+            await response.aclose()

@@ -84,6 +84,17 @@ def _finish_reason(chunk: dict[str, Any]) -> str | None:
     return None
 
 
+def _plain(chunk: dict[str, Any]) -> bool:
+    """Whether a chunk's choices carry only text (no reasoning, tool calls, logprobs)."""
+    for choice in chunk.get("choices") or []:
+        if not isinstance(choice, dict) or choice.get("logprobs"):
+            return False
+        delta = choice.get("delta") or {}
+        if any(v for k, v in delta.items() if k not in ("role", "content")):
+            return False
+    return True
+
+
 def _content(chunk: dict[str, Any]) -> str:
     text = ""
     for choice in chunk.get("choices") or []:
@@ -111,8 +122,12 @@ class StreamWatch:
     # The router's error in words (its error chunk's ``error``, or the decode's error text).
     error_text: str | None = None
     events: int = 0  # events with data read (a comment or keep-alive is none)
-    keep_text: bool = False  # keep the reply's text (``text``): a canary's, not a proxied one
+    keep_text: bool = False  # keep the reply's text (``text``): a canary's, a resumable stream's
+    # A cut says nothing yet (``agent.front.resume`` continues it, or says ``cut_events``).
+    quiet_cut: bool = False
+    plain: bool = True  # with ``keep_text``: every chunk carried only text (it can be continued)
     _texts: list[str] = field(default_factory=list)
+    _held_text: str = ""  # the held finish chunk's own text (not sent if the stream is cut)
 
     @property
     def text(self) -> str:
@@ -157,10 +172,12 @@ class StreamWatch:
             self.chunks += 1
             if self.keep_text:
                 self._texts.append(content)
+        if self.keep_text and self.plain:
+            self.plain = _plain(chunk)
         reason = _finish_reason(chunk)
         if reason is not None:
             self.finish = reason
-            self.held = event
+            self.held, self._held_text = event, content
             return out
         return [*out, event]
 
@@ -199,13 +216,25 @@ class StreamWatch:
         return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
     def _cut(self, why: str) -> list[bytes]:
-        """The stream is a cut: the held ``stop`` is dropped, the error event and [DONE] sent."""
+        """The stream is a cut: the held ``stop`` is dropped, the error event and [DONE] sent
+        (with ``quiet_cut``, later: ``cut_events``)."""
         self.truncated = why
+        if self.held is not None and self._held_text:  # its text never reached the client
+            self.chunks -= 1
+            if self.keep_text:
+                self._texts.pop()
         self.held = None
-        extra: dict[str, Any] = {"code": 502, "chunks": self.chunks}
+        return [] if self.quiet_cut else self.cut_events()
+
+    def cut_events(self, before: int = 0) -> list[bytes]:
+        """The client's last events of a cut: the ``stream_truncated`` error event, [DONE]
+        (``before``: the chunks streams before this one sent, when it continued them)."""
+        why = self.truncated or "cut"
+        chunks = before + self.chunks
+        extra: dict[str, Any] = {"code": 502, "chunks": chunks}
         if self.upstream_error is not None:
             extra["upstream"] = self.upstream_error
-        message = f"the reply was cut after {self.chunks} chunk(s): {why}"
+        message = f"the reply was cut after {chunks} chunk(s): {why}"
         return [error_event(message, "stream_truncated", **extra), DONE]
 
 
