@@ -48,6 +48,7 @@ UNIT_MODULES = frozenset(
         "test_errors",
         "test_folderlock",
         "test_front_plumbing",
+        "test_front_resume",
         "test_front_units",
         "test_head",
         "test_head_down",

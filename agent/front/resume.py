@@ -116,7 +116,9 @@ class Seam:
             return event
         if not isinstance(chunk, dict) or "error" in chunk:
             return event
-        chunk.update(id=self.chunk_id, created=self.created, model=self.model)
+        for key, first in (("id", self.chunk_id), ("created", self.created), ("model", self.model)):
+            if key in chunk and first:
+                chunk[key] = first
         choices = chunk.get("choices") or []
         for choice in choices:
             delta = choice.get("delta") if isinstance(choice, dict) else None

@@ -296,12 +296,14 @@ class FrontKit:
         max_waiting: int = 1024,
         max_body_bytes: int = 1 << 20,
         body_timeout_s: float = 30.0,
+        resume: bool = True,
     ) -> None:
         policy = FrontPolicy(
             retry=FrontRetry(attempts=attempts, budget_s=budget_s),
             queue=FrontQueue(max_waiting=max_waiting),
             max_body_bytes=max_body_bytes,
             body_timeout_s=body_timeout_s,
+            resume=resume,
         )
         self.router = ScriptedRouter()
         self.upstream = Upstream()
