@@ -11,6 +11,9 @@ front of TileRT's router (docs/agent.md, "The front door").
   tries again before the client's first byte; httpx's AsyncClient (a transport may be handed in:
   the router in process, for tests).
 - ``retry``: which failures are tried again, the pause, the budget (pure).
+- ``resume``: a stream cut after its first byte continued by a new request (the conversation
+  plus the text already sent), its chunks rewritten into the first stream's
+  (``agent.front.resume``); or marked when it cannot be.
 - ``sse``: a proxied stream event by event; a cut stream marked with the ``stream_truncated``
   error event; ``StreamReader``, the one reader of TileRT's event stream (the proxy, the relay and
   the head's canaries).

@@ -45,6 +45,8 @@ NOT_PLAIN = (
     "guided_choice",
     "guided_grammar",
     "structured_outputs",
+    "regex",  # TileRT's router reads these two as a decode grammar too
+    "ebnf",
 )
 TOKEN_KEYS = ("max_completion_tokens", "max_tokens")
 

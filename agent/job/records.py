@@ -176,7 +176,7 @@ class QueueSummary(msgspec.Struct, kw_only=True):
 class FrontSummary(msgspec.Struct, kw_only=True):
     """The front door's request counts since the head started (status.json ``front``)."""
 
-    # outcome (ok, retried_ok, failed, truncated, rejected, cancelled) -> requests
+    # outcome (ok, retried_ok, resumed, failed, truncated, rejected, cancelled) -> requests
     requests: dict[str, int] = {}
     # reason (connect, status_502, busy, stream_error, ...) -> tries again
     retries: dict[str, int] = {}
