@@ -8,6 +8,7 @@ against the real router: tests/test_front.py.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import trio
@@ -300,7 +301,7 @@ async def test_continuations_are_bounded_then_the_cut_is_marked(
 )
 async def test_what_cannot_be_continued_is_marked_as_before(
     autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
-    extra: dict[str, object],
+    extra: dict[str, Any],
     first: bytes,
 ) -> None:
     kit = served(FrontKit())
