@@ -1,7 +1,8 @@
 """Cut streams continued, the pure parts (agent/front/resume.py, and the watch's quiet cut in
 sse.py): which requests may be continued, the continuation's body, and how its chunks are
-rewritten into the first stream's. The relay around them: tests/test_front_plumbing.py; against
-the real router and SIGKILLed decodes: tests/test_front.py.
+rewritten into the first stream's; and the stand-ins' side (agent/standins/tokens.py): a
+continued answer goes on exactly where the uncut one would. The relay around them:
+tests/test_front_plumbing.py; against the real router and SIGKILLed decodes: tests/test_front.py.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ import pytest
 from agent.front.openai import CHAT, COMPLETIONS
 from agent.front.resume import Seam, continuation, why_not
 from agent.front.sse import DONE, StreamWatch, event_data
+from agent.standins import tokens
+from agent.standins.decode import _plan
+from agent.standins.prefill import _prompt_text
+from agent.web.asgi import HTTPError
 from tests.kit.front import CUT, ROLE, chunk
 
 HELLO = [{"role": "user", "content": "Hello"}]
+REPLY = tokens.FIRST_TOKEN_TEXT + tokens.CONTINUATION_TEXT
 SEAM = Seam("chatcmpl-first", 1700000000, "first-model", 5)
 
 
@@ -153,3 +159,41 @@ def test_a_stream_that_carried_more_than_text_is_not_plain() -> None:
     for event in [chunk("H"), thought, CUT]:
         watch.push(event)
     assert not watch.plain
+
+
+# ---- the stand-ins honour it -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cut", [0, 1, 8, len(REPLY) - 1, len(REPLY)])
+def test_the_stand_ins_continue_an_open_assistant_turn_where_it_was_cut(cut: int) -> None:
+    """The prompt vLLM renders for the front's continuation holds the reply so far; the prefill's
+    first token and the decode's rest (both from ``reply_at``) are exactly the uncut reply's."""
+    messages = [*HELLO, {"role": "assistant", "content": REPLY[:cut]}]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    at = tokens.reply_at(_prompt_text(body, is_chat=True))
+    assert at == cut
+    first = tokens.reply_ids(at, 1)[0]
+    ids, finish = _plan(first, 64, ignore_eos=False, at=at)
+    assert REPLY[:cut] + tokens.render(ids) == REPLY
+    assert (ids[-1], finish) == (tokens.EOS_ID, "stop")
+
+
+def test_a_plain_chat_and_text_the_model_did_not_write_start_the_reply() -> None:
+    assert tokens.reply_at(_prompt_text({"messages": HELLO}, is_chat=True)) == 0
+    other = [*HELLO, {"role": "assistant", "content": "Sure: "}]
+    body = {"messages": other, "continue_final_message": True, "add_generation_prompt": False}
+    assert tokens.reply_at(_prompt_text(body, is_chat=True)) == 0
+
+
+def test_with_ignore_eos_the_continued_reply_repeats_as_the_uncut_one() -> None:
+    whole = tokens.reply_ids(0, 100, ignore_eos=True)
+    text = tokens.render(whole)
+    at = tokens.reply_at(tokens.ASSISTANT_TURN + text[:60])
+    assert at == 60
+    assert tokens.reply_ids(at, 40, ignore_eos=True) == whole[60:]
+
+
+def test_the_prefill_refuses_an_open_turn_with_a_generation_prompt_as_vllm_does() -> None:
+    body = {"messages": HELLO, "continue_final_message": True}
+    with pytest.raises(HTTPError, match="Cannot set both"):
+        _prompt_text(body, is_chat=True)
