@@ -5,6 +5,12 @@ outlives every cell (docs/service.md).
   cells' job directories).
 - ``records``: ``S/service.json`` (``ServiceStatus``, one ``CellRecord`` per cell): the front
   writes it, ``tilert-submit status/stop`` and a restarted front read it.
+- ``cellslots``: ``CellSlots``, which cell gets the next request (a ready cell with a free
+  decode; none free: the one FIFO queue), a cell leaving the table, a cell cut.
+- ``front``: ``ServiceFront``, the service front's ASGI app: chats and completions sent to the
+  cells' front doors, ``/v1/models``, ``/health``, ``/metrics``; ``set_cells``/``cut`` for the
+  control plane.
+- ``figures``: ``ServiceFigures``, every ``tilert_service_*`` series in its own registry.
 
 May import: the standard library, trio, httpx, msgspec, prometheus_client, ``agent.errors``,
 ``agent.problems``, ``agent.job``, ``agent.web``, ``agent.front`` (the front door's pieces it
