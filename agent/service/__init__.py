@@ -5,6 +5,8 @@ outlives every cell (docs/service.md).
   cells' job directories).
 - ``records``: ``S/service.json`` (``ServiceStatus``, one ``CellRecord`` per cell): the front
   writes it, ``tilert-submit status/stop`` and a restarted front read it.
+- ``listen``: the listening socket systemd passes (socket activation), so the service's address
+  is held while the front restarts.
 
 May import: the standard library, trio, httpx, msgspec, prometheus_client, ``agent.errors``,
 ``agent.problems``, ``agent.job``, ``agent.web``, ``agent.front`` (the front door's pieces it
