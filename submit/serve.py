@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -225,17 +226,19 @@ def main(args: argparse.Namespace) -> int:
         write_atomic(sdir.recipe, resolved_yaml(loaded).encode())
         _setup_log(sdir)
         print(f"Service directory: {sdir.root}", flush=True)
-        return _run(args, sdir, splan, plan.name)
+        return _run(args, sdir, splan, plan)
     finally:
         lock.release()
 
 
-def _run(args: argparse.Namespace, sdir: ServiceDir, splan: ServicePlan, name: str) -> int:
+def _run(args: argparse.Namespace, sdir: ServiceDir, splan: ServicePlan, plan: Any) -> int:
     import trio
-    from agent.service.listen import address, inherited_socket
 
     from agent.node.sdnotify import Notifier
     from agent.problems import InputError
+    from agent.service.listen import address, inherited_socket
+    from agent.web.server import bound_socket
+    from submit.local.timelimit import time_limit_s
     from submit.servecells import launcher_for
 
     # Taken out of the environment before any cell starts: no cell may speak for the front.
@@ -245,45 +248,61 @@ def _run(args: argparse.Namespace, sdir: ServiceDir, splan: ServicePlan, name: s
     except InputError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
-    host, port = address(inherited) if inherited is not None else (splan.host, splan.port)
-    launcher = launcher_for(args.local, cell_args(args), splan.time_limit_s)
-    try:
-        trio.run(_serve, sdir, splan, launcher, name, (host, port, inherited), notifier)
-    except OSError as exc:
-        return _fail(
-            f"service.front: cannot listen on {host}:{port}: {exc.strerror or exc}", EXIT_RUNTIME
-        )
+    if inherited is not None:
+        sock, (host, port) = inherited, address(inherited)
+    else:
+        host, port = splan.host, splan.port
+        try:
+            sock = bound_socket(host, port)
+        except OSError as exc:
+            return _fail(
+                f"service.front: cannot listen on {host}:{port}: {exc.strerror or exc} (set "
+                "service.front.port to a free port, or stop what listens there)",
+                EXIT_RUNTIME,
+            )
+    # As the local supervisor keeps it (whole minutes, submit.local.timelimit).
+    launcher = launcher_for(args.local, cell_args(args), time_limit_s(plan))
+    where = Where(host, port, sock)
+    trio.run(_serve, sdir, splan, launcher, plan, where, notifier)
     return EXIT_OK
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where the service front listens."""
+
+    host: str
+    port: int
+    sock: socket.socket
 
 
 async def _serve(
     sdir: ServiceDir,
     splan: ServicePlan,
     launcher: Any,
-    name: str,
-    where: tuple[str, int, socket.socket | None],
+    plan: Any,
+    where: Where,
     notifier: Any,
 ) -> None:
     """The front and the keeper in one nursery until SIGTERM/SIGINT (then stop every cell)."""
     import psutil
     import trio
-    from agent.service.figures import ServiceFigures
 
+    from agent.service.figures import ServiceFigures
+    from agent.service.front import ServiceFront
     from agent.service.keeper import CellKeeper
 
-    host, port, inherited = where
     figures = ServiceFigures()
-    front = make_front(splan, figures)
-    keeper = CellKeeper(
-        sdir, splan, launcher, front, figures, name=name, front_url=f"http://{host}:{port}"
-    )
+    # The cells' own front door policy (agent.front: its queue's bounds, its retries).
+    front = ServiceFront(plan.agent.front, figures)
+    url = f"http://{where.host}:{where.port}"
+    keeper = CellKeeper(sdir, splan, launcher, front, figures, name=plan.name, front_url=url)
     keeper.set_front(pid=os.getpid(), started_at=psutil.Process().create_time())
-    listener = await open_listener(host, port, inherited)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(front.run, listener)
+            await nursery.start(front.run, where.sock)
             await nursery.start(keeper.run)
-            log.info("service front at http://%s:%d; cells in %s", host, port, sdir.cells)
+            log.info("service front at %s; cells in %s", url, sdir.cells)
             nursery.start_soon(_tell_systemd, keeper, front, notifier)
             async for signum in signals:
                 log.info(
@@ -292,23 +311,6 @@ async def _serve(
                 break
             await _stop(keeper)
             nursery.cancel_scope.cancel()
-
-
-def make_front(splan: ServicePlan, figures: Any) -> Any:
-    """The data plane: ``ServiceFront`` with the recipe's front policy."""
-    from agent.service.front import ServiceFront
-
-    return ServiceFront(splan, figures)
-
-
-async def open_listener(host: str, port: int, inherited: socket.socket | None) -> Any:
-    """The front's listening socket: systemd's, else one bound to ``host:port``."""
-    import trio
-
-    if inherited is not None:
-        return trio.SocketListener(trio.socket.from_stdlib_socket(inherited))
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    return listeners[0]
 
 
 async def _stop(keeper: CellKeeper) -> None:

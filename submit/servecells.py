@@ -12,7 +12,8 @@ from the recipe), run as a child of the service front:
   and start time are its identity. Its time left is its start plus the recipe's
   ``slurm.time_limit`` (the local supervisor honours that limit as Slurm would).
 
-The child's output goes to ``S/cells/cell-N.out``.
+The child's output goes to ``S/cells/cell-N.out``. Local cells share one machine: each is given a
+router port and a front door port of its own (``--set agent.router_port``, ``agent.front.port``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,6 +62,15 @@ def _read(job: JobDir) -> JobStatus | None:
     return None
 
 
+def _free_ports(count: int) -> list[int]:
+    """``count`` TCP ports free on this machine now (bound together, so all differ)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
 def _when_started(pid: int) -> float | None:
     import psutil
 
@@ -89,10 +100,14 @@ class LocalCells:
 
     def _spawn(self, job: JobDir) -> subprocess.Popen[bytes]:
         job.root.parent.mkdir(parents=True, exist_ok=True)
+        # Cells on one machine: each its own router and front door port (the agents' own ports
+        # are probed from their bases, so they never collide).
+        router, front = _free_ports(2)
+        ports = ["--set", f"agent.router_port={router}", "--set", f"agent.front.port={front}"]
         try:
             with open(_out(job), "ab") as out:
                 return subprocess.Popen(
-                    cell_argv(self.args, job),
+                    cell_argv([*self.args, *ports], job),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
