@@ -243,7 +243,7 @@ async def test_a_restarted_keeper_adopts_its_cells_and_submits_nothing(
     k1 = keeper(sdir, first, Front(), cells=2, max_cells=3)
     async with trio.open_nursery() as nursery:
         await nursery.start(k1.run)
-        await until(lambda: first.submitted == ["cell-1", "cell-2"])
+        await until(lambda: sorted(first.submitted) == ["cell-1", "cell-2"])
         serve(sdir, "cell-1")
         serve(sdir, "cell-2")
         await until(lambda: states(k1) == {"cell-1": "ready", "cell-2": "ready"})

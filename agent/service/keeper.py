@@ -78,6 +78,26 @@ def ready_decodes(status: JobStatus) -> int:
     )
 
 
+def serves(cell: CellRecord, status: JobStatus | None) -> bool:
+    """Whether the cell's job serves: ready (or degraded), a front door, a ready decode."""
+    return (
+        status is not None
+        and status.state in SERVING_STATES
+        and cell.front_url is not None
+        and cell.decodes > 0
+    )
+
+
+def term_margin_s(job: JobDir, early_signal_s: float) -> float | None:
+    """How long before its end a cell's job gets its TERM at the earliest: its plan's signal lead
+    plus how early the backend may send it; None while its plan cannot be read."""
+    try:
+        plan = load_plan(job.plan.read_bytes())
+    except (OSError, ValueError, msgspec.DecodeError):
+        return None
+    return plan.slurm.signal_lead_s + early_signal_s
+
+
 def _read_job(job: JobDir) -> JobStatus | None:
     try:
         return job.read_status()
@@ -230,17 +250,8 @@ class CellKeeper:
         if cell.state == "submitted" and job_state not in (None, "pending"):
             cell.state, cell.started_at = "starting", now
             cell.pending_reason = None
-        if cell.state == "starting" and self._serves(cell, status):
+        if cell.state == "starting" and serves(cell, status):
             self._ready(cell, now)
-
-    @staticmethod
-    def _serves(cell: CellRecord, status: JobStatus | None) -> bool:
-        return (
-            status is not None
-            and status.state in SERVING_STATES
-            and cell.front_url is not None
-            and cell.decodes > 0
-        )
 
     def _ready(self, cell: CellRecord, now: float) -> None:
         cell.state, cell.ready_at, cell.detail = "ready", now, None
@@ -310,10 +321,8 @@ class CellKeeper:
     def _term_margin(self, cell: CellRecord) -> float:
         margin = self._margins.get(cell.name)
         if margin is None:
-            try:
-                plan = load_plan(self.sdir.cell(cell.name).plan.read_bytes())
-                margin = plan.slurm.signal_lead_s + self.launcher.early_signal_s
-            except (OSError, ValueError, msgspec.DecodeError):
+            margin = term_margin_s(self.sdir.cell(cell.name), self.launcher.early_signal_s)
+            if margin is None:
                 return self.launcher.early_signal_s
             self._margins[cell.name] = margin
         return margin
@@ -372,26 +381,14 @@ class CellKeeper:
             error=self.held,
         )
         write_atomic(self.sdir.status, msgspec.json.format(msgspec.json.encode(status)) + b"\n")
-        write_atomic(self.sdir.targets, self._targets())
+        targets = targets_json(self.sdir, status, succession.live(self.cells))
+        write_atomic(self.sdir.targets, targets)
 
     def set_front(self, *, pid: int, started_at: float) -> None:
         """Name this front's process in ``service.json`` (``stop S`` signals it)."""
         self._status = msgspec.structs.replace(
             self._status, front_pid=pid, front_started_at=started_at
         )
-
-    def _targets(self) -> bytes:
-        url = self._status.front_url.split("://", 1)[-1].rstrip("/")
-        out: list[dict[str, Any]] = [{"targets": [url], "labels": {"service": self._status.name}}]
-        for cell in succession.live(self.cells):
-            with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
-                groups = msgspec.json.decode(
-                    self.sdir.cell(cell.name).targets.read_bytes(), type=list[dict[str, Any]]
-                )
-                for group in groups:
-                    labels = {**group.get("labels", {}), "cell": cell.name}
-                    out.append({**group, "labels": labels})
-        return msgspec.json.encode(out) + b"\n"
 
     async def stop(self) -> None:
         """Stop every live cell (each drains), then mark the service stopped."""
@@ -411,6 +408,22 @@ class CellKeeper:
         self.state = "stopped"
         self._route()
         self.write()
+
+
+def targets_json(sdir: ServiceDir, status: ServiceStatus, cells: Sequence[CellRecord]) -> bytes:
+    """``S/targets.json``: the service front, then every target of each cell's own targets.json
+    (labelled with its cell), for Prometheus' file_sd."""
+    url = status.front_url.split("://", 1)[-1].rstrip("/")
+    out: list[dict[str, Any]] = [{"targets": [url], "labels": {"service": status.name}}]
+    for cell in cells:
+        with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
+            groups = msgspec.json.decode(
+                sdir.cell(cell.name).targets.read_bytes(), type=list[dict[str, Any]]
+            )
+            for group in groups:
+                labels = {**group.get("labels", {}), "cell": cell.name}
+                out.append({**group, "labels": labels})
+    return msgspec.json.encode(out) + b"\n"
 
 
 def _number(name: str) -> int:
