@@ -17,8 +17,9 @@ from typing import IO, Any
 import psutil
 
 from tests.kit.commands import DEMO_RECIPE, REPO, SUBMIT
+from tests.kit.jobdir import job_ports
 from tests.kit.jobs import CLUSTER_FILE, FAST
-from tests.kit.processes import job_ports, job_processes, kill_all, still_alive
+from tests.kit.processes import job_processes, kill_all, still_alive
 from tests.kit.waiting import wait_for
 
 # Slurm's shortest limit (a minute) and a TERM lead that leaves a cell time to serve first.
