@@ -231,14 +231,11 @@ class CellSlots:
         return route
 
     def _pick(self, avoid: _Cell | None) -> _Cell | None:
-        """The routable cell least loaded, one with a free decode first (none free: a table
-        that shrank meanwhile; the cell's own front door queues it)."""
+        """The routable cell least loaded (in flight per decode: one with a free decode first;
+        none free only when the table shrank meanwhile, and the cell's own front door queues
+        it), then the one that took fewest."""
         ready = [c for c in self._cells.values() if c.routable and c is not avoid]
-        free = [c for c in ready if c.in_flight < c.decodes]
-        pool = free or ready
-        if not pool:
-            return None
-        return min(pool, key=lambda c: (c.load(), c.taken, c.name))
+        return min(ready, key=lambda c: (c.load(), c.taken, c.name), default=None)
 
     def _changed(self, cell: _Cell) -> None:
         if self.watcher is None:
