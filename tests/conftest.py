@@ -75,6 +75,7 @@ UNIT_MODULES = frozenset(
         "test_sbatch",
         "test_schema1",
         "test_sdnotify",
+        "test_service_cli",
         "test_shape",
         "test_starved",
         "test_signature_catalogue",

@@ -88,10 +88,11 @@ def service_plan(recipe: Recipe) -> ServicePlan:
                 "remove it",
             )
         )
-    limit: float | None = None
+    # As Slurm keeps it: whole minutes (a '0:30' cell runs a minute).
+    limit = slurm_limit_s(recipe.slurm.time_limit)
     if recipe.slurm.time_limit is not None:
         try:
-            limit = slurm_seconds(recipe.slurm.time_limit)
+            slurm_seconds(recipe.slurm.time_limit)
         except ValueError:
             problems.append(
                 Problem(
