@@ -109,6 +109,7 @@ def _load(args: argparse.Namespace) -> tuple[LoadedRecipe, ServicePlan, Any]:
     from agent.problems import InputError, error
     from agent.recipe.loader import load_recipe
     from agent.recipe.planner import make_plan
+    from agent.recipe.rules.service import serving
     from agent.recipe.serviceplan import service_plan
     from submit.cli import load_cluster
 
@@ -125,6 +126,9 @@ def _load(args: argparse.Namespace) -> tuple[LoadedRecipe, ServicePlan, Any]:
     plan = make_plan(loaded, mock=mock, launcher="process" if args.local else None)
     if args.local:
         plan = msgspec.structs.replace(plan, network_interface="lo")
+    problems = serving(loaded.recipe, signal_lead_s=plan.slurm.signal_lead_s, local=args.local)
+    if problems:
+        raise InputError(problems)
     return loaded, splan, plan
 
 
@@ -297,7 +301,9 @@ async def _serve(
     front = ServiceFront(plan.agent.front, figures)
     url = f"http://{where.host}:{where.port}"
     keeper = CellKeeper(sdir, splan, launcher, front, figures, name=plan.name, front_url=url)
-    keeper.set_front(pid=os.getpid(), started_at=psutil.Process().create_time())
+    keeper.set_front(
+        pid=os.getpid(), started_at=psutil.Process().create_time(), host=socket.gethostname()
+    )
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(front.run, where.sock)

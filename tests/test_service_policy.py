@@ -43,23 +43,42 @@ def test_a_new_service_submits_its_cells_within_max_cells() -> None:
     assert decide(plan(), [cell("cell-1", "starting")], NOW, 0).submit == []
 
 
-def test_auto_lead_is_the_last_load_times_the_factor_plus_its_queue_wait() -> None:
+def test_auto_lead_is_the_last_load_times_the_factor_plus_its_queue_wait_and_the_margin() -> None:
     cells = [
         cell("cell-1", submitted_at=0.0, started_at=10.0, ready_at=110.0),
         # The last to become ready: queued 30 s, loaded 200 s.
         cell("cell-2", submitted_at=500.0, started_at=530.0, ready_at=730.0),
     ]
-    assert succession.lead_s(plan(successor_lead_s=None), cells) == 200 * SUCCESSOR_LEAD_FACTOR + 30
-    assert succession.lead_s(plan(successor_lead_s=None), []) == succession.AUTO_FIRST_LEAD_S
-    assert succession.lead_s(plan(), cells) == 60.0
+    auto = plan(successor_lead_s=None)
+    assert succession.lead_s(auto, cells, 80.0) == 200 * SUCCESSOR_LEAD_FACTOR + 30 + 80
+    assert succession.lead_s(auto, [], 0.0) == succession.AUTO_FIRST_LEAD_S
+    # A lead the recipe sets counts back from the end as it is.
+    assert succession.lead_s(plan(), cells, 80.0) == 60.0
 
 
-def test_successor_due_counts_the_term_margin_and_the_age_of_the_reading() -> None:
+def test_successor_due_counts_the_age_of_the_reading() -> None:
     one = cell("cell-1", time_left_s=200.0, time_left_at=NOW - 50)  # 150 s left now
-    assert not succession.successor_due(one, NOW, 60.0, 0.0)
-    assert not succession.successor_due(one, NOW, 60.0, 80.0)  # usable: 70 s
-    assert succession.successor_due(one, NOW, 60.0, 90.0)  # usable: 60 s
-    assert not succession.successor_due(cell("cell-1"), NOW, 60.0, 0.0)  # no limit known
+    assert not succession.successor_due(one, NOW, 149.0)
+    assert succession.successor_due(one, NOW, 150.0)
+    assert succession.successor_due(one, NOW + 90, 60.0)
+    assert not succession.successor_due(cell("cell-1"), NOW, 60.0)  # no limit known
+    retiring = cell("cell-1", "retiring", time_left_s=1.0, time_left_at=NOW)
+    assert not succession.successor_due(retiring, NOW, 60.0)
+
+
+def test_an_auto_lead_submits_before_the_term_margin() -> None:
+    loaded = cell(
+        "cell-1",
+        submitted_at=NOW - 100,
+        started_at=NOW - 100,
+        ready_at=NOW - 60,
+        time_left_s=150.0,
+        time_left_at=NOW,
+    )
+    auto = plan(successor_lead_s=None)
+    # Loaded in 40 s: 60 s of lead, plus a TERM margin of 80 s: due at 140 s left, not at 150.
+    assert decide(auto, [loaded], NOW, 80.0).submit == []
+    assert decide(auto, [loaded], NOW + 10, 80.0).submit == [Submission("successor", "cell-1")]
 
 
 def test_one_successor_per_cell_and_none_beyond_max_cells() -> None:

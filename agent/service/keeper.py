@@ -384,10 +384,10 @@ class CellKeeper:
         targets = targets_json(self.sdir, status, succession.live(self.cells))
         write_atomic(self.sdir.targets, targets)
 
-    def set_front(self, *, pid: int, started_at: float) -> None:
+    def set_front(self, *, pid: int, started_at: float, host: str) -> None:
         """Name this front's process in ``service.json`` (``stop S`` signals it)."""
         self._status = msgspec.structs.replace(
-            self._status, front_pid=pid, front_started_at=started_at
+            self._status, front_pid=pid, front_started_at=started_at, front_host=host
         )
 
     async def stop(self) -> None:

@@ -3,9 +3,9 @@ the service plan, the cells' records and the time, so the keeper only acts on wh
 
 - The **lead**: how long before a cell's end its successor is submitted
   (``service.successor_lead_s``, or ``auto``: the last cell's submit-to-ready time x
-  ``SUCCESSOR_LEAD_FACTOR`` plus the time a successor last waited in Slurm's queue).
-- A cell's **usable end**: its time left minus the TERM lead its job was given (``--signal``) and
-  the minute by which Slurm may send that TERM early; traffic must have moved before it.
+  ``SUCCESSOR_LEAD_FACTOR`` plus the time it waited in Slurm's queue, plus the TERM margin).
+- A cell's **TERM margin**: the TERM lead its job was given (``--signal``) plus the minute by
+  which Slurm may send that TERM early; a measured lead adds it (traffic must have moved by then).
 - **Lines**: each of ``service.cells`` lines is one cell at a time, its successors and
   replacements following it (``CellRecord.follows``); a line whose newest live cell is gone needs
   a replacement.
@@ -35,26 +35,26 @@ class Submission:
     follows: str | None
 
 
-def lead_s(plan: ServicePlan, cells: Sequence[CellRecord]) -> float:
-    """The successor lead: the recipe's, or measured (``auto``) from the last cell that became
-    ready: its submit-to-ready time x SUCCESSOR_LEAD_FACTOR, plus its wait in the queue."""
+def lead_s(plan: ServicePlan, cells: Sequence[CellRecord], term_margin_s: float) -> float:
+    """The successor lead, counted back from a cell's end: the recipe's, or (``auto``) the last
+    cell that became ready's submit-to-ready time x SUCCESSOR_LEAD_FACTOR plus its wait in the
+    queue, plus ``term_margin_s`` (the successor must be ready before the old cell's TERM)."""
     if plan.successor_lead_s is not None:
         return plan.successor_lead_s
     ready = [c for c in cells if c.ready_at is not None]
     if not ready:
-        return AUTO_FIRST_LEAD_S
+        return AUTO_FIRST_LEAD_S + term_margin_s
     last = max(ready, key=lambda c: c.ready_at or 0.0)
     load = (last.ready_at or 0.0) - (last.started_at or last.submitted_at)
     queued = (last.started_at or last.submitted_at) - last.submitted_at
-    return max(load, 0.0) * SUCCESSOR_LEAD_FACTOR + max(queued, 0.0)
+    return max(load, 0.0) * SUCCESSOR_LEAD_FACTOR + max(queued, 0.0) + term_margin_s
 
 
-def usable_left_s(cell: CellRecord, now: float, term_margin_s: float) -> float | None:
-    """Seconds until the cell must have handed over (its TERM, as early as it may come); None
-    when its end is unknown (no time limit)."""
+def time_left_s(cell: CellRecord, now: float) -> float | None:
+    """Seconds until the cell's end (its last reading, aged); None when unknown (no limit)."""
     if cell.time_left_s is None or cell.time_left_at is None:
         return None
-    return cell.time_left_s - (now - cell.time_left_at) - term_margin_s
+    return cell.time_left_s - (now - cell.time_left_at)
 
 
 def followers(cells: Sequence[CellRecord], name: str) -> list[CellRecord]:
@@ -79,11 +79,12 @@ def live(cells: Sequence[CellRecord]) -> list[CellRecord]:
     return [c for c in cells if c.state in LIVE_CELL_STATES]
 
 
-def successor_due(cell: CellRecord, now: float, lead: float, term_margin_s: float) -> bool:
-    """Whether ``cell`` (ready, heading its line) should get its successor now."""
+def successor_due(cell: CellRecord, now: float, lead: float) -> bool:
+    """Whether ``cell`` (ready, heading its line) should get its successor now: its end is at
+    most ``lead`` away."""
     if cell.state != "ready":
         return False
-    left = usable_left_s(cell, now, term_margin_s)
+    left = time_left_s(cell, now)
     return left is not None and left <= lead
 
 
@@ -135,9 +136,9 @@ def decide(
     out: list[Submission] = []
     held: str | None = None
     recent = replacements_in_hour(cells, now)
-    lead = lead_s(plan, cells)
+    lead = lead_s(plan, cells, term_margin_s)
     for cell in heads(cells):
-        if not successor_due(cell, now, lead, term_margin_s):
+        if not successor_due(cell, now, lead):
             continue
         failed_before = [f for f in followers(cells, cell.name) if f.state == "failed"]
         if failed_before:

@@ -12,29 +12,16 @@ Slurm may signal up to 60 s earlier than asked; the local supervisor signals exa
 
 from __future__ import annotations
 
-import math
 import time
 
 from agent.job.plan import Plan
-from agent.recipe.serviceplan import slurm_seconds
-
-# Slurm's resolution: a limit is whole minutes.
-MINUTE_S = 60.0
+from agent.recipe.serviceplan import slurm_limit_s
 
 
 def time_limit_s(plan: Plan) -> float | None:
-    """The job's ``slurm.time_limit`` in seconds as Slurm keeps it (seconds rounded up to whole
-    minutes); None when there is none (or ``UNLIMITED``). The recipe was checked at submit."""
-    text = plan.slurm.time_limit
-    if text is None:
-        return None
-    try:
-        seconds = slurm_seconds(text)
-    except ValueError:
-        return None  # sbatch would refuse it; locally there is then no limit to honour
-    if seconds is None:
-        return None
-    return max(1.0, math.ceil(seconds / MINUTE_S)) * MINUTE_S
+    """The job's ``slurm.time_limit`` in seconds as Slurm keeps it (whole minutes); None when
+    there is none."""
+    return slurm_limit_s(plan.slurm.time_limit)
 
 
 def ends_at(plan: Plan, started_at: float | None) -> float | None:

@@ -29,15 +29,15 @@ SIGNAL_LEAD_S = 20
 
 def service_sets(front_port: int, *extra: str) -> list[str]:
     """``--set`` flags of a small service: cells of 1 prefill + 1 decode, a one-minute limit
-    with the TERM 20 s before it (the cluster file's), the successor submitted 30 s before
-    that, a short drain, the front on ``front_port``."""
+    with the TERM 20 s before it (the cluster file's), the successor submitted 50 s before
+    the end (30 s before the TERM), a short drain, the front on ``front_port``."""
     sets = [
         *FAST,
         "roles.decode.nodes=1",
         "roles.decode.workers=1",
         f"slurm.time_limit='{CELL_LIMIT}'",
         f"service.front.port={front_port}",
-        "service.successor_lead_s=30",
+        "service.successor_lead_s=50",
         "service.drain_s=15",
         "service.replace.backoff_s=1",
         *extra,
