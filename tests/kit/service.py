@@ -1,5 +1,5 @@
-"""A service under test: ``tilert-submit serve RECIPE --local --mock --service-dir S`` in a session
-of its own (``ServeProc``), its ``service.json`` read, and everything it or its cells started
+"""A service under test: ``tilert-submit serve RECIPE [--local] --mock --service-dir S`` in a
+session of its own (``ServeProc``), its ``service.json`` read, and everything it or its cells started
 killed on exit. The cells are detached from the front (they outlive a SIGKILLed one), so the
 teardown also finds them through each cell's job directory."""
 
@@ -63,8 +63,10 @@ class ServeProc:
         *,
         recipe: Path = DEMO_RECIPE,
         env: Mapping[str, str] | None = None,
+        local: bool = True,
     ) -> None:
         self.sdir = sdir
+        self.local = local
         self.recipe = recipe
         self.args = list(args)
         self.env = None if env is None else dict(env)
@@ -84,7 +86,7 @@ class ServeProc:
         self.outs.append(out_path)
         out = open(out_path, "wb")  # noqa: SIM115 (closed in __exit__)
         self._outs.append(out)
-        argv = [*SUBMIT, "serve", str(self.recipe), "--local", "--mock"]
+        argv = [*SUBMIT, "serve", str(self.recipe), *(["--local"] if self.local else []), "--mock"]
         self.fronts.append(
             subprocess.Popen(
                 [*argv, "--service-dir", str(self.sdir), *self.args],
