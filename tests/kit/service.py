@@ -1,7 +1,7 @@
 """A service under test: ``tilert-submit serve RECIPE [--local] --mock --service-dir S`` in a
-session of its own (``ServeProc``), its ``service.json`` read, and everything it or its cells started
-killed on exit. The cells are detached from the front (they outlive a SIGKILLed one), so the
-teardown also finds them through each cell's job directory."""
+session of its own (``ServeProc``), its ``service.json`` read, and everything it or its cells
+started killed on exit. The cells are detached from the front (they outlive a SIGKILLed one), so
+the teardown also finds them through each cell's job directory."""
 
 from __future__ import annotations
 
