@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import httpx
 import psutil
 
 from tests.kit.commands import DEMO_RECIPE, REPO, SUBMIT
@@ -170,3 +171,32 @@ class ServeProc:
 def nothing_left(serve: ServeProc, timeout: float) -> list[psutil.Process]:
     """The cells' processes still alive after ``timeout``."""
     return still_alive(serve.cell_processes(), timeout)
+
+
+# A cell's prefill made to crash-loop (agent/standins/faults.py): the prefill stand-in's first
+# FAULT_STARTS starts counted in a file die CRASH_AFTER_S after starting. The file starts full
+# (every start clean); ``crash_loop_prefill`` empties it and kills one cell's prefill engine, so
+# that cell's restarts crash until its head gives up (agent.restart.max_restarts), while the
+# other cells, which start nothing, serve on. The replacement's prefill starts clean again.
+CRASH_STARTS = 3
+
+
+def crash_env(starts_file: Path, base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` plus the stand-in switches of a prefill crash-loop armed by ``starts_file``."""
+    starts_file.write_bytes(b"." * CRASH_STARTS)
+    return {
+        **base,
+        "TILERT_MOCK_FAULT_TARGET": "prefill-0",
+        "TILERT_MOCK_CRASH_AFTER_S": "0.5",
+        "TILERT_MOCK_FAULT_STARTS": str(CRASH_STARTS),
+        "TILERT_MOCK_FAULT_STARTS_FILE": str(starts_file),
+    }
+
+
+def crash_loop_prefill(job: Path, starts_file: Path) -> None:
+    """Make cell ``job``'s prefill crash-loop: the next CRASH_STARTS starts die; kill it now."""
+    status = json.loads((job / "status.json").read_text())
+    prefill = next(a for a in status["agents"] if a["name"] == "prefill-0")
+    pid = int(httpx.get(prefill["status_url"], timeout=10).json()["pid"])
+    starts_file.write_bytes(b"")
+    os.kill(pid, signal.SIGKILL)
