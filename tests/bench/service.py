@@ -136,9 +136,18 @@ def log_events(log: str, drain_s: float) -> list[Event]:
 
 
 def measure_events(events: list[Event], requests: list[Request], samples: list[Sample]) -> None:
-    """Fill each event's figures from the requests (wall times) and the samples overlapping it."""
+    """Fill each event's figures from the requests (wall times) and the samples overlapping it.
+    A request that overlaps a restart of the front is that restart's only (in flight through the
+    killed front, it is lost whatever else happened meanwhile)."""
+    fronts = [e for e in events if e.kind == "front"]
+
+    def at_front(r: Request) -> bool:
+        return any(r.start <= f.end and r.end >= f.start for f in fronts)
+
     for e in events:
         during = [r for r in requests if r.start <= e.end and r.end >= e.start]
+        if e.kind in ("succession", "failure"):
+            during = [r for r in during if not at_front(r)]
         e.requests = len(during)
         e.lost = sum(1 for r in during if r.outcome in ("failed", "cut"))
         e.truncated = sum(1 for r in during if r.outcome == "truncated")
@@ -285,7 +294,11 @@ def main(argv: list[str]) -> int:
         print("\ntargets missed:")
         for m in misses:
             print(f"  {m}")
-    data = {"events": [asdict(e) for e in events], "requests": [asdict(r) for r in requests]}
+    data = {
+        "events": [asdict(e) for e in events],
+        "requests": [asdict(r) for r in requests],
+        "samples": [asdict(s) for s in samples],
+    }
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     print(f"written to {args.out}")
     return 1 if misses else 0
