@@ -15,7 +15,7 @@ import httpx
 
 from tests.bench.chaosload import ChaosLoad
 from tests.infra.ports import free_port
-from tests.kit.commands import clean_env
+from tests.kit.commands import clean_env, submit_cmd
 from tests.kit.scenarios import ANSWER
 from tests.kit.service import (
     ServeProc,
@@ -159,5 +159,9 @@ def test_a_cell_whose_prefill_crash_loops_is_replaced_while_the_other_serves(
         outcomes = Counter(r.outcome for r in requests)
         assert set(outcomes) <= {"ok", "truncated"}, [r for r in requests if r.outcome != "ok"]
         assert outcomes["ok"] > 10, outcomes
-        assert serve.stop(180) == 0, serve.output()
+        # `stop S` signals the front (proven by its pid and start time), which stops every cell.
+        stopped = submit_cmd("stop", str(tmp_path / "S"), timeout=200)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert serve.proc.wait(30) == 0, serve.output()
+        assert serve.service()["state"] == "stopped"
         assert not nothing_left(serve, 10)
