@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -413,3 +414,12 @@ async def test_models_metrics_and_the_counts_carried_on(
     assert value("tilert_service_requests_in_flight") == 0
     assert value("tilert_service_queue_waiting") == 0
     assert value("tilert_service_retries_total", reason="cell_cut") == 0
+
+
+def test_every_series_is_in_docs_metrics_md() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    families = list(ServiceFigures().registry.collect())
+    assert len(families) == 13
+    for family in families:
+        name = family.name + ("_total" if family.type == "counter" else "")
+        assert f"| `{name}" in doc, f"{name} is not in docs/metrics.md"
