@@ -4,7 +4,8 @@
 [--job-dir DIR]``, ``tilert-submit convert RECIPE [same flags]`` (a one-node job converting the
 decode's weights, docs/weights.md), ``tilert-submit migrate RECIPE [-o FILE] [--force]``
 (schema 1 to schema 2, docs/recipe.md), and the job commands ``status J [--json]``, ``logs J
-[NAME] [-f]``, ``stop J``, ``diagnose J [--json]``.
+[NAME] [-f]``, ``stop J``, ``diagnose J [--json]``, and ``serve RECIPE ...`` (a service of cells
+behind one service front, ``submit.serve``).
 RECIPE is positional, so the job commands are recognised by the first word; a recipe file with
 such a name is given as ``./status``. Bad input exits 2 with a message naming the key or flag,
 a runtime failure 1; never a traceback for either.
@@ -65,6 +66,10 @@ SERVICE_COMMANDS = {
 SETUP_COMMANDS = {
     "init": ("submit.init", "ask Slurm and this node, write a commented cluster file"),
 }
+# The service (docs/service.md): first word -> (module, one-line help).
+SERVE_COMMANDS = {
+    "serve": ("submit.serve", "serve a recipe as cells behind one service front"),
+}
 # ``tilert-submit convert RECIPE ...``: the same flags as a submission, for a convert-only job.
 CONVERT_COMMAND = "convert"
 # ``tilert-submit migrate RECIPE [-o FILE] [--force]``: a schema-1 recipe written as schema 2.
@@ -80,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         "validate the recipe, plan, write the job directory and submit it to Slurm.",
         epilog="Job commands: "
         + "; ".join(f"{PROG} {name} J ... ({text})" for name, (_, text) in JOB_COMMANDS.items())
+        + f". A service: {PROG} serve RECIPE [--local] [--service-dir S]"
         + f". Weights ahead of a job: {PROG} {CONVERT_COMMAND} RECIPE ... (a one-node job). "
         + f"A new cluster: {PROG} init [-o FILE] (writes a commented cluster file). "
         f"Schema 1 to schema 2: {PROG} {MIGRATE_COMMAND} RECIPE [-o FILE]. See docs/cli.md.",
@@ -157,7 +163,7 @@ def _positive(text: str) -> int:
 
 
 def _job_command(name: str, argv: Sequence[str]) -> int:
-    module_name, text = {**JOB_COMMANDS, **SETUP_COMMANDS}[name]
+    module_name, text = {**JOB_COMMANDS, **SETUP_COMMANDS, **SERVE_COMMANDS}[name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=text)
     add_arguments = getattr(module, "add_arguments", None)
@@ -211,7 +217,9 @@ def _warn(problems: Sequence[Problem], source: str) -> None:
         print(render_problems(problems, source), file=sys.stderr)
 
 
-def _load_cluster(flag: str | None) -> tuple[ClusterConfig | None, list[Problem], str]:
+def load_cluster(flag: str | None) -> tuple[ClusterConfig | None, list[Problem], str]:
+    """The cluster file (--cluster, $TILERT_CLUSTER_FILE, ./srtslurm.yaml), its warnings, its
+    name; no cluster when none is found."""
     from agent.recipe.cluster import find_cluster_file, read_cluster
 
     path = find_cluster_file(flag, os.environ, Path.cwd())
@@ -424,7 +432,7 @@ def _prepare_all(
     from agent.recipe.sweep import MAX_JOBS
 
     try:
-        cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
+        cluster, cluster_warnings, cluster_source = load_cluster(args.cluster)
         combinations = recipe_sweep(
             Path(args.recipe),
             overrides=args.overrides,
@@ -532,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     """A job command, ``convert RECIPE``, or ``RECIPE``."""
-    if argv and (argv[0] in JOB_COMMANDS or argv[0] in SETUP_COMMANDS):
+    if argv and any(argv[0] in table for table in (JOB_COMMANDS, SETUP_COMMANDS, SERVE_COMMANDS)):
         return _job_command(argv[0], argv[1:])
     if argv and argv[0] == MIGRATE_COMMAND:
         return _migrate(argv[1:])
