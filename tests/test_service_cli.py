@@ -204,6 +204,8 @@ def built_service(tmp_path: Path, *, front_pid: int) -> ServiceDir:
             reason="replacement",
             state="failed",
             slurm_job_id="4249",
+            time_left_s=600,
+            time_left_at=now,
             detail="prefill-0 failed: vLLM exited 1 five times in 10 min (CUDA out of memory)",
         ),
     ]
@@ -252,16 +254,23 @@ def test_status_of_a_service_is_a_table_of_its_cells(
     rows = {line.split()[0]: line for line in table[: table.index("")]}
     # cell-1: Slurm's 2 h read half an hour ago; 3 nodes (the demo's plan); cell-3 succeeds it.
     assert re.search(
-        r"^cell-1\s+4242\s+3\s+ready\s+1:(29:5\d|30:00)\s+2\s+130\s+cell-3 successor "
+        r"^cell-1\s+4242\s+3\s+ready\s+1:(29:[0-5]\d|30:00)\s+2\s+130\s+cell-3 successor "
         r"\(starting\)",
         rows["cell-1"],
     ), out
     assert re.search(r"^cell-2\s+4240\s+3\s+retiring\s+-\s+1\s+99\s+cell-4", rows["cell-2"]), out
     assert "pending: Resources" in rows["cell-4"], out
+    # A cell that has ended has no time left, whatever Slurm last said.
+    assert re.search(r"^cell-5\s+4249\s+3\s+failed\s+-\s", rows["cell-5"]), out
     assert "successor of cell-1" in rows["cell-3"], out
     # The loading successor's own progress, from its status.json.
-    assert "cell-3 (successor, 45s since submitted): job waiting: prefill-0 starting" in out, out
-    assert "prefill-0 progress (3s ago): Loading safetensors checkpoint shards: 40% 2/5" in out
+    # (the seconds as they pass while the cells' directories are written: not what is checked)
+    assert re.search(
+        r"\ncell-3 \(successor, \d+s since submitted\): job waiting: prefill-0 starting", out
+    ), out
+    assert re.search(
+        r"\n  prefill-0 progress \(\d+s ago\): Loading safetensors checkpoint shards: 40% 2/5", out
+    ), out
     assert "cell-5 failed: prefill-0 failed: vLLM exited 1 five times in 10 min (CUDA" in out
 
 
