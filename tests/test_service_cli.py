@@ -320,3 +320,21 @@ def test_logs_of_a_service_print_its_front_log_or_a_cells(
     assert main(["logs", str(service.root), "cell-9"]) == 2
     err = capsys.readouterr().err
     assert "has no cell 'cell-9'; its cells: cell-1, cell-2, cell-3, cell-4, cell-5" in err, err
+
+
+def test_the_local_service_demo_plans_as_its_comments_say(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """recipes/local-service.yaml: serve --dry-run passes every rule with the default signal
+    lead (no cluster file) and plans 2 cells of 2 nodes with the lead and limit it describes."""
+    recipe = RECIPES / "local-service.yaml"
+    sdir = tmp_path / "S"
+    code = main(
+        ["serve", str(recipe), "--local", "--mock", "--dry-run", "--service-dir", str(sdir)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "cells: 2 (at most 4 at once during a succession)" in out, out
+    assert "cells' time limit: 240 s; successor lead: 170 s; drain: 30 s" in out, out
+    assert "node 1   decode-0" in out, out
+    assert "decode-1" not in out, out
