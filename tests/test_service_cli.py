@@ -122,15 +122,6 @@ def test_serve_refuses_a_benchmark_that_ends_its_cell() -> None:
     assert serving(loaded.recipe, signal_lead_s=30, local=False) == []
 
 
-def test_serve_local_refuses_the_front_on_the_router_port() -> None:
-    recipe = load_recipe(
-        DEMO, overrides=["service.front.port=8000", "agent.router_port=8000"]
-    ).recipe
-    text = rendered(serving(recipe, signal_lead_s=30, local=True))
-    assert "service.front.port" in text, text
-    assert serving(recipe, signal_lead_s=30, local=False) == []
-
-
 def test_max_cells_without_room_for_a_successor_is_refused_naming_it() -> None:
     recipe = load_recipe(DEMO, overrides=["service.cells=2", "service.max_cells=2"]).recipe
     with pytest.raises(InputError) as info:
