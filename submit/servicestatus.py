@@ -25,7 +25,7 @@ from agent.job.plan import load_plan
 from agent.job.records import JobStatus
 from agent.problems import printable
 from agent.service.paths import ServiceDir
-from agent.service.records import CellRecord, ServiceStatus, read_status
+from agent.service.records import LIVE_CELL_STATES, CellRecord, ServiceStatus, read_status
 from submit.statusview import progress_lines
 
 # The front writes service.json on every change and every few seconds; three missed writes.
@@ -100,8 +100,8 @@ def clock(seconds: float | None) -> str:
 
 def time_left(cell: CellRecord, now: float) -> float | None:
     """The cell's time left now: Slurm's (or the local limit's) last reading less the time since."""
-    if cell.time_left_s is None or cell.time_left_at is None:
-        return None
+    if cell.state not in LIVE_CELL_STATES or cell.time_left_s is None or cell.time_left_at is None:
+        return None  # an ended cell's last reading says nothing now
     return max(0.0, cell.time_left_s - max(0.0, now - cell.time_left_at))
 
 

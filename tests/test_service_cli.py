@@ -122,15 +122,6 @@ def test_serve_refuses_a_benchmark_that_ends_its_cell() -> None:
     assert serving(loaded.recipe, signal_lead_s=30, local=False) == []
 
 
-def test_serve_local_refuses_the_front_on_the_router_port() -> None:
-    recipe = load_recipe(
-        DEMO, overrides=["service.front.port=8000", "agent.router_port=8000"]
-    ).recipe
-    text = rendered(serving(recipe, signal_lead_s=30, local=True))
-    assert "service.front.port" in text, text
-    assert serving(recipe, signal_lead_s=30, local=False) == []
-
-
 def test_max_cells_without_room_for_a_successor_is_refused_naming_it() -> None:
     recipe = load_recipe(DEMO, overrides=["service.cells=2", "service.max_cells=2"]).recipe
     with pytest.raises(InputError) as info:
@@ -204,6 +195,8 @@ def built_service(tmp_path: Path, *, front_pid: int) -> ServiceDir:
             reason="replacement",
             state="failed",
             slurm_job_id="4249",
+            time_left_s=600,
+            time_left_at=now,
             detail="prefill-0 failed: vLLM exited 1 five times in 10 min (CUDA out of memory)",
         ),
     ]
@@ -252,16 +245,23 @@ def test_status_of_a_service_is_a_table_of_its_cells(
     rows = {line.split()[0]: line for line in table[: table.index("")]}
     # cell-1: Slurm's 2 h read half an hour ago; 3 nodes (the demo's plan); cell-3 succeeds it.
     assert re.search(
-        r"^cell-1\s+4242\s+3\s+ready\s+1:(29:5\d|30:00)\s+2\s+130\s+cell-3 successor "
+        r"^cell-1\s+4242\s+3\s+ready\s+1:(29:[0-5]\d|30:00)\s+2\s+130\s+cell-3 successor "
         r"\(starting\)",
         rows["cell-1"],
     ), out
     assert re.search(r"^cell-2\s+4240\s+3\s+retiring\s+-\s+1\s+99\s+cell-4", rows["cell-2"]), out
     assert "pending: Resources" in rows["cell-4"], out
+    # A cell that has ended has no time left, whatever Slurm last said.
+    assert re.search(r"^cell-5\s+4249\s+3\s+failed\s+-\s", rows["cell-5"]), out
     assert "successor of cell-1" in rows["cell-3"], out
     # The loading successor's own progress, from its status.json.
-    assert "cell-3 (successor, 45s since submitted): job waiting: prefill-0 starting" in out, out
-    assert "prefill-0 progress (3s ago): Loading safetensors checkpoint shards: 40% 2/5" in out
+    # (the seconds as they pass while the cells' directories are written: not what is checked)
+    assert re.search(
+        r"\ncell-3 \(successor, \d+s since submitted\): job waiting: prefill-0 starting", out
+    ), out
+    assert re.search(
+        r"\n  prefill-0 progress \(\d+s ago\): Loading safetensors checkpoint shards: 40% 2/5", out
+    ), out
     assert "cell-5 failed: prefill-0 failed: vLLM exited 1 five times in 10 min (CUDA" in out
 
 
@@ -311,3 +311,21 @@ def test_logs_of_a_service_print_its_front_log_or_a_cells(
     assert main(["logs", str(service.root), "cell-9"]) == 2
     err = capsys.readouterr().err
     assert "has no cell 'cell-9'; its cells: cell-1, cell-2, cell-3, cell-4, cell-5" in err, err
+
+
+def test_the_local_service_demo_plans_as_its_comments_say(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """recipes/local-service.yaml: serve --dry-run passes every rule with the default signal
+    lead (no cluster file) and plans 2 cells of 2 nodes with the lead and limit it describes."""
+    recipe = RECIPES / "local-service.yaml"
+    sdir = tmp_path / "S"
+    code = main(
+        ["serve", str(recipe), "--local", "--mock", "--dry-run", "--service-dir", str(sdir)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "cells: 2 (at most 4 at once during a succession)" in out, out
+    assert "cells' time limit: 240 s; successor lead: 170 s; drain: 30 s" in out, out
+    assert "node 1   decode-0" in out, out
+    assert "decode-1" not in out, out

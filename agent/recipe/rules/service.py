@@ -6,7 +6,7 @@ key is): ``slurm.time_limit`` is a Slurm time, ``service.front.host`` an address
 replacement backoff in order. ``serving`` is what ``tilert-submit serve`` adds, knowing the
 cluster's signal lead and whether the cells run here (``--local``): cells that would get their
 TERM as they start, a successor that would come after its predecessor stopped serving, a cell
-that would end after its benchmark, the service front's port taken by the cells' own router.
+that would end after its benchmark.
 The checks that need two ``service:`` keys at once (``max_cells``, the lead shorter than the
 limit) are ``agent.recipe.serviceplan``'s.
 """
@@ -65,7 +65,9 @@ def service(recipe: Recipe, out: list[Problem]) -> None:
 
 def serving(recipe: Recipe, *, signal_lead_s: int, local: bool) -> list[Problem]:
     """What ``tilert-submit serve`` refuses beyond the load-time rules: ``signal_lead_s`` is the
-    cluster file's (the cells' ``--signal=TERM@lead``), ``local`` whether the cells run here."""
+    cluster file's (the cells' ``--signal=TERM@lead``), ``local`` whether the cells run here
+    (no rule of its own today: local cells are given ports of their own, submit.servecells)."""
+    del local
     out: list[Problem] = []
     limit = slurm_limit_s(recipe.slurm.time_limit)
     if limit is not None and limit <= signal_lead_s:
@@ -96,15 +98,6 @@ def serving(recipe: Recipe, *, signal_lead_s: int, local: bool) -> list[Problem]
                 "is false): the service would replace it again and again",
                 "set benchmark.keep_serving: true, or benchmark.type: manual (benchmark the "
                 "service from outside: tilert-submit bench, docs/benchmark.md)",
-            )
-        )
-    if local and recipe.service.front.port == recipe.agent.router_port:
-        out.append(
-            error(
-                "service.front.port",
-                f"{recipe.service.front.port} is the cells' router port (agent.router_port): "
-                "under --local both listen on this machine",
-                "choose another service.front.port",
             )
         )
     return out
