@@ -1,20 +1,25 @@
 """``tilert-submit serve`` without starting a service (submit/serve.py): the dry run shows the
 service plan and one cell's plan and writes nothing; a bad service key exits 2 naming it; the
-front lock refuses a second front (naming its pid) and takes over one left by a dead front."""
+front lock refuses a second front (naming its pid) and takes over one left by a dead front;
+squeue's line read as the Slurm launcher reads it."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from agent.node.folderlock import LockInfo
+from agent.service.launcher import CellFacts
 from agent.service.paths import ServiceDir
 from submit.cli import main
 from submit.serve import hold_lock
+from submit.servecells import squeue_facts
+from submit.slurm import client
 from tests.kit.commands import DEMO_RECIPE
 
 # A pid no process has (near the kernel's highest): the front that held the lock is gone.
@@ -72,3 +77,49 @@ def test_a_live_front_is_refused_a_dead_one_taken_over(tmp_path: Path) -> None:
     assert not isinstance(held, str)
     held.release()
     assert not sdir.lock.exists()
+
+
+@pytest.mark.parametrize(
+    ("line", "running", "left", "reason"),
+    [
+        ("RUNNING|2:35|None", True, 155.0, None),
+        ("RUNNING|1:02:03|None", True, 3723.0, None),
+        ("RUNNING|1-00:00:10|None", True, 86410.0, None),
+        ("RUNNING|UNLIMITED|None", True, None, None),
+        ("PENDING|3:00|Resources", True, None, "Resources"),
+        ("PENDING|3:00|Dependency", True, None, "Dependency"),
+        ("COMPLETED|0:00|None", False, None, None),
+        ("", False, None, None),
+    ],
+)
+def test_squeue_says_running_time_left_and_pending_reason(
+    monkeypatch: pytest.MonkeyPatch,
+    line: str,
+    running: bool,
+    left: float | None,
+    reason: str | None,
+) -> None:
+    """One ``squeue -o %T|%L|%r`` line read as the keeper needs it (Slurm's time formats)."""
+
+    def squeue(argv: list[str], **_kw: object) -> subprocess.CompletedProcess[str]:
+        assert argv[:4] == ["squeue", "-h", "-j", "42"]
+        return subprocess.CompletedProcess(argv, 0, line + "\n", "")
+
+    monkeypatch.setattr(client, "run_client", squeue)
+    assert squeue_facts("42") == CellFacts(running=running, time_left_s=left, pending_reason=reason)
+
+
+def test_squeue_unreachable_is_unknown_and_a_forgotten_job_is_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def down(_argv: list[str], **_kw: object) -> subprocess.CompletedProcess[str]:
+        raise client.SlurmError("squeue did not answer within 10 s: is slurmctld up?")
+
+    monkeypatch.setattr(client, "run_client", down)
+    assert squeue_facts("42").running is None
+
+    def forgot(_argv: list[str], **_kw: object) -> subprocess.CompletedProcess[str]:
+        raise client.SlurmError("squeue failed (exit 1): slurm_load_jobs error: Invalid job id")
+
+    monkeypatch.setattr(client, "run_client", forgot)
+    assert squeue_facts("42").running is False
