@@ -6,7 +6,6 @@ serves within 10 s and submits nothing twice; SIGTERM stops every cell and leave
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -74,10 +73,9 @@ def test_successions_lose_nothing_and_a_restarted_front_adopts_its_cells(tmp_pat
         assert_submitted_once(before)
 
         serve.kill()
-        restarted = time.monotonic()
         serve.start()
+        # The bound of the wait, not a measure: the service benchmark measures the time back.
         wait_for("the restarted front to serve", lambda: chat(url) or None, ADOPT_S + 5)
-        assert time.monotonic() - restarted <= ADOPT_S + 5
         after = serve.wait("the front's new pid", lambda s: s["front_pid"] == serve.proc.pid, 10)
         live = {c["name"]: c for c in before["cells"] if c["state"] in ("ready", "starting")}
         kept = {c["name"]: c for c in after["cells"]}
@@ -136,7 +134,8 @@ def test_a_cell_whose_prefill_crash_loops_is_replaced_while_the_other_serves(
         serve.wait("two ready cells", lambda s: len(ready_cells(s)) == 2, READY_S)
         load = ChaosLoad(url, MODEL, ANSWER, clients=2).start()
         try:
-            time.sleep(2)  # streams under way at both cells (what is measured: none lost)
+            # Chats answered, so streams run at both cells when the prefill starts to crash.
+            wait_for("chats answered", lambda: len(load.requests) >= 4 or None, 60)
             crash_loop_prefill(tmp_path / "S" / "cells" / "cell-1", starts)
             failed = serve.wait(
                 "cell-1 failed", lambda s: s["cells"][0]["state"] == "failed", READY_S
