@@ -189,6 +189,11 @@ class StreamWatch:
             return self._cut("the stream ended without a finish reason")
         return self._cut("the stream ended without [DONE]")
 
+    def cut(self, why: str) -> list[bytes]:
+        """The stream is given up here (``why``: its source failed) -> the client's last events:
+        the ``stream_truncated`` error event and ``[DONE]`` (nothing once it ended)."""
+        return [] if self.ended else self._cut(why)
+
     def _release(self) -> list[bytes]:
         held, self.held = self.held, None
         return [held] if held is not None else []
@@ -264,3 +269,7 @@ class StreamReader:
     def end(self) -> bytes:
         """The router's stream ended: the client's last events (a cut marked)."""
         return b"".join(self.watch.end())
+
+    def cut(self, why: str) -> bytes:
+        """The stream is given up before its end (``why``): the client's last events."""
+        return b"".join(self.watch.cut(why))

@@ -214,6 +214,10 @@ class JobStatus(msgspec.Struct, kw_only=True):
     local_started_at: float | None = None
     updated_at: float = msgspec.field(default_factory=time.time)
     error: str | None = None
+    # Why the job ended when nobody stopped it and nothing failed: ``time_limit`` (a ``--local``
+    # job's slurm.time_limit came; its supervisor writes it last). None otherwise, and always
+    # under Slurm (squeue/sacct say TIMEOUT there).
+    ended_by: Literal["time_limit"] | None = None
     agents: list[JobAgent] = []
     # The router, supervised by prefill-0 (not an agent of its own; ``logs J router`` shows it).
     router: JobAgent | None = None

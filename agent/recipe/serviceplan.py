@@ -6,6 +6,7 @@ defaults applied once, the cells' time limit in seconds, and the checks that nee
 
 from __future__ import annotations
 
+import math
 import re
 
 import msgspec
@@ -18,6 +19,8 @@ from agent.recipe.model import Recipe
 SUCCESSOR_LEAD_FACTOR = 1.5
 # Slurm's spellings of "no limit" (sbatch --time, squeue %l).
 UNLIMITED = frozenset({"unlimited", "infinite", "not_set"})
+# Slurm's resolution: a time limit is whole minutes.
+MINUTE_S = 60.0
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
@@ -58,6 +61,19 @@ def slurm_seconds(text: str) -> float | None:
     return float(int(first) * 60)
 
 
+def slurm_limit_s(text: str | None) -> float | None:
+    """A job's time limit (``slurm.time_limit``) in seconds as Slurm keeps it: seconds round up
+    to whole minutes (sbatch's resolution); None for none, no limit, or not a Slurm time (the
+    load-time rules refuse that one, naming the key)."""
+    if text is None:
+        return None
+    try:
+        seconds = slurm_seconds(text)
+    except ValueError:
+        return None
+    return None if seconds is None else max(1.0, math.ceil(seconds / MINUTE_S)) * MINUTE_S
+
+
 def service_plan(recipe: Recipe) -> ServicePlan:
     """``recipe.service`` resolved; InputError naming each key that cannot be served."""
     service = recipe.service
@@ -72,10 +88,11 @@ def service_plan(recipe: Recipe) -> ServicePlan:
                 "remove it",
             )
         )
-    limit: float | None = None
+    # As Slurm keeps it: whole minutes (a '0:30' cell runs a minute).
+    limit = slurm_limit_s(recipe.slurm.time_limit)
     if recipe.slurm.time_limit is not None:
         try:
-            limit = slurm_seconds(recipe.slurm.time_limit)
+            slurm_seconds(recipe.slurm.time_limit)
         except ValueError:
             problems.append(
                 Problem(

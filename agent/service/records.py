@@ -66,6 +66,8 @@ class ServiceStatus(msgspec.Struct, kw_only=True):
     front_url: str
     front_pid: Annotated[int, msgspec.Meta(ge=1, le=PID_MAX)]
     front_started_at: float
+    # The host the front runs on (``socket.gethostname()``): its pid means something there only.
+    front_host: str | None = None
     backend: Literal["local", "slurm"]
     cells: list[CellRecord] = []
     # outcome (ok, failed, truncated, rejected, cancelled, lost) -> requests since the service
