@@ -15,7 +15,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -31,6 +31,8 @@ from agent.front.answers import (
     refused,
     toolkit_refusal,
 )
+from agent.front.figures import FrontFigures
+from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, models_body, unsupported, wants_usage
 from agent.front.proxy import (
     Proxy,
     Refused,
@@ -41,8 +43,6 @@ from agent.front.proxy import (
     relayed,
 )
 from agent.front.resume import Resume, why_not
-from agent.front.figures import FrontFigures
-from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, models_body, unsupported, wants_usage
 from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
 from agent.job.frontpolicy import FrontPolicy
@@ -237,4 +237,3 @@ class Front:
                 ticket.end("cancelled")
             else:
                 ticket.end("resumed" if resume is not None and resume.count else ticket.served())
-
