@@ -329,3 +329,18 @@ def test_the_local_service_demo_plans_as_its_comments_say(
     assert "cells' time limit: 240 s; successor lead: 170 s; drain: 30 s" in out, out
     assert "node 1   decode-0" in out, out
     assert "decode-1" not in out, out
+
+
+def test_logs_f_of_a_service_that_has_stopped_prints_its_log_and_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``logs S -f`` follows the front's log until the service has stopped and its front is
+    gone: here both already, so it prints the log and returns at once."""
+    service = built_service(tmp_path, front_pid=dead_pid())
+    status = msgspec.json.decode(service.status.read_bytes(), type=ServiceStatus)
+    status.state = "stopped"
+    write_service(service, status)
+    service.log.write_text("submitted cell-1\nstopped\n")
+    capsys.readouterr()
+    assert main(["logs", str(service.root), "-f"]) == 0
+    assert capsys.readouterr().out == "submitted cell-1\nstopped\n"
