@@ -319,4 +319,6 @@ class ServiceFront:
             if watch.truncated:
                 ticket.end("truncated")
             else:
-                ticket.end(ticket.served() if finished else "cancelled")
+                # A client may leave the moment it read the end (before the response's own end
+                # was sent): the stream was served whole all the same.
+                ticket.end(ticket.served() if finished or watch.done else "cancelled")

@@ -232,6 +232,9 @@ class Client:
     parts: Sequence[bytes] = (b"",)
     stall: bool = False
     leave_after: int | None = None
+    # Leaves once a part of the reply holding these bytes arrived (b"[DONE]": a client that
+    # closes the moment it read the stream's end, before the response's own end).
+    leave_on: bytes | None = None
     # The server stops (cancels the app) while the reply's start is being sent, before any chunk.
     stopped_at_start: bool = False
 
@@ -266,6 +269,8 @@ async def call(
         if message.get("body"):
             parts.append(message["body"])
         if client.leave_after is not None and len(parts) >= client.leave_after:
+            left.set()
+        if client.leave_on is not None and client.leave_on in message.get("body", b""):
             left.set()
 
     if client.stopped_at_start:
