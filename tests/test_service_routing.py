@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -98,10 +99,14 @@ class ServiceKit:
     async def _handle(self, request: httpx.Request) -> httpx.Response:
         return await self.doors[request.url.host].handle(request)
 
-    def cell(self, name: str, decodes: int = 1, state: CellState = "ready") -> Upstream:
+    def cell(
+        self, name: str, decodes: int = 1, state: CellState = "ready", served: int = 0
+    ) -> Upstream:
         """Cell ``name`` in the table (its front door answers as scripted)."""
         door = self.doors.setdefault(name, Upstream())
-        record = CellRecord(name=name, state=state, front_url=url(name), decodes=decodes)
+        record = CellRecord(
+            name=name, state=state, front_url=url(name), decodes=decodes, served=served
+        )
         self.records[name] = record
         self.table()
         return door
@@ -197,6 +202,20 @@ async def test_equal_cells_take_turns(
         assert (reply.status, reply.json()) == (200, ANSWER)
     assert (kit.at("cell-1"), kit.at("cell-2")) == (["r1", "r3"], ["r2", "r4"])
     assert kit.front.served("cell-1") == kit.front.served("cell-2") == 2
+
+
+async def test_a_cells_served_count_carries_on_from_its_record_when_first_seen(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    kit = ServiceKit()
+    kit.cell("cell-1", 1, served=5).script(whole(ANSWER))  # as a restarted front sees it
+    assert kit.front.served("cell-1") == 5
+    assert (await kit.chat("r1", stream=False)).status == 200
+    assert kit.front.served("cell-1") == 6
+    kit.records["cell-1"].served = 6  # the keeper wrote what the front said: not added again
+    kit.table()
+    assert kit.front.served("cell-1") == 6
+    assert kit.front.served("cell-9") == kit.front.in_flight("cell-9") == 0
 
 
 @pytest.mark.parametrize(
@@ -413,3 +432,12 @@ async def test_models_metrics_and_the_counts_carried_on(
     assert value("tilert_service_requests_in_flight") == 0
     assert value("tilert_service_queue_waiting") == 0
     assert value("tilert_service_retries_total", reason="cell_cut") == 0
+
+
+def test_every_series_is_in_docs_metrics_md() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    families = list(ServiceFigures().registry.collect())
+    assert len(families) == 13
+    for family in families:
+        name = family.name + ("_total" if family.type == "counter" else "")
+        assert f"| `{name}" in doc, f"{name} is not in docs/metrics.md"
