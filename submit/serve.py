@@ -265,7 +265,8 @@ def _run(args: argparse.Namespace, sdir: ServiceDir, splan: ServicePlan, plan: A
                 EXIT_RUNTIME,
             )
     # As the local supervisor keeps it (whole minutes, submit.local.timelimit).
-    launcher = launcher_for(args.local, cell_args(args), time_limit_s(plan))
+    one_host = plan.network_interface == "lo"
+    launcher = launcher_for(args.local, cell_args(args), time_limit_s(plan), one_host=one_host)
     where = Where(host, port, sock)
     trio.run(_serve, sdir, splan, launcher, plan, where, notifier)
     return EXIT_OK

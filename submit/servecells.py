@@ -12,8 +12,9 @@ from the recipe), run as a child of the service front:
   and start time are its identity. Its time left is its start plus the recipe's
   ``slurm.time_limit`` (the local supervisor honours that limit as Slurm would).
 
-The child's output goes to ``S/cells/cell-N.out``. Local cells share one machine: each is given a
-router port and a front door port of its own (``--set agent.router_port``, ``agent.front.port``).
+The child's output goes to ``S/cells/cell-N.out``. Cells that share one host (``--local``, or a
+cluster file whose ``network_interface`` is ``lo``) are each given a router port and a front door
+port of their own (``--set agent.router_port``, ``agent.front.port``: ``own_ports``).
 """
 
 from __future__ import annotations
@@ -62,13 +63,17 @@ def _read(job: JobDir) -> JobStatus | None:
     return None
 
 
-def _free_ports(count: int) -> list[int]:
-    """``count`` TCP ports free on this machine now (bound together, so all differ)."""
+def own_ports() -> list[str]:
+    """``--set`` flags giving a cell a router port and a front door port of its own, free on
+    this machine now: cells that share one host (``--local``, or Slurm nodes that are all this
+    host, ``network_interface: lo``) must not share them. The agents' own ports are probed from
+    their bases, so those never collide."""
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        socks = [stack.enter_context(socket.socket()) for _ in range(2)]
         for sock in socks:
             sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
+        router, front = (int(sock.getsockname()[1]) for sock in socks)
+    return ["--set", f"agent.router_port={router}", "--set", f"agent.front.port={front}"]
 
 
 def _when_started(pid: int) -> float | None:
@@ -100,14 +105,10 @@ class LocalCells:
 
     def _spawn(self, job: JobDir) -> subprocess.Popen[bytes]:
         job.root.parent.mkdir(parents=True, exist_ok=True)
-        # Cells on one machine: each its own router and front door port (the agents' own ports
-        # are probed from their bases, so they never collide).
-        router, front = _free_ports(2)
-        ports = ["--set", f"agent.router_port={router}", "--set", f"agent.front.port={front}"]
         try:
             with open(_out(job), "ab") as out:
                 return subprocess.Popen(
-                    cell_argv([*self.args, *ports], job),
+                    cell_argv([*self.args, *own_ports()], job),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -168,8 +169,10 @@ class SlurmCells:
     # Slurm may send the TERM before the time limit up to a minute earlier than asked.
     early_signal_s = 60.0
 
-    def __init__(self, args: Sequence[str]) -> None:
+    def __init__(self, args: Sequence[str], *, one_host: bool = False) -> None:
         self.args = list(args)
+        # Every node is this host (network_interface: lo, a local test cluster): own ports.
+        self.one_host = one_host
 
     async def submit(self, job: JobDir) -> CellIds:
         """Run ``tilert-submit`` for the cell (it sbatches it); the Slurm job id it recorded."""
@@ -179,8 +182,9 @@ class SlurmCells:
         job.root.parent.mkdir(parents=True, exist_ok=True)
         try:
             with open(_out(job), "ab") as out:
+                ports = own_ports() if self.one_host else []
                 done = subprocess.run(
-                    cell_argv(self.args, job),
+                    cell_argv([*self.args, *ports], job),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -242,7 +246,7 @@ def squeue_facts(job_id: str) -> CellFacts:
 
 
 def launcher_for(
-    local: bool, args: Sequence[str], time_limit_s: float | None
+    local: bool, args: Sequence[str], time_limit_s: float | None, *, one_host: bool = False
 ) -> LocalCells | SlurmCells:
-    """The launcher ``serve`` runs its cells with."""
-    return LocalCells(args, time_limit_s) if local else SlurmCells(args)
+    """The launcher ``serve`` runs its cells with (``one_host``: Slurm's nodes are this host)."""
+    return LocalCells(args, time_limit_s) if local else SlurmCells(args, one_host=one_host)

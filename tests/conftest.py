@@ -79,6 +79,7 @@ UNIT_MODULES = frozenset(
         "test_service_keeper",
         "test_service_policy",
         "test_service_routing",
+        "test_service_serve",
         "test_shape",
         "test_starved",
         "test_signature_catalogue",

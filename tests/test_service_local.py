@@ -6,7 +6,6 @@ serves within 10 s and submits nothing twice; SIGTERM stops every cell and leave
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,16 @@ import httpx
 
 from tests.bench.chaosload import ChaosLoad
 from tests.infra.ports import free_port
+from tests.kit.commands import clean_env, submit_cmd
 from tests.kit.scenarios import ANSWER
-from tests.kit.service import ServeProc, cluster_file, nothing_left, service_sets
+from tests.kit.service import (
+    ServeProc,
+    cluster_file,
+    crash_env,
+    crash_loop_prefill,
+    nothing_left,
+    service_sets,
+)
 from tests.kit.waiting import wait_for
 
 # A cell loads in seconds here; two successions take about a minute.
@@ -66,10 +73,9 @@ def test_successions_lose_nothing_and_a_restarted_front_adopts_its_cells(tmp_pat
         assert_submitted_once(before)
 
         serve.kill()
-        restarted = time.monotonic()
         serve.start()
+        # The bound of the wait, not a measure: the service benchmark measures the time back.
         wait_for("the restarted front to serve", lambda: chat(url) or None, ADOPT_S + 5)
-        assert time.monotonic() - restarted <= ADOPT_S + 5
         after = serve.wait("the front's new pid", lambda s: s["front_pid"] == serve.proc.pid, 10)
         live = {c["name"]: c for c in before["cells"] if c["state"] in ("ready", "starting")}
         kept = {c["name"]: c for c in after["cells"]}
@@ -103,3 +109,58 @@ def test_a_second_front_on_the_same_service_refuses(tmp_path: Path) -> None:
         assert ready_cells(serve.service())
         serve.fronts.pop()  # the first front is the one to stop
         assert serve.stop(120) == 0
+
+
+def test_a_cell_whose_prefill_crash_loops_is_replaced_while_the_other_serves(
+    tmp_path: Path,
+) -> None:
+    """Two cells; cell-1's prefill crash-loops until its head fails the job: cell-1 leaves the
+    routing (its streams cut, marked), a replacement follows it after the backoff, cell-2 serves
+    throughout; no request is lost (a stream cut on cell-1 ends with stream_truncated)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cluster = cluster_file(tmp_path)
+    starts = tmp_path / "prefill-starts"
+    env = crash_env(starts, clean_env())
+    sets = service_sets(
+        port,
+        "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.05",
+        "slurm.time_limit='10'",  # no succession in this test
+        "service.successor_lead_s=60",
+        "service.cells=2",
+        "agent.restart.max_restarts=2",
+    )
+    with ServeProc(tmp_path / "S", ["--cluster", str(cluster), *sets], env=env) as serve:
+        serve.wait("two ready cells", lambda s: len(ready_cells(s)) == 2, READY_S)
+        load = ChaosLoad(url, MODEL, ANSWER, clients=2).start()
+        try:
+            # Chats answered, so streams run at both cells when the prefill starts to crash.
+            wait_for("chats answered", lambda: len(load.requests) >= 4 or None, 60)
+            crash_loop_prefill(tmp_path / "S" / "cells" / "cell-1", starts)
+            failed = serve.wait(
+                "cell-1 failed", lambda s: s["cells"][0]["state"] == "failed", READY_S
+            )
+            assert "cell-2" in ready_cells(failed), failed["cells"]
+            replaced = serve.wait(
+                "its replacement ready",
+                lambda s: any(
+                    c["follows"] == "cell-1" and c["state"] == "ready" for c in s["cells"]
+                ),
+                READY_S,
+            )
+        finally:
+            requests = load.finish()
+        cells = {c["name"]: c for c in replaced["cells"]}
+        assert cells["cell-1"]["detail"], cells["cell-1"]
+        assert cells["cell-3"]["reason"] == "replacement", cells
+        assert cells["cell-2"]["state"] == "ready", cells
+        assert replaced["replacements"] == 1
+        outcomes = Counter(r.outcome for r in requests)
+        assert set(outcomes) <= {"ok", "truncated"}, [r for r in requests if r.outcome != "ok"]
+        assert outcomes["ok"] > 10, outcomes
+        # `stop S` signals the front (proven by its pid and start time), which stops every cell.
+        stopped = submit_cmd("stop", str(tmp_path / "S"), timeout=200)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert serve.proc.wait(30) == 0, serve.output()
+        assert serve.service()["state"] == "stopped"
+        assert not nothing_left(serve, 10)

@@ -235,8 +235,6 @@ class CellKeeper:
             cell.decodes = ready_decodes(status)
             if cell.state in ("submitted", "starting"):
                 cell.detail = f"job {job_state}" + (f": {status.error}" if status.error else "")
-        cell.in_flight = self.front.in_flight(cell.name)
-        cell.served = self.front.served(cell.name)
         if cell.state == "retiring":
             if facts.running is False:
                 self._end(cell, "ended", cell.detail)
@@ -357,6 +355,10 @@ class CellKeeper:
     # -- the whole service ------------------------------------------------------------------
 
     def _route(self) -> None:
+        for cell in self.cells:
+            # Every cell's, ended ones too: a failed cell's cut streams leave its count at 0.
+            cell.in_flight = self.front.in_flight(cell.name)
+            cell.served = self.front.served(cell.name)
         routed = [(c.name, c.state, c.front_url, c.decodes) for c in self.cells]
         if routed != self._routed:
             self._routed = routed

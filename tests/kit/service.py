@@ -1,7 +1,7 @@
-"""A service under test: ``tilert-submit serve RECIPE --local --mock --service-dir S`` in a session
-of its own (``ServeProc``), its ``service.json`` read, and everything it or its cells started
-killed on exit. The cells are detached from the front (they outlive a SIGKILLed one), so the
-teardown also finds them through each cell's job directory."""
+"""A service under test: ``tilert-submit serve RECIPE [--local] --mock --service-dir S`` in a
+session of its own (``ServeProc``), its ``service.json`` read, and everything it or its cells
+started killed on exit. The cells are detached from the front (they outlive a SIGKILLed one), so
+the teardown also finds them through each cell's job directory."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import httpx
 import psutil
 
 from tests.kit.commands import DEMO_RECIPE, REPO, SUBMIT
@@ -63,8 +64,10 @@ class ServeProc:
         *,
         recipe: Path = DEMO_RECIPE,
         env: Mapping[str, str] | None = None,
+        local: bool = True,
     ) -> None:
         self.sdir = sdir
+        self.local = local
         self.recipe = recipe
         self.args = list(args)
         self.env = None if env is None else dict(env)
@@ -84,7 +87,7 @@ class ServeProc:
         self.outs.append(out_path)
         out = open(out_path, "wb")  # noqa: SIM115 (closed in __exit__)
         self._outs.append(out)
-        argv = [*SUBMIT, "serve", str(self.recipe), "--local", "--mock"]
+        argv = [*SUBMIT, "serve", str(self.recipe), *(["--local"] if self.local else []), "--mock"]
         self.fronts.append(
             subprocess.Popen(
                 [*argv, "--service-dir", str(self.sdir), *self.args],
@@ -168,3 +171,32 @@ class ServeProc:
 def nothing_left(serve: ServeProc, timeout: float) -> list[psutil.Process]:
     """The cells' processes still alive after ``timeout``."""
     return still_alive(serve.cell_processes(), timeout)
+
+
+# A cell's prefill made to crash-loop (agent/standins/faults.py): the prefill stand-in's first
+# FAULT_STARTS starts counted in a file die CRASH_AFTER_S after starting. The file starts full
+# (every start clean); ``crash_loop_prefill`` empties it and kills one cell's prefill engine, so
+# that cell's restarts crash until its head gives up (agent.restart.max_restarts), while the
+# other cells, which start nothing, serve on. The replacement's prefill starts clean again.
+CRASH_STARTS = 3
+
+
+def crash_env(starts_file: Path, base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` plus the stand-in switches of a prefill crash-loop armed by ``starts_file``."""
+    starts_file.write_bytes(b"." * CRASH_STARTS)
+    return {
+        **base,
+        "TILERT_MOCK_FAULT_TARGET": "prefill-0",
+        "TILERT_MOCK_CRASH_AFTER_S": "0.5",
+        "TILERT_MOCK_FAULT_STARTS": str(CRASH_STARTS),
+        "TILERT_MOCK_FAULT_STARTS_FILE": str(starts_file),
+    }
+
+
+def crash_loop_prefill(job: Path, starts_file: Path) -> None:
+    """Make cell ``job``'s prefill crash-loop: the next CRASH_STARTS starts die; kill it now."""
+    status = json.loads((job / "status.json").read_text())
+    prefill = next(a for a in status["agents"] if a["name"] == "prefill-0")
+    pid = int(httpx.get(prefill["status_url"], timeout=10).json()["pid"])
+    starts_file.write_bytes(b"")
+    os.kill(pid, signal.SIGKILL)
