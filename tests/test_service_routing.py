@@ -259,6 +259,24 @@ async def test_only_a_ready_cell_with_an_address_and_decodes_serves(
     assert (await kit.chat("r2", stream=False)).status == 200
 
 
+async def test_a_request_waits_for_a_cell_that_is_coming_and_is_served_by_it(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    # A cell loading (or a ready one whose decodes dropped out for a moment): a request waits in
+    # the queue for it, it is not refused at once.
+    kit = ServiceKit()
+    kit.cell("cell-1", 0, "starting")
+    got: dict[str, Reply] = {}
+    async with trio.open_nursery() as nursery:
+        await start(kit, nursery, "r1", got)
+        await trio.sleep(30)
+        assert kit.front.slots.admission.waiting == 1
+        kit.doors["cell-1"].script(events(ROLE, chunk("Hello"), chunk(None, "stop"), DONE))
+        kit.cell("cell-1", 1, "ready")
+    assert text(got["r1"]) == "Hello"
+    assert kit.outcomes() == {"ok": 1}
+
+
 # ---- the queue ---------------------------------------------------------------------------------
 
 

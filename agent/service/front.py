@@ -42,12 +42,14 @@ from agent.front.ticket import Ticket
 from agent.job.frontpolicy import FrontPolicy
 from agent.service.cellslots import CellSlots, Route
 from agent.service.figures import CELL_CUT, CONTENT_TYPE, NO_CELL, ServiceFigures
-from agent.service.records import CellRecord
+from agent.service.records import CellRecord, CellState
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
 from agent.web.server import serve
 
 SSE = "text/event-stream; charset=utf-8"
 MODELS_TIMEOUT_S = 5.0
+# Cells that may serve soon: a request that finds none serving waits for them in the queue.
+COMING: frozenset[CellState] = frozenset({"submitted", "starting", "ready"})
 SERVED: frozenset[Outcome] = frozenset({"ok", "retried_ok"})
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class ServiceFront:
         self.slots = CellSlots(
             max_waiting=queue.max_waiting, max_wait_s=queue.max_wait_s, watcher=figures
         )
+        self._coming = False
         self._given = client  # the caller's (it closes it); None: our own, open while run()s
         self.client: httpx.AsyncClient | None = client
         self._carried: dict[str, int] = {}
@@ -108,6 +111,9 @@ class ServiceFront:
         with a ``front_url`` and ready decodes; a cell that left that set gets none, and its
         requests run on."""
         self.slots.set_cells(cells)
+        # A request that finds no cell serving waits in the queue (bounded by max_wait_s) while
+        # one may come: a cell loading, or a ready one whose decodes dropped out for a moment.
+        self._coming = any(c.state in COMING for c in cells)
 
     def cut(self, name: str) -> None:
         """Cell ``name`` failed: its streams end now, marked ``stream_truncated``; its requests
@@ -224,7 +230,7 @@ class ServiceFront:
             return ticket.answer(error(400, why, "unsupported"), "rejected")
         if self.client is None:  # not serving yet: run() opens it before the socket serves
             return ticket.answer(unavailable("the service front is starting"), "rejected")
-        if not self.serving():
+        if not self.serving() and not self._coming:
             return ticket.answer(unavailable("no cell of the service is ready yet"), "rejected")
         try:
             route = await self.slots.enter()

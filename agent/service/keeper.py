@@ -70,11 +70,14 @@ class FiguresControl(Protocol):
 
 
 def ready_decodes(status: JobStatus) -> int:
-    """The cell's decodes that serve: healthy, and in the router's pool (or not pooled)."""
+    """The cell's decodes that serve: those in its router's list (its front door's capacity:
+    one restarting for a moment stays, and the cell's own front door waits for it), or, before
+    the head says who is, the healthy ones."""
     return sum(
         1
         for a in status.agents
-        if a.role == "decode" and a.state == "healthy" and a.pool in ("member", msgspec.UNSET)
+        if a.role == "decode"
+        and (a.pool == "member" or (a.pool is msgspec.UNSET and a.state == "healthy"))
     )
 
 
