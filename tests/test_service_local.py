@@ -8,20 +8,21 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
-
-import httpx
 
 from tests.bench.chaosload import ChaosLoad
 from tests.infra.ports import free_port
 from tests.kit.commands import clean_env, submit_cmd
 from tests.kit.scenarios import ANSWER
 from tests.kit.service import (
+    MODEL,
     ServeProc,
+    assert_submitted_once,
+    chat,
     cluster_file,
     crash_env,
     crash_loop_prefill,
     nothing_left,
+    ready_cells,
     service_sets,
 )
 from tests.kit.waiting import wait_for
@@ -30,28 +31,6 @@ from tests.kit.waiting import wait_for
 READY_S = 120.0
 SUCCESSIONS_S = 240.0
 ADOPT_S = 10.0
-MODEL = "demo-model"
-
-
-def ready_cells(status: dict[str, Any]) -> list[str]:
-    return [c["name"] for c in status.get("cells", []) if c["state"] == "ready"]
-
-
-def chat(url: str) -> bool:
-    """One short chat at the front: whether it was answered 200."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    try:
-        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def assert_submitted_once(status: dict[str, Any]) -> None:
-    """One initial cell, and no cell succeeded or replaced twice."""
-    cells = status["cells"]
-    assert [c["name"] for c in cells if c["reason"] == "initial"] == ["cell-1"], cells
-    follows = Counter(c["follows"] for c in cells if c["follows"])
-    assert all(n == 1 for n in follows.values()), follows
 
 
 def test_successions_lose_nothing_and_a_restarted_front_adopts_its_cells(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -23,6 +24,7 @@ from tests.kit.jobs import CLUSTER_FILE, FAST
 from tests.kit.processes import job_processes, kill_all, still_alive
 from tests.kit.waiting import wait_for
 
+MODEL = "demo-model"
 # Slurm's shortest limit (a minute) and a TERM lead that leaves a cell time to serve first.
 CELL_LIMIT = "1"
 SIGNAL_LEAD_S = 20
@@ -44,6 +46,30 @@ def service_sets(front_port: int, *extra: str) -> list[str]:
         *extra,
     ]
     return [arg for s in sets for arg in ("--set", s)]
+
+
+def ready_cells(status: Mapping[str, Any]) -> list[str]:
+    """The names of ``service.json``'s ready cells."""
+    return [c["name"] for c in status.get("cells", []) if c["state"] == "ready"]
+
+
+def chat(url: str) -> bool:
+    """One short chat at the front: whether it was answered 200."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def assert_submitted_once(status: Mapping[str, Any], lines: int = 1) -> None:
+    """One initial cell per line (``service.cells``), and no cell followed twice (a successor
+    or replacement submitted again)."""
+    cells = status["cells"]
+    initial = [c["name"] for c in cells if c["reason"] == "initial"]
+    assert initial == [f"cell-{i}" for i in range(1, lines + 1)], cells
+    follows = Counter(c["follows"] for c in cells if c["follows"])
+    assert all(n == 1 for n in follows.values()), follows
 
 
 def cluster_file(folder: Path) -> Path:
