@@ -75,9 +75,12 @@ class Backend(ABC):
         """The line ``status`` shows for where the job runs."""
 
     @abstractmethod
-    def stop(self, job: JobDir, status: JobStatus, limit: float) -> None:
+    def stop(
+        self, job: JobDir, status: JobStatus, limit: float, say: Callable[[str], None] = print
+    ) -> None:
         """Stop the running job ``job`` so that its agents drain within ``limit`` s, saying each
-        step of the wait; BackendError when it could not (or must not)."""
+        step of the wait through ``say`` (the user's terminal; the service front's log for a
+        cell); BackendError when it could not (or must not)."""
 
     def grow(self, job: JobDir, status: JobStatus, pool: DecodePool, indexes: list[int]) -> None:
         """Start the decode agents ``indexes`` that ``pool`` (already in ``J/pool.json``) adds;

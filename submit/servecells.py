@@ -20,6 +20,7 @@ port of their own (``--set agent.router_port``, ``agent.front.port``: ``own_port
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -41,6 +42,8 @@ from submit.local.backend import START_TIME_SLACK_S, LocalBackend, pid_alive
 from submit.slurm import client
 from submit.slurm.backend import SlurmBackend
 
+# The service front's log (S/service.log): a cell's stop says its steps there, not on stdout.
+log = logging.getLogger("tilert.service")
 # How long a Slurm submission (the child tilert-submit and its sbatch) may take.
 SUBMIT_LIMIT_S = 120.0
 # squeue's one line per cell: state, time left, reason.
@@ -156,7 +159,7 @@ class LocalCells:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(cell.local_pid, signal.SIGTERM)
             return
-        await trio.to_thread.run_sync(LocalBackend().stop, job, status, limit)
+        await trio.to_thread.run_sync(LocalBackend().stop, job, status, limit, log.info)
         child = self._children.pop(cell.local_pid or 0, None)
         if child is not None:
             child.poll()
@@ -216,7 +219,7 @@ class SlurmCells:
                 return
             await trio.to_thread.run_sync(lambda: client.scancel(cell.slurm_job_id or ""))
             return
-        await trio.to_thread.run_sync(SlurmBackend().stop, job, status, limit)
+        await trio.to_thread.run_sync(SlurmBackend().stop, job, status, limit, log.info)
 
 
 def squeue_facts(job_id: str) -> CellFacts:

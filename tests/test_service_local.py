@@ -70,6 +70,8 @@ def test_successions_lose_nothing_and_a_restarted_front_adopts_its_cells(tmp_pat
         assert {c["state"] for c in final["cells"]} <= {"ended", "failed"}, final["cells"]
         assert not nothing_left(serve, 10)
         assert not (tmp_path / "S" / "front.lock").exists()
+        # A cell's stop says its steps in the front's log, not on serve's stdout.
+        assert "stopping the local job" in (tmp_path / "S" / "service.log").read_text()
 
 
 def test_a_second_front_on_the_same_service_refuses(tmp_path: Path) -> None:

@@ -168,3 +168,5 @@ def test_a_slurm_service_adopts_replaces_succeeds_twice_and_stops_clean(
         wait_for("no job in squeue", lambda: not slurm.squeue(), slurm.kill_wait_s + 30)
         assert not nothing_left(serve, 10)
         assert slurm_jobs(slurm, first_job) == cell_jobs(final), "a job no cell records"
+        # A cell's stop says its steps in the front's log, not on serve's stdout.
+        assert "stopping Slurm job" in (serve.sdir / "service.log").read_text()

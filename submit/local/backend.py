@@ -19,7 +19,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -176,13 +176,15 @@ class LocalBackend(Backend):
         """The supervisor's pid."""
         return f"local supervisor pid: {_pid(status)}"
 
-    def stop(self, job: JobDir, status: JobStatus, limit: float) -> None:
+    def stop(
+        self, job: JobDir, status: JobStatus, limit: float, say: Callable[[str], None] = print
+    ) -> None:
         """SIGTERM the verified supervisor and wait for it to exit; SIGKILL it after ``limit``."""
         pid = _pid(status)
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
-            print("it had already exited")
+            say("it had already exited")
             return
         try:
             why = not_the_supervisor(job, status)
@@ -194,19 +196,17 @@ class LocalBackend(Backend):
                 )
             if status.state == "stopping":
                 # A stop is under way (another `stop`, a Ctrl-C): a second signal would force it.
-                print(
-                    f"the local job is already stopping: waiting for pid {pid} (up to {limit:g}s)"
-                )
+                say(f"the local job is already stopping: waiting for pid {pid} (up to {limit:g}s)")
             else:
-                print(
+                say(
                     f"stopping the local job: SIGTERM to its supervisor pid {pid} "
                     f"(up to {limit:g}s)"
                 )
                 signal.pidfd_send_signal(pidfd, signal.SIGTERM)
             if _wait_exit(pidfd, limit):
-                print("stopped")
+                say("stopped")
                 return
-            print(
+            say(
                 f"pid {pid} did not exit within {limit:g}s; "
                 "sending SIGKILL (its agents die with it)"
             )

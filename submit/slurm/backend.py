@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -81,14 +81,16 @@ class SlurmBackend(Backend):
         """The Slurm job is not running."""
         return f"Slurm job {_job_id(status)} is not running (status.json: {status.state})"
 
-    def stop(self, job: JobDir, status: JobStatus, limit: float) -> None:
+    def stop(
+        self, job: JobDir, status: JobStatus, limit: float, say: Callable[[str], None] = print
+    ) -> None:
         """TERM every task of the job (and of the jobs that grew its pool), wait for them to end,
         scancel them for good after ``limit``."""
         ids = [_job_id(status), *grow_job_ids(job)]
         for job_id in ids:
             try:
                 if job_id == ids[0] or client.job_active(job_id):
-                    stop_job(job_id, limit)
+                    stop_job(job_id, limit, say)
             except client.SlurmError as exc:
                 raise BackendError(f"could not stop Slurm job {job_id}: {exc}") from None
 
@@ -132,13 +134,13 @@ def grow_job_ids(job: JobDir) -> list[str]:
     return [g.slurm_job_id for g in pool.grow_jobs]
 
 
-def stop_job(job_id: str, limit: float) -> None:
+def stop_job(job_id: str, limit: float, say: Callable[[str], None] = print) -> None:
     """``scancel --signal=TERM``, wait up to ``limit`` s, then a plain ``scancel``."""
-    print(f"stopping Slurm job {job_id}: scancel --signal=TERM (agents drain, up to {limit:g}s)")
+    say(f"stopping Slurm job {job_id}: scancel --signal=TERM (agents drain, up to {limit:g}s)")
     client.scancel(job_id, signal_name="TERM")
     if wait_until(lambda: client.job_active(job_id) is False, limit):
-        print(f"Slurm job {job_id} ended")
+        say(f"Slurm job {job_id} ended")
         return
-    print(f"Slurm job {job_id} still running after {limit:g}s: scancel {job_id}")
+    say(f"Slurm job {job_id} still running after {limit:g}s: scancel {job_id}")
     client.scancel(job_id)
     wait_until(lambda: client.job_active(job_id) is False, SCANCEL_WAIT_S)
