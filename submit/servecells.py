@@ -35,7 +35,7 @@ import trio
 
 from agent.job.paths import JobDir
 from agent.job.records import JobStatus
-from agent.service.launcher import CellFacts, CellIds
+from agent.service.launcher import SUBMIT_LIMIT_S, CellFacts, CellIds
 from agent.service.records import CellRecord
 from submit.backend import BackendError
 from submit.local.backend import START_TIME_SLACK_S, LocalBackend, pid_alive
@@ -44,8 +44,6 @@ from submit.slurm.backend import SlurmBackend
 
 # The service front's log (S/service.log): a cell's stop says its steps there, not on stdout.
 log = logging.getLogger("tilert.service")
-# How long a Slurm submission (the child tilert-submit and its sbatch) may take.
-SUBMIT_LIMIT_S = 120.0
 # squeue's one line per cell: state, time left, reason.
 _SQUEUE_FORMAT = "%T|%L|%r"
 

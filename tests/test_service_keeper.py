@@ -286,3 +286,72 @@ async def test_stop_ends_every_live_cell(
     assert saved is not None
     assert saved.state == "stopped"
     assert {c.state for c in saved.cells} == {"ended"}
+
+
+class HangingCells(Cells):
+    """A launcher whose submissions never finish (the front is killed while they run)."""
+
+    async def submit(self, job: JobDir) -> CellIds:
+        self.submitted.append(job.root.name)
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def cut_submission(sdir: ServiceDir, world: World) -> None:
+    """A front killed while it submitted cell-1: ``service.json`` names it, with no job ids."""
+    hanging = HangingCells(world)
+    k1 = keeper(sdir, hanging, Front())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(k1.run)
+        await until(lambda: hanging.submitted == ["cell-1"])
+        await until(lambda: (s := read_service(sdir)) is not None and len(s.cells) == 1)
+        nursery.cancel_scope.cancel()  # as SIGKILL: the submission cut
+    saved = read_service(sdir)
+    assert saved is not None
+    assert (saved.cells[0].state, saved.cells[0].local_pid) == ("submitted", None)
+
+
+async def test_a_submission_cut_by_a_kill_is_taken_up_when_its_job_shows(
+    tmp_path: object,
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001
+) -> None:
+    """The orphaned submission finished (its job directory names the job): the restarted keeper
+    takes the job up and serves through it, submitting nothing."""
+    sdir = ServiceDir(tmp_path)  # type: ignore[arg-type]
+    sdir.cells.mkdir()
+    world = World()
+    await cut_submission(sdir, world)
+    world.started["cell-1"] = trio.current_time()
+    sdir.cell("cell-1").create()
+    sdir.cell("cell-1").write_status(JobStatus(state="pending", model="m", local_pid=4242))
+    again = Cells(world)
+    k2 = keeper(sdir, again, Front())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(k2.run)
+        serve(sdir, "cell-1")
+        await until(lambda: states(k2) == {"cell-1": "ready"}, "cell-1 taken up and ready")
+        assert k2.cells[0].local_pid == 4242
+        assert again.submitted == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_submission_cut_by_a_kill_that_recorded_no_job_is_replaced(
+    tmp_path: object,
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001
+) -> None:
+    """No job ever shows for the cut submission: past SUBMIT_LIMIT_S the cell is failed and its
+    line replaced, instead of a cell 'submitted' forever heading its line."""
+    sdir = ServiceDir(tmp_path)  # type: ignore[arg-type]
+    sdir.cells.mkdir()
+    world = World()
+    await cut_submission(sdir, world)
+    again = Cells(world)
+    k2 = keeper(sdir, again, Front())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(k2.run)
+        await until(lambda: states(k2)["cell-1"] == "failed", "the cut cell-1 failed")
+        assert k2.cells[0].detail is not None
+        assert "recorded no job" in k2.cells[0].detail
+        await until(lambda: again.submitted == ["cell-2"], "cell-1's replacement")
+        assert (k2.cells[1].reason, k2.cells[1].follows) == ("replacement", "cell-1")
+        nursery.cancel_scope.cancel()

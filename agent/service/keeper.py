@@ -30,7 +30,7 @@ from agent.job.records import JobStatus
 from agent.job.vocab import SERVING_STATES
 from agent.recipe.serviceplan import ServicePlan
 from agent.service import succession
-from agent.service.launcher import CellLauncher
+from agent.service.launcher import SUBMIT_LIMIT_S, CellLauncher
 from agent.service.paths import ServiceDir
 from agent.service.records import (
     LIVE_CELL_STATES,
@@ -108,6 +108,11 @@ def _read_job(job: JobDir) -> JobStatus | None:
         return None
 
 
+def _unrecorded(cell: CellRecord) -> bool:
+    """Whether the cell has no job ids yet (its submission under way, or cut by a kill)."""
+    return cell.slurm_job_id is None and cell.local_pid is None
+
+
 def read_service(sdir: ServiceDir) -> ServiceStatus | None:
     """``S/service.json`` as a previous front left it, or None (none, or unreadable)."""
     try:
@@ -158,6 +163,8 @@ class CellKeeper:
         # Cells being stopped: set once each stop is over.
         self._stops: dict[str, trio.Event] = {}
         self._margins: dict[str, float] = {}
+        # Cells this front is submitting now (the others without job ids were left by another).
+        self._submitting: set[str] = set()
         self._routed: object = None
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -177,6 +184,8 @@ class CellKeeper:
             self._next = max(self._next, _number(cell.name) + 1)
             if cell.state not in LIVE_CELL_STATES:
                 continue
+            if _unrecorded(cell):
+                continue  # its submission was under way: _observe settles it
             facts = await self.launcher.facts(cell, self.sdir.cell(cell.name))
             if facts.running is False:
                 ended = "ended" if cell.state == "retiring" else "failed"
@@ -225,7 +234,9 @@ class CellKeeper:
 
     async def _observe(self, cell: CellRecord, now: float) -> None:
         job = self.sdir.cell(cell.name)
-        if cell.slurm_job_id is None and cell.local_pid is None:
+        if _unrecorded(cell):
+            if cell.name not in self._submitting:
+                self._settle_submission(cell, job, now)
             return  # its submission is under way
         facts = await self.launcher.facts(cell, job)
         status = _read_job(job)
@@ -253,6 +264,27 @@ class CellKeeper:
             cell.pending_reason = None
         if cell.state == "starting" and serves(cell, status):
             self._ready(cell, now)
+
+    def _settle_submission(self, cell: CellRecord, job: JobDir, now: float) -> None:
+        """A cell whose submission a previous front left unfinished (killed meanwhile): its job
+        ids from its job directory once the orphaned submission wrote them; failed (and so
+        replaced) when none came within SUBMIT_LIMIT_S, rather than heading its line forever."""
+        status = _read_job(job)
+        if status is not None and (status.slurm_job_id or status.local_pid):
+            cell.slurm_job_id, cell.local_pid = status.slurm_job_id, status.local_pid
+            cell.local_started_at = status.local_started_at
+            log.info(
+                "%s was submitted while no front ran: %s",
+                cell.name,
+                cell.slurm_job_id or cell.local_pid,
+            )
+            return
+        if now - cell.submitted_at > SUBMIT_LIMIT_S:
+            why = (
+                f"its submission recorded no job within {SUBMIT_LIMIT_S:g} s "
+                "(a service front stopped while it ran)"
+            )
+            self._fail(cell, why, still_running=False)
 
     def _ready(self, cell: CellRecord, now: float) -> None:
         cell.state, cell.ready_at, cell.detail = "ready", now, None
@@ -342,6 +374,7 @@ class CellKeeper:
                 self.replacements += 1
                 self.figures.replacement()
             log.info("submitting %s (%s of %s)", cell.name, one.reason, one.follows or "none")
+            self._submitting.add(cell.name)
             self._spawn(self._submit, cell)
 
     async def _submit(self, cell: CellRecord) -> None:
@@ -351,6 +384,8 @@ class CellKeeper:
             self._end(cell, "failed", f"not submitted: {exc}")
             self.poke()
             return
+        finally:
+            self._submitting.discard(cell.name)
         cell.slurm_job_id = ids.slurm_job_id
         cell.local_pid, cell.local_started_at = ids.local_pid, ids.local_started_at
         self.poke()

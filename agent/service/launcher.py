@@ -12,6 +12,10 @@ from typing import Literal, Protocol
 from agent.job.paths import JobDir
 from agent.service.records import CellRecord
 
+# How long one cell's submission (tilert-submit and its sbatch) may take: a cell whose submission
+# a killed front left unfinished is given this long, from its submission, to record its job.
+SUBMIT_LIMIT_S = 120.0
+
 
 @dataclass(frozen=True)
 class CellIds:
