@@ -113,6 +113,28 @@ def _unrecorded(cell: CellRecord) -> bool:
     return cell.slurm_job_id is None and cell.local_pid is None
 
 
+def _cut_submission(cell: CellRecord, job: JobDir, now: float) -> str | None:
+    """A cell whose submission a previous front left unfinished (killed meanwhile): its job ids
+    taken from its job directory once the orphaned submission wrote them; why it failed when none
+    came within SUBMIT_LIMIT_S (so that it is replaced rather than heading its line forever)."""
+    status = _read_job(job)
+    if status is not None and (status.slurm_job_id or status.local_pid):
+        cell.slurm_job_id, cell.local_pid = status.slurm_job_id, status.local_pid
+        cell.local_started_at = status.local_started_at
+        log.info(
+            "%s was submitted while no front ran: %s",
+            cell.name,
+            cell.slurm_job_id or cell.local_pid,
+        )
+        return None
+    if now - cell.submitted_at > SUBMIT_LIMIT_S:
+        return (
+            f"its submission recorded no job within {SUBMIT_LIMIT_S:g} s "
+            "(a service front stopped while it ran)"
+        )
+    return None
+
+
 def read_service(sdir: ServiceDir) -> ServiceStatus | None:
     """``S/service.json`` as a previous front left it, or None (none, or unreadable)."""
     try:
@@ -235,8 +257,8 @@ class CellKeeper:
     async def _observe(self, cell: CellRecord, now: float) -> None:
         job = self.sdir.cell(cell.name)
         if _unrecorded(cell):
-            if cell.name not in self._submitting:
-                self._settle_submission(cell, job, now)
+            if cell.name not in self._submitting and (why := _cut_submission(cell, job, now)):
+                self._fail(cell, why, still_running=False)
             return  # its submission is under way
         facts = await self.launcher.facts(cell, job)
         status = _read_job(job)
@@ -264,27 +286,6 @@ class CellKeeper:
             cell.pending_reason = None
         if cell.state == "starting" and serves(cell, status):
             self._ready(cell, now)
-
-    def _settle_submission(self, cell: CellRecord, job: JobDir, now: float) -> None:
-        """A cell whose submission a previous front left unfinished (killed meanwhile): its job
-        ids from its job directory once the orphaned submission wrote them; failed (and so
-        replaced) when none came within SUBMIT_LIMIT_S, rather than heading its line forever."""
-        status = _read_job(job)
-        if status is not None and (status.slurm_job_id or status.local_pid):
-            cell.slurm_job_id, cell.local_pid = status.slurm_job_id, status.local_pid
-            cell.local_started_at = status.local_started_at
-            log.info(
-                "%s was submitted while no front ran: %s",
-                cell.name,
-                cell.slurm_job_id or cell.local_pid,
-            )
-            return
-        if now - cell.submitted_at > SUBMIT_LIMIT_S:
-            why = (
-                f"its submission recorded no job within {SUBMIT_LIMIT_S:g} s "
-                "(a service front stopped while it ran)"
-            )
-            self._fail(cell, why, still_running=False)
 
     def _ready(self, cell: CellRecord, now: float) -> None:
         cell.state, cell.ready_at, cell.detail = "ready", now, None
