@@ -28,11 +28,9 @@ from agent.service.paths import ServiceDir
 from agent.service.records import ServiceStatus
 from submit.backend import BackendError
 from submit.choice import backend_of
+from submit.local.backend import START_TIME_SLACK_S, process_facts
 from submit.servicestatus import front_alive, read_service, staleness
 
-# A pid reused within a second of the front's start is not a case to design for (as for the
-# local supervisor, submit.local.backend).
-START_TIME_SLACK_S = 1.0
 # A cell's drain when its plan cannot be read; and what the front may take beyond its cells'
 # drains (it stops them all at once) before it is killed and the cells are stopped from here.
 DEFAULT_DRAIN_S = 60.0
@@ -58,16 +56,10 @@ def drain_of(job: JobDir) -> float:
 
 def not_the_front(status: ServiceStatus) -> str | None:
     """Why the live pid service.json names is not this service's front, or None when it is."""
-    import psutil  # only `stop` asks (see submit.local.backend.pid_alive)
-
-    try:
-        proc = psutil.Process(status.front_pid)
-        started = proc.create_time()
-        cmdline = proc.cmdline()
-    except psutil.NoSuchProcess:
-        return f"pid {status.front_pid} is gone"
-    except psutil.Error as exc:
-        return f"pid {status.front_pid} cannot be inspected ({type(exc).__name__})"
+    facts = process_facts(status.front_pid)
+    if isinstance(facts, str):
+        return facts
+    started, cmdline = facts
     if abs(started - status.front_started_at) > START_TIME_SLACK_S:
         return f"pid {status.front_pid} started after the service front did: another process now"
     if "serve" not in cmdline:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
-import msgspec
 import trio
 
 from agent.job.paths import JobDir
@@ -18,25 +17,15 @@ from agent.service.keeper import CellKeeper, read_service
 from agent.service.launcher import CellFacts, CellIds
 from agent.service.paths import ServiceDir
 from agent.service.records import CellRecord
+from tests.kit.service import service_plan as kit_plan
 from tests.kit.waiting import until as kit_until
 
 LIMIT_S = 300.0
 
 
 def service_plan(**over: object) -> ServicePlan:
-    base = ServicePlan(
-        cells=1,
-        max_cells=2,
-        host="127.0.0.1",
-        port=8090,
-        successor_lead_s=60.0,
-        drain_s=20.0,
-        replace_backoff_s=10.0,
-        replace_backoff_max_s=600.0,
-        replace_max_per_hour=6,
-        time_limit_s=LIMIT_S,
-    )
-    return msgspec.structs.replace(base, **over)
+    """The keeper's tests' plan: a 20 s drain, a LIMIT_S time limit."""
+    return kit_plan(**{"drain_s": 20.0, "time_limit_s": LIMIT_S, **over})
 
 
 class World:

@@ -6,28 +6,13 @@ from __future__ import annotations
 
 import msgspec
 
-from agent.recipe.serviceplan import SUCCESSOR_LEAD_FACTOR, ServicePlan
+from agent.recipe.serviceplan import SUCCESSOR_LEAD_FACTOR
 from agent.service import succession
 from agent.service.records import CellRecord
 from agent.service.succession import Submission, decide
+from tests.kit.service import service_plan as plan
 
 NOW = 10_000.0
-
-
-def plan(**over: object) -> ServicePlan:
-    base = ServicePlan(
-        cells=1,
-        max_cells=2,
-        host="127.0.0.1",
-        port=8090,
-        successor_lead_s=60.0,
-        drain_s=30.0,
-        replace_backoff_s=10.0,
-        replace_backoff_max_s=600.0,
-        replace_max_per_hour=6,
-        time_limit_s=600.0,
-    )
-    return msgspec.structs.replace(base, **over)
 
 
 def cell(name: str, state: str = "ready", **over: object) -> CellRecord:

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import msgspec
 import psutil
 
+from agent.recipe.serviceplan import ServicePlan
 from tests.kit.commands import DEMO_RECIPE, REPO, SUBMIT
 from tests.kit.jobdir import job_ports
 from tests.kit.jobs import CLUSTER_FILE, FAST
@@ -25,6 +27,25 @@ from tests.kit.processes import job_processes, kill_all, still_alive
 from tests.kit.waiting import wait_for
 
 MODEL = "demo-model"
+
+
+def service_plan(**over: object) -> ServicePlan:
+    """A resolved ``service:`` section for the control plane's tests (``over`` replaces fields)."""
+    base = ServicePlan(
+        cells=1,
+        max_cells=2,
+        host="127.0.0.1",
+        port=8090,
+        successor_lead_s=60.0,
+        drain_s=30.0,
+        replace_backoff_s=10.0,
+        replace_backoff_max_s=600.0,
+        replace_max_per_hour=6,
+        time_limit_s=600.0,
+    )
+    return msgspec.structs.replace(base, **over)
+
+
 # Slurm's shortest limit (a minute) and a TERM lead that leaves a cell time to serve first.
 CELL_LIMIT = "1"
 SIGNAL_LEAD_S = 20
