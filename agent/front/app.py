@@ -34,9 +34,10 @@ from agent.front.openai import (
     upstream_error,
     wants_usage,
 )
-from agent.front.proxy import Proxy, Refused, RouterNow, StreamStart, Unavailable, make_client
+from agent.front.proxy import Proxy, Refused, RouterNow, StreamStart, Unavailable, make_upstream
 from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
+from agent.front.upstream import Reply, UpstreamError
 from agent.job.frontpolicy import FrontPolicy
 from agent.web.asgi import (
     App,
@@ -127,9 +128,13 @@ class Front:
     @asynccontextmanager
     async def connected(self) -> AsyncIterator[None]:
         """The front's client to the router open: ``app`` sends requests on within it."""
-        async with make_client(self.transport) as client:
-            self.proxy = Proxy(client, self.router, self.budget)
+        upstream = make_upstream(self.transport)
+        try:
+            self.proxy = Proxy(upstream, self.router, self.budget)
             yield
+        finally:
+            with trio.CancelScope(shield=True):
+                await upstream.aclose()
 
     async def _models(self, _request: Request) -> Response:
         return json_response(models_body(self.model, self.created))
@@ -206,7 +211,7 @@ class Front:
         if isinstance(result, Refused):
             return ticket.answer(*_refused(result))
         if result.stream is None:
-            ctype = result.response.headers.get("content-type", "application/json")
+            ctype = result.response.content_type
             return ticket.answer(Response(result.body, 200, ctype), ticket.served())
         chunks = self._relay(result.response, result.stream, ticket)
         upstream = result.response
@@ -221,7 +226,7 @@ class Front:
         return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}, closed)
 
     async def _relay(
-        self, response: httpx.Response, start: StreamStart, ticket: Ticket
+        self, response: Reply, start: StreamStart, ticket: Ticket
     ) -> AsyncIterator[bytes]:
         """The stream passed on as it arrives; its ticket ended when it ends (its slot given
         back once the router's reply ended: the router has freed its decode by then)."""
@@ -236,7 +241,7 @@ class Front:
                 while (out := await reader.read()) is not None:
                     if out:
                         yield out
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 self.log.warning("front: the router's stream broke: %r", exc)
             if tail := reader.end():
                 yield tail
