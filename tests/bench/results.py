@@ -43,7 +43,12 @@ FIGURES: dict[str, tuple[str, float, Literal["lower", "higher"], str]] = {
     "front_cpu_us_per_event": ("us", 60, "lower", "the front's CPU per streamed event"),
     "front_cpu_s_per_1k": ("s", math.inf, "lower", "the front's CPU per 1,000 streamed chats"),
     "front_ttfb_p99_x_nginx": ("x", 1.5, "lower", "p99 time to first byte, 32 clients / nginx's"),
-    "front_events_per_s": ("/s", 20000, "higher", "events/s one front process passes, saturated"),
+    "front_events_per_s": (
+        "/s",
+        20000,
+        "higher",
+        "events per CPU-second of one front process, saturated",
+    ),
 }
 
 Statistic = Literal["median", "mean", "p50", "p95", "max"]

@@ -22,10 +22,7 @@ FINISH = (
     b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
 )
 DONE = b"data: [DONE]\n\n"
-HEAD = (
-    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-    b"transfer-encoding: chunked\r\n\r\n"
-)
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 HEALTH = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: application/json\r\n\r\n{}"
 MAX_TOKENS = re.compile(rb'"max_tokens"\s*:\s*(\d+)')
 
