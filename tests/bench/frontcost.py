@@ -74,6 +74,7 @@ class Way:
     cpu_short_s: float = 0.0
     cpu_long_s: float = 0.0
     ttfb_s: list[float] = field(default_factory=list)
+    refused: int = 0
 
 
 def _listener_pid(url: str) -> int:
@@ -140,10 +141,10 @@ def _ttfb(paths: dict[str, Way], body: dict[str, object], each: int) -> None:
     for order in (names, names[::-1]):
         for name in order:
             reads = many_clients(paths[name].url, body, TTFB_CLIENTS, each)
-            failed = sum(not r.ok for r in reads)
-            if failed:
-                raise RuntimeError(f"{failed} of {len(reads)} requests through {name} failed")
-            paths[name].ttfb_s += [r.ttfb_s for r in reads]
+            # A refusal (the router's 429 or 503 passed on: only the front queues) is counted,
+            # its time left out.
+            paths[name].refused += sum(not r.ok for r in reads)
+            paths[name].ttfb_s += [r.ttfb_s for r in reads if r.ok]
 
 
 def _added(paths: dict[str, Way], name: str) -> list[float]:
@@ -164,7 +165,7 @@ def side_by_side(paths: dict[str, Way], long_events: int) -> str:
         cells = [
             f"{name}: +{statistics.median(added):.2f} ms p50, +{percentile(added, 0.95):.2f} p95",
             f"ratio {statistics.median(_ratios(paths, name)):.2f}",
-            f"ttfb p99 {percentile(p.ttfb_s, 0.99) * 1000:.1f} ms",
+            f"ttfb p99 {percentile(p.ttfb_s, 0.99) * 1000:.1f} ms ({p.refused} refused)",
         ]
         if p.pid is not None:
             cells.append(f"{p.cpu_long_s / long_events * 1e6:.0f} us/event")
@@ -177,7 +178,7 @@ def measure_paths(names: set[str], *, quick: bool) -> list[Figure]:
     """The figures measured before the job's router, every path side by side."""
     python = router_python()
     which = "TileRT's router" if python else "the router stand-in (no router venv)"
-    short_rounds, long_rounds, ttfb_each = (40, 3, 2) if quick else (300, 8, 6)
+    short_rounds, long_rounds, ttfb_each = (40, 3, 2) if quick else (200, 6, 4)
     with tempfile.TemporaryDirectory(prefix="tilert-bench-front-") as tmp:
         # The probes at their default pace: the front shares the head's process with the
         # supervisors probing the prefill engine and the router (docs/performance.md).
