@@ -10,8 +10,8 @@ request to every path and straight to the router, the order turned every round.
 - ``front_stream_ratio``: per round of a 3,000-token stream (``ignore_eos``), the bytes per second
   through a path over those straight from the router, median;
 - ``front_cpu_us_per_event`` / ``front_cpu_s_per_1k``: each proxy process's CPU time (psutil,
-  before and after) over the events of the long streams / per 1,000 short chats (the front's
-  process is the head agent's: its supervisors' probes are in it);
+  before and after each of its own requests) over the events of the long streams / per 1,000 short
+  chats (the front's process is the head agent's: its probes while a request streams are in it);
 - ``front_ttfb_p99_x_nginx``: 32 clients streaming short chats at once through each path in turn,
   the p99 time to the first event, over nginx's;
 - ``front_events_per_s``: the front alone in a process of its own (``tests/bench/frontalone.py``)
@@ -118,18 +118,20 @@ def _rounds(paths: dict[str, Way], body: dict[str, object], count: int, long: bo
     try:
         for name in names:  # warm: connections, caches
             timed_chat(clients[name], paths[name].url, body)
-        before = {n: cpu_s(p.pid) for n, p in paths.items() if p.pid is not None}
         for i in range(count):
             shift = i % len(names)
             for name in names[shift:] + names[:shift]:
-                out = paths[name].long if long else paths[name].short
-                out.append(timed_chat(clients[name], paths[name].url, body))
-        for name, cpu in before.items():
-            used = cpu_s(paths[name].pid or 0) - cpu
-            if long:
-                paths[name].cpu_long_s = used
-            else:
-                paths[name].cpu_short_s = used
+                way = paths[name]
+                # The proxy's CPU over its own requests only: the head's process (the front's)
+                # spends about 1% of a core on its probes meanwhile, which over the other
+                # paths' requests too would be a third of its figure.
+                before = cpu_s(way.pid) if way.pid is not None else 0.0
+                (way.long if long else way.short).append(timed_chat(clients[name], way.url, body))
+                used = cpu_s(way.pid) - before if way.pid is not None else 0.0
+                if long:
+                    way.cpu_long_s += used
+                else:
+                    way.cpu_short_s += used
     finally:
         for client in clients.values():
             client.close()
