@@ -13,7 +13,7 @@ wrong while running; exit 1). The command lines (``tilert-submit``, ``tilert-age
     │   ├── SelectionError        submit.logview.catalogue: ``logs J NAME`` names no log
     │   ├── BenchFlagsError       submit.bench: a ``bench`` flag out of the recipe's rules
     │   ├── PoolFileError         agent.job.pool: ``J/pool.json`` cannot be used
-    │   ├── BodyError             agent.front.app: a request body the front refuses (413/408/400)
+    │   ├── BodyError             agent.front.answers: a request body a front refuses (413/408/400)
     │   └── FaultConfigError      agent.standins.faults: a stand-in's fault switch is malformed
     ├── RuntimeFailure            exit 1: what failed, where, and what to do next
     │   ├── JobFailed             agent.head.decisions: the job can no longer serve

@@ -4,7 +4,8 @@
 [--job-dir DIR]``, ``tilert-submit convert RECIPE [same flags]`` (a one-node job converting the
 decode's weights, docs/weights.md), ``tilert-submit migrate RECIPE [-o FILE] [--force]``
 (schema 1 to schema 2, docs/recipe.md), and the job commands ``status J [--json]``, ``logs J
-[NAME] [-f]``, ``stop J``, ``diagnose J [--json]``.
+[NAME] [-f]``, ``stop J``, ``diagnose J [--json]``, and ``serve RECIPE ...`` (a service of cells
+behind one service front, ``submit.serve``).
 RECIPE is positional, so the job commands are recognised by the first word; a recipe file with
 such a name is given as ``./status``. Bad input exits 2 with a message naming the key or flag,
 a runtime failure 1; never a traceback for either.
@@ -55,9 +56,19 @@ JOB_COMMANDS = {
     "bench": ("submit.bench", "benchmark a ready job from here, show or compare results"),
     "diagnose": ("submit.diagnose", "name what failed in a job: log lines, cause and fix"),
 }
+# The job commands that take a service directory S (``tilert-submit serve``) as well: its module.
+SERVICE_COMMANDS = {
+    "status": "submit.servicestatus",
+    "logs": "submit.servicelogs",
+    "stop": "submit.servicestop",
+}
 # Commands about the cluster rather than a job: first word -> (module, one-line help).
 SETUP_COMMANDS = {
     "init": ("submit.init", "ask Slurm and this node, write a commented cluster file"),
+}
+# The service (docs/service.md): first word -> (module, one-line help).
+SERVE_COMMANDS = {
+    "serve": ("submit.serve", "serve a recipe as cells behind one service front"),
 }
 # ``tilert-submit convert RECIPE ...``: the same flags as a submission, for a convert-only job.
 CONVERT_COMMAND = "convert"
@@ -74,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         "validate the recipe, plan, write the job directory and submit it to Slurm.",
         epilog="Job commands: "
         + "; ".join(f"{PROG} {name} J ... ({text})" for name, (_, text) in JOB_COMMANDS.items())
+        + f". A service: {PROG} serve RECIPE [--local] [--service-dir S]"
         + f". Weights ahead of a job: {PROG} {CONVERT_COMMAND} RECIPE ... (a one-node job). "
         + f"A new cluster: {PROG} init [-o FILE] (writes a commented cluster file). "
         f"Schema 1 to schema 2: {PROG} {MIGRATE_COMMAND} RECIPE [-o FILE]. See docs/cli.md.",
@@ -151,18 +163,24 @@ def _positive(text: str) -> int:
 
 
 def _job_command(name: str, argv: Sequence[str]) -> int:
-    module_name, text = {**JOB_COMMANDS, **SETUP_COMMANDS}[name]
+    module_name, text = {**JOB_COMMANDS, **SETUP_COMMANDS, **SERVE_COMMANDS}[name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=text)
     add_arguments = getattr(module, "add_arguments", None)
     if add_arguments is not None:
         add_arguments(parser)
     else:
-        parser.add_argument("job_dir", metavar="J", help="the job directory tilert-submit printed")
+        parser.add_argument(
+            "job_dir",
+            metavar="J",
+            help="the job directory tilert-submit printed (status, stop: or a service's, S)",
+        )
         if name == "status":
             parser.add_argument("--json", action="store_true", help="print status.json as is")
     # Intermixed: `logs J -f decode-0 decode-1` as well as `logs J decode-0 decode-1 -f`.
     args = parser.parse_intermixed_args(list(argv))
+    if name in SERVICE_COMMANDS and _is_service(args.job_dir):
+        module = importlib.import_module(SERVICE_COMMANDS[name])
     try:
         result: int = module.main(args)
     except BrokenPipeError:
@@ -172,6 +190,16 @@ def _job_command(name: str, argv: Sequence[str]) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         return _fail(f"{name}: {where}{exc.strerror or exc}")
     return result
+
+
+def _is_service(path: str) -> bool:
+    """Whether ``path`` is a service directory (it holds ``service.json``), not a job's."""
+    from agent.service.paths import ServiceDir  # deferred: see the imports' comment
+
+    try:
+        return ServiceDir.is_service(Path(path))
+    except OSError:
+        return False  # the job command says what is wrong with it
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
@@ -189,7 +217,9 @@ def _warn(problems: Sequence[Problem], source: str) -> None:
         print(render_problems(problems, source), file=sys.stderr)
 
 
-def _load_cluster(flag: str | None) -> tuple[ClusterConfig | None, list[Problem], str]:
+def load_cluster(flag: str | None) -> tuple[ClusterConfig | None, list[Problem], str]:
+    """The cluster file (--cluster, $TILERT_CLUSTER_FILE, ./srtslurm.yaml), its warnings, its
+    name; no cluster when none is found."""
     from agent.recipe.cluster import find_cluster_file, read_cluster
 
     path = find_cluster_file(flag, os.environ, Path.cwd())
@@ -402,7 +432,7 @@ def _prepare_all(
     from agent.recipe.sweep import MAX_JOBS
 
     try:
-        cluster, cluster_warnings, cluster_source = _load_cluster(args.cluster)
+        cluster, cluster_warnings, cluster_source = load_cluster(args.cluster)
         combinations = recipe_sweep(
             Path(args.recipe),
             overrides=args.overrides,
@@ -510,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     """A job command, ``convert RECIPE``, or ``RECIPE``."""
-    if argv and (argv[0] in JOB_COMMANDS or argv[0] in SETUP_COMMANDS):
+    if argv and any(argv[0] in table for table in (JOB_COMMANDS, SETUP_COMMANDS, SERVE_COMMANDS)):
         return _job_command(argv[0], argv[1:])
     if argv and argv[0] == MIGRATE_COMMAND:
         return _migrate(argv[1:])

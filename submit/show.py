@@ -384,6 +384,7 @@ _AGENT_VALUES: dict[str, Callable[[Plan], str]] = {
     "agent.front.queue.max_wait_s": lambda p: _seconds(p.agent.front.queue.max_wait_s),
     "agent.front.max_body_bytes": lambda p: str(p.agent.front.max_body_bytes),
     "agent.front.body_timeout_s": lambda p: _seconds(p.agent.front.body_timeout_s),
+    "agent.front.resume": lambda p: "on" if p.agent.front.resume else "off",
     "agent.logs.max_bytes": lambda p: str(p.agent.log_max_bytes),
     "agent.logs.backups": lambda p: str(p.agent.log_backups),
     "agent.logs.location": lambda p: "job" if p.agent.log_node_dir is None else "node",

@@ -124,3 +124,16 @@ def test_a_prefill_or_router_kill_loses_at_most_what_was_in_flight() -> None:
 def test_the_baseline_loses_nothing() -> None:
     base = account([Request(1, 2, "failed", None)], [], bound_s=60)[0]
     assert base.misses == ["baseline: 1 request(s) lost"]
+
+
+def test_with_resume_a_decode_kill_may_truncate_nothing_and_resumed_streams_are_shown() -> None:
+    struck = [Struck(Fault("decode-engine", "decode-0"), 10, 12, 1.0, {"resumed": 2.0})]
+    flying = [Request(9, 10.5, "truncated", 9.1, error="stream_truncated"), ok(9, 11)]
+    assert account(flying, struck, bound_s=60)[1].misses == []
+    cost = account(flying, struck, bound_s=60, resume=True)[1]
+    assert cost.misses == [
+        "decode-engine:decode-0: 1 truncated, with the front continuing cut streams"
+    ]
+    assert cost.resumed == 2
+    table = render([cost]).splitlines()
+    assert table[1].split()[table[0].split().index("resumed")] == "2"

@@ -154,13 +154,18 @@ def test_promtool_accepts_decode_and_head_pages(job: kit.LocalJob) -> None:
         assert not lint, (agent["name"], output)
 
 
-def dashboard_queries() -> list[tuple[str, str]]:
-    """``(panel title, PromQL)`` of every panel target, Grafana's variables filled in."""
+def dashboard_queries(
+    variable: str = "slurm_job_id", value: str = "local"
+) -> list[tuple[str, str]]:
+    """``(panel title, PromQL)`` of every panel target that selects by ``$variable`` (a job's
+    panels, or the service row's: ``service``), Grafana's variables filled in."""
     model = json.loads(DASHBOARD.read_text())
     out = []
     for panel in model["panels"]:
-        for target in panel["targets"]:
-            expr = target["expr"].replace("$slurm_job_id", "local")
+        for target in panel.get("targets", []):
+            if f"${variable}" not in target["expr"]:
+                continue
+            expr = target["expr"].replace(f"${variable}", value)
             out.append((panel["title"], expr.replace("$__rate_interval", "20s")))
     return out
 
@@ -172,13 +177,19 @@ def test_dashboard_model_is_grafanas() -> None:
     assert model["title"]
     assert model["schemaVersion"] >= 36
     names = {v["name"] for v in model["templating"]["list"]}
-    assert names == {"datasource", "slurm_job_id"}
+    assert names == {"datasource", "slurm_job_id", "service"}
     ids = [p["id"] for p in model["panels"]]
     assert len(ids) == len(set(ids)) >= 12
     for panel in model["panels"]:
-        assert panel["targets"], panel["title"]
         assert panel["description"], panel["title"]
+        if panel["type"] == "row":  # a heading (the service's), no query of its own
+            assert not panel.get("targets"), panel["title"]
+            continue
+        assert panel["targets"], panel["title"]
         assert panel["datasource"]["uid"] == "${datasource}"
+    # Every query selects one job or one service: none is left out of the tests' queries.
+    every = sum(len(p.get("targets", [])) for p in model["panels"])
+    assert every == len(dashboard_queries()) + len(dashboard_queries("service"))
 
 
 def test_every_dashboard_query_returns_data(

@@ -22,6 +22,7 @@ from tests import kit
 from tests.kit import FAST
 from tests.kit.chatload import ChatLoad, stream_chat
 from tests.kit.metrics import one, samples
+from tests.kit.scenarios import ANSWER
 from tests.test_scale import PROBE, scale
 
 pytestmark = pytest.mark.router
@@ -179,30 +180,81 @@ def test_a_slow_client_and_a_client_gone_mid_stream_block_nothing(job: kit.Local
     assert front_figures(job)["cancelled"] >= 1
 
 
-def test_a_stream_cut_by_a_dead_decode_is_marked_truncated(job: kit.LocalJob) -> None:
-    """SIGKILL the decode serving a stream: the client's stream ends with the stream_truncated
-    error event and [DONE], never a ``stop`` chunk; the front counts it truncated."""
-    url = front(job)
-    before = front_figures(job)["truncated"]
-    body = {**CHAT, "model": MODEL, "stream": True}
+def cut_mid_stream(job: kit.LocalJob, body: dict[str, Any]) -> list[dict[str, Any] | str]:
+    """A streamed chat at the front whose decode is SIGKILLed after its first text: every
+    event the client got."""
     got: list[dict[str, Any] | str] = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{front(job)}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
         lines = r.iter_lines()
         for line in lines:
-            if '"content"' in line:
+            got += events(iter([line]))
+            if '"content"' in line and '"content": ""' not in line:
                 break
         psutil.Process(engine_pid(job, busy_decode(job))).kill()
-        got = events(lines)
+        got += events(lines)
+    return got
+
+
+def chunks_of(got: list[dict[str, Any] | str]) -> list[dict[str, Any]]:
+    """The chunks among a stream's events (its ``[DONE]`` left out)."""
+    return [e for e in got if isinstance(e, dict)]
+
+
+def text_of(got: list[dict[str, Any] | str]) -> str:
+    """A stream's text."""
+    deltas = [c.get("delta") or {} for e in chunks_of(got) for c in e.get("choices") or []]
+    return "".join(d.get("content") or "" for d in deltas)
+
+
+def test_a_stream_cut_by_a_dead_decode_is_continued_whole(job: kit.LocalJob) -> None:
+    """SIGKILL the decode serving a stream: the front continues it (agent.front.resume), and
+    the client's stream is one: the uncut answer's text, one id, one role chunk, no error event,
+    ``stop`` then the usage of the uncut answer, ``[DONE]``; the front counts it resumed."""
+    body = {**CHAT, "model": MODEL, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{front(job)}/v1/chat/completions", json=body, timeout=60) as r:
+        uncut = events(r.iter_lines())
+    before = front_figures(job)
+    got = cut_mid_stream(job, body)
+    chunks = chunks_of(got)
+    assert got[-1] == "[DONE]", got
+    assert not [c for c in chunks if "error" in c], got
+    assert text_of(got) == text_of(uncut) == ANSWER
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}, got
+    roles = [c for e in chunks for c in e["choices"] if "role" in (c.get("delta") or {})]
+    assert len(roles) == 1, got
+    finishes = [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["stop"], got
+    assert (
+        chunks[-1]["usage"]["completion_tokens"]
+        == chunks_of(uncut)[-1]["usage"]["completion_tokens"]
+    )
+    after = front_figures(job)
+    assert (after["resumed"], after["truncated"]) == (before["resumed"] + 1, before["truncated"])
+    kit.wait_state(job.job, "ready", READY_S)
+
+
+def test_a_cut_that_cannot_be_continued_is_marked_truncated(job: kit.LocalJob) -> None:
+    """A chat with a response_format cannot be continued (its grammar would start again):
+    its stream ends with the stream_truncated error event and [DONE], never a ``stop`` chunk;
+    the front counts it truncated."""
+    before = front_figures(job)["truncated"]
+    form = {"type": "json_object"}
+    got = cut_mid_stream(job, {**CHAT, "model": MODEL, "stream": True, "response_format": form})
+    assert_marked(got)
+    assert front_figures(job)["truncated"] == before + 1
+    kit.wait_state(job.job, "ready", READY_S)
+
+
+def assert_marked(got: list[dict[str, Any] | str]) -> None:
+    """A cut stream as the client sees it without resume: the error event, then [DONE]."""
     assert got[-1] == "[DONE]"
     error = got[-2]
     assert isinstance(error, dict)
     assert error["error"]["type"] == "stream_truncated", error
-    finishes = [
-        c.get("finish_reason") for e in got if isinstance(e, dict) for c in e.get("choices") or []
-    ]
+    finishes = [c.get("finish_reason") for e in chunks_of(got) for c in e.get("choices") or []]
     assert not any(finishes), got
-    assert front_figures(job)["truncated"] == before + 1
-    kit.wait_state(job.job, "ready", READY_S)
+    assert text_of(got) != ANSWER
 
 
 def finish_with_only_cuts(
@@ -225,11 +277,11 @@ def finish_with_only_cuts(
 
 def test_killed_decode_engines_under_load_lose_nothing(job: kit.LocalJob) -> None:
     """Three clients chatting while decode engines are SIGKILLed four times: nothing refused,
-    nothing busy, no 5xx; only chats streaming on a killed decode fail, each with the visible
-    stream_truncated error."""
+    nothing busy, no 5xx, nothing cut: every chat ends with [DONE] and the whole answer (the
+    streams on a killed decode continued on another)."""
     url = front(job)
     before = front_figures(job)
-    load = ChatLoad(url, MODEL, clients=3).start()
+    load = ChatLoad(url, MODEL, clients=3, answer=ANSWER).start()
 
     def served_at_least(count: int) -> None:
         kit.wait_for(f"{count} chats served", lambda: load.served >= count, 120)
@@ -238,8 +290,9 @@ def test_killed_decode_engines_under_load_lose_nothing(job: kit.LocalJob) -> Non
         served_at_least(2 * (kill + 1))
         psutil.Process(engine_pid(job, f"decode-{kill % 2}")).kill()
     served_at_least(12)
-    after = finish_with_only_cuts(job, load, before, most=4)
-    assert after["retried_ok"] > before["retried_ok"]
+    after = finish_with_only_cuts(job, load, before, most=0)
+    assert after["truncated"] == before["truncated"]
+    assert after["resumed"] > before["resumed"]
 
 
 def test_a_killed_router_under_load_refuses_nothing(job: kit.LocalJob) -> None:
@@ -280,3 +333,15 @@ def test_a_hand_over_under_load_refuses_nothing(router_python: Path, tmp_path: P
         assert not load.refused_at
         assert load.busy == 0
         assert stream_chat(url, status["model"])["finish"]
+
+
+def test_without_resume_a_cut_stream_is_marked_truncated(
+    router_python: Path, tmp_path: Path
+) -> None:
+    """With ``agent.front.resume: false`` a stream cut by a dead decode is marked as before:
+    the stream_truncated error event and [DONE], counted truncated."""
+    sets, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, "agent.front.resume=false")
+    with kit.LocalJob(tmp_path / "job", sets) as running:
+        running.wait_state("ready", timeout=READY_S)
+        assert_marked(cut_mid_stream(running, {**CHAT, "model": MODEL, "stream": True}))
+        assert (front_figures(running)["truncated"], front_figures(running)["resumed"]) == (1, 0)

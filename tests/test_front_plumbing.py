@@ -7,16 +7,21 @@ against the real router: tests/test_front.py.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 import trio
 
 from agent.front.openai import CHAT
+from agent.front.resume import MAX_RESUMES
 from agent.front.sse import DONE
 from tests.kit.front import (
     CUT,
     ROLE,
     ROUTER_A,
     ROUTER_B,
+    USAGE,
     Client,
     FrontKit,
     chat_body,
@@ -198,7 +203,7 @@ async def test_a_stream_passes_whole_and_its_slot_is_given_back(
 async def test_a_stream_cut_by_the_router_is_marked_truncated_never_a_stop(
     autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
 ) -> None:
-    kit = served(FrontKit())
+    kit = served(FrontKit(resume=False))
     kit.upstream.script(events(ROLE, chunk("H"), chunk("e"), chunk(None, "stop"), CUT, DONE))
     async with kit.front.connected():
         got = await kit.chat(stream=True)
@@ -214,11 +219,97 @@ async def test_a_stream_cut_by_the_router_is_marked_truncated_never_a_stop(
 async def test_a_stream_whose_connection_breaks_is_marked_truncated(
     autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
 ) -> None:
-    kit = served(FrontKit())
+    kit = served(FrontKit(resume=False))
     kit.upstream.script(events(ROLE, chunk("H"), then="break"))
     async with kit.front.connected():
         got = await kit.chat(stream=True)
     assert b"without a finish reason" in got.events()[-2]
+    assert kit.outcomes() == {"truncated": 1}
+
+
+def other(event: bytes) -> bytes:
+    """``event`` as a continuation's stream sends it: an id of its own."""
+    return event.replace(b"chatcmpl-1", b"chatcmpl-2")
+
+
+def payloads(sent: list[bytes]) -> list[object]:
+    """The events' payloads (JSON decoded; ``[DONE]`` as it is)."""
+    return [e if e == DONE else json.loads(e[6:]) for e in sent]
+
+
+async def test_a_cut_stream_is_continued_and_the_client_sees_one_stream(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    kit = served(FrontKit())
+    cut = events(ROLE, chunk("H"), chunk("e"), chunk(None, "stop"), CUT, DONE)
+    usage = USAGE.replace(b'"completion_tokens": 2', b'"completion_tokens": 3')
+    rest = events(*map(other, [ROLE, chunk("llo"), chunk(None, "stop"), usage, DONE]))
+    kit.upstream.script(cut, rest)
+    include = {"include_usage": True}
+    async with kit.front.connected():
+        got = await kit.chat(stream=True, max_tokens=10, stream_options=include)
+    whole = [ROLE, chunk("H"), chunk("e"), chunk("llo"), chunk(None, "stop")]
+    summed = USAGE.replace(b'"completion_tokens": 2', b'"completion_tokens": 5')
+    assert payloads(got.events()) == payloads([*whole, summed, DONE])
+    sent = json.loads(kit.upstream.seen[1].content)
+    assert sent["messages"][-1] == {"role": "assistant", "content": "He"}
+    assert (sent["continue_final_message"], sent["add_generation_prompt"]) == (True, False)
+    assert sent["max_tokens"] == 8
+    assert kit.outcomes() == {"resumed": 1}
+    assert all(s.closed for s in kit.upstream.streams)
+    assert kit.front.admission.admitted == 0
+
+
+async def test_a_continuation_is_tried_again_before_its_first_byte(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    kit = served(FrontKit())
+    cut = events(ROLE, chunk("H"), then="break")
+    rest = events(*map(other, full_reply("i")))
+    kit.upstream.script(cut, status(502, "All connection attempts failed"), rest)
+    async with kit.front.connected():
+        got = await kit.chat(stream=True)
+    assert payloads(got.events()) == payloads([ROLE, chunk("H"), chunk("i"), *full_reply()[1:]])
+    assert dict(kit.figures.retry_tally) == {"status_502": 1}
+    assert kit.outcomes() == {"resumed": 1}
+
+
+async def test_continuations_are_bounded_then_the_cut_is_marked(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    kit = served(FrontKit())
+    kit.upstream.script(events(ROLE, chunk("H"), chunk("e"), CUT, DONE))  # every time
+    async with kit.front.connected():
+        got = await kit.chat(stream=True)
+    sent = got.events()
+    assert len(kit.upstream.seen) == 1 + MAX_RESUMES
+    assert sent.count(ROLE) == 1
+    assert sent[-1] == DONE
+    error = json.loads(sent[-2][6:])["error"]
+    assert (error["type"], error["chunks"]) == ("stream_truncated", 2 * (1 + MAX_RESUMES))
+    assert kit.outcomes() == {"truncated": 1}
+
+
+@pytest.mark.parametrize(
+    ("extra", "first"),
+    [
+        ({"logprobs": True}, chunk("H")),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, chunk("H")),
+        ({}, chunk("H").replace(b'"content"', b'"reasoning_content"')),
+    ],
+    ids=["logprobs", "tools", "reasoning-streamed"],
+)
+async def test_what_cannot_be_continued_is_marked_as_before(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+    extra: dict[str, Any],
+    first: bytes,
+) -> None:
+    kit = served(FrontKit())
+    kit.upstream.script(events(ROLE, first, chunk("e"), CUT, DONE), events(*full_reply("x")))
+    async with kit.front.connected():
+        got = await kit.chat(stream=True, **extra)
+    assert b'"type":"stream_truncated"' in got.events()[-2]
+    assert len(kit.upstream.seen) == 1
     assert kit.outcomes() == {"truncated": 1}
 
 

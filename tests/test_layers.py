@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "agent.node": 3,
     "agent.benchmark": 3,  # the benchmark client's runner: the head's, and tilert-submit bench's
     "agent.http": 4,
+    "agent.service": 4,  # the service front and its cells (tilert-submit serve runs it)
     "agent.head": 5,
     "agent.nodeagent": 6,
     "agent.convertjob": 6,  # the agent of a `tilert-submit convert` job, beside the node agent
@@ -45,6 +46,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "agent.recipe": ("agent.launch", "agent.standins"),
     "agent.launch": ("agent.recipe", "agent.standins"),
     "agent.front": ("agent.recipe", "agent.launch", "agent.standins"),
+    "agent.service": ("agent.http", "agent.launch", "agent.standins", "agent.benchmark"),
     "agent.standins": ("agent.job", "agent.recipe", "agent.launch", "agent.problems"),
     "agent": ("submit",),
 }

@@ -375,3 +375,43 @@ def test_every_socket_of_a_local_job_listens_on_loopback(tmp_path: Path) -> None
         assert code == 0
         assert not left
         assert not wrong, "\n".join(wrong)
+
+
+# ---- slurm.time_limit, as Slurm applies it -----------------------------------------------------
+
+# Slurm's resolution is a minute: the shortest limit there is. The lead leaves the job time to get
+# ready first.
+LIMIT_S = 60.0
+LEAD_S = 20
+
+
+def test_a_local_job_gets_term_at_its_lead_and_ends_at_its_time_limit(tmp_path: Path) -> None:
+    """slurm.time_limit 1 with signal_lead_s 20 under --local: every agent gets SIGTERM 20 s
+    before the minute is up (not earlier), whatever ignores it is killed at the limit (decode-0's
+    engine holds SIGTERM back and its grace outlasts the limit), tilert-submit exits 0 and
+    status.json says the job stopped because of its time limit; nothing is left."""
+    env = planted(tmp_path, IGNORE_TERM_IN_DECODE_0)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(f"{kit.CLUSTER_FILE}signal_lead_s: {LEAD_S}\nkill_wait_s: 120\n")
+    sets, _ = kit.isolated_sets(
+        None, "slurm.time_limit='1'", "agent.stop_grace_s={prefill: 5, decode: 100, router: 2}"
+    )
+    with kit.LocalJob(tmp_path / "job", ["--cluster", str(cluster), *sets], env=env) as job:
+        job.wait_state("ready", timeout=LIMIT_S - LEAD_S)
+        started = float(job.status()["local_started_at"])
+        _, procs = kit.running_processes(job.job, at_least=6)
+        job.wait_output("time limit: 20s left, stopping every agent", LIMIT_S)
+        assert time.time() >= started + LIMIT_S - LEAD_S, "the TERM came before the lead"
+        job.remember_tree()
+        job.wait_output("time limit reached: killing decode-0", LEAD_S + 10)
+        assert time.time() >= started + LIMIT_S, "killed before the limit"
+        assert job.wait_exit(30) == 0, job.output()
+        out = job.output()
+        assert "slurm.time_limit 1 (60s), TERM 20s before" in out, out
+        assert out.rstrip().splitlines()[-1].startswith("job stopped; logs:"), out
+        assert_no_traceback(job)
+        status = job.status()
+        assert status["state"] == "stopped", status
+        assert status["ended_by"] == "time_limit", status
+        kit.assert_gone(procs + list(job.seen.values()), 10)
+        kit.assert_nothing_left(job.job, 10)

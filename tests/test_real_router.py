@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -164,3 +165,46 @@ def test_the_router_takes_both_of_its_prefill_paths(real_router: RealRouterStack
     assert r.json()["choices"][0]["message"]["content"] == REPLY
     figures = router_tokenize(real_router.url)
     assert (figures["requests"], figures["fallback"]) == (before + 2, 1)  # type: ignore[operator]
+
+
+def chunks_and_text(reply: str) -> tuple[list[dict[str, Any]], str]:
+    """A streamed reply's chunks (``[DONE]`` left out) and its text."""
+    lines = [line[6:] for line in reply.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines
+    events = [json.loads(line) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
+    return events, text
+
+
+def test_a_continued_answer_reaches_the_prefill_and_goes_on_where_it_was_cut(
+    real_router: RealRouterStack,
+) -> None:
+    # What the front door sends after a cut (agent.front.resume): the conversation plus the text
+    # already sent as an open assistant turn. The router sends it down its chat path (it does not
+    # render continue_final_message itself) and the stand-ins continue the answer from there.
+    sent = REPLY[:8]
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": sent}]
+    body = {
+        "model": "demo",
+        "messages": messages,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 64 - len(sent),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    before = router_tokenize(real_router.url)
+    r = httpx.post(f"{real_router.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    events, text = chunks_and_text(r.text)
+    assert text == REPLY[len(sent) :]
+    assert events[-1]["usage"]["completion_tokens"] == len(REPLY) - len(sent) + 1  # and EOS
+    after = router_tokenize(real_router.url)
+    if before["on"]:  # router-side tokenization on: the continuation fell back to the chat path
+        assert after["fallback"] == before["fallback"] + 1  # type: ignore[operator]
+    # The budget is the continuation's own: it stops where the whole answer would have.
+    r = httpx.post(
+        f"{real_router.url}/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60
+    )
+    events, text = chunks_and_text(r.text)
+    assert text == REPLY[len(sent) : len(sent) + 4]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agent.node.servicenotes import EXTEND_BY_S, EXTEND_EVERY_S
 from agent.recipe.cluster import ClusterConfig
+from agent.recipe.model import ServiceFrontSettings
 from tests.conftest import require
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
@@ -186,3 +187,80 @@ def test_agent_accepts_the_unit_flags() -> None:
     assert done.returncode == 0, done.stderr
     for flag in ("--role", "--job-dir", "--index"):
         assert flag in done.stdout
+
+
+# ---- the service front's units (tilert-service.service + .socket, docs/service.md) -----------
+
+FRONT_SERVICE = "tilert-service.service"
+FRONT_SOCKET = "tilert-service.socket"
+INSTALLED_SUBMIT = "/usr/local/bin/tilert-submit"
+SERVICE_DOCS = DOCS.parent / "service.md"
+
+
+def front_copy(tmp_path: Path, text: str | None = None) -> Path:
+    """The service front's units under ``tmp_path``, ExecStart on the installed tilert-submit;
+    the service's path."""
+    submit = Path(sys.executable).parent / "tilert-submit"
+    assert submit.exists(), f"{submit} missing: install the project (pip install -e .)"
+    text = (UNITS / FRONT_SERVICE).read_text() if text is None else text
+    assert INSTALLED_SUBMIT in text
+    (tmp_path / FRONT_SERVICE).write_text(text.replace(INSTALLED_SUBMIT, str(submit)))
+    shutil.copy(UNITS / FRONT_SOCKET, tmp_path / FRONT_SOCKET)
+    return tmp_path / FRONT_SERVICE
+
+
+def test_the_service_front_units_verify_cleanly(tmp_path: Path) -> None:
+    require(shutil.which("systemd-analyze") is not None, "systemd-analyze not installed")
+    service = front_copy(tmp_path)
+    done = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(service), str(tmp_path / FRONT_SOCKET)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert not [line for line in output.splitlines() if "tilert" in line], output
+
+
+def test_the_service_front_is_hardened_and_says_its_figure(tmp_path: Path) -> None:
+    require(shutil.which("systemd-analyze") is not None, "systemd-analyze not installed")
+    text = (UNITS / FRONT_SERVICE).read_text()
+    figure, code = exposure(front_copy(tmp_path))
+    assert figure <= MAX_EXPOSURE, figure
+    assert code == 0
+    assert f"-> {figure} OK" in text
+    assert f"**{figure} OK**" in SERVICE_DOCS.read_text()
+    # The check can fail: without its hardening block the unit is unsafe.
+    bare = text[: text.index("# ---- Hardening")] + text[text.index("[Install]") :]
+    (tmp_path / "bare").mkdir()
+    figure, code = exposure(front_copy(tmp_path / "bare", bare))
+    assert figure > MAX_EXPOSURE, figure
+    assert code != 0
+    assert f"{figure} UNSAFE -> " in text
+
+
+def test_the_service_front_unit_fits_serve() -> None:
+    """Type=notify (serve says READY once a cell serves), SIGTERM to the front alone (it stops
+    its cells), time for the cells to drain, the socket held by systemd, the env file's
+    variables defined in the example, and an address that is the recipe's default."""
+    service = read_unit(FRONT_SERVICE)["Service"]
+    assert service["Type"] == "notify"
+    assert service["NotifyAccess"] == "main"
+    assert service["KillMode"] == "mixed"
+    assert service["RestartPreventExitStatus"] == "2"
+    assert int(service["TimeoutStopSec"]) > 2 * ClusterConfig().kill_wait_s
+    exec_start = service["ExecStart"].split()
+    assert exec_start[:2] == [INSTALLED_SUBMIT, "serve"]
+    used = set(re.findall(r"\$\{(\w+)\}", service["ExecStart"]))
+    example = (UNITS / "service.env.example").read_text()
+    defined = set(re.findall(r"^(\w+)=", example, re.MULTILINE))
+    assert used
+    assert used <= defined
+    unit = read_unit(FRONT_SERVICE)["Unit"]
+    assert unit["Requires"] == FRONT_SOCKET
+    socket_unit = read_unit(FRONT_SOCKET)["Socket"]
+    assert socket_unit["Accept"] == "no"
+    assert socket_unit["Service"] == FRONT_SERVICE
+    default = ServiceFrontSettings()
+    assert socket_unit["ListenStream"] == f"{default.host}:{default.port}"

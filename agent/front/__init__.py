@@ -12,9 +12,14 @@ front of TileRT's router (docs/agent.md, "The front door").
 - ``upstream``: the client to the router: h11 on trio's streams, kept-alive connections per
   router (``HttpxUpstream``: an httpx transport handed in, the router in process, for tests).
 - ``retry``: which failures are tried again, the pause, the budget (pure).
+- ``resume``: a stream cut after its first byte continued by a new request (the conversation
+  plus the text already sent), its chunks rewritten into the first stream's
+  (``agent.front.resume``); or marked when it cannot be.
 - ``sse``: a proxied stream event by event; a cut stream marked with the ``stream_truncated``
   error event; ``StreamReader``, the one reader of TileRT's event stream (the proxy, the relay and
   the head's canaries).
+- ``answers``: what a front answers itself in OpenAI's error shape (a bad body, the router's
+  refusal, the queue's 429); the service front (``agent.service.front``) answers with them too.
 - ``openai``: ``/v1/models``, what TileRT 0.1.6 cannot serve, OpenAI's error shape (pure).
 - ``figures``: the ``tilert_front_*`` series, in the registry the head agent hands over.
 

@@ -1,11 +1,13 @@
 """The front door's request-level figures (``tilert_front_*``), in the head agent's registry.
 
-Outcomes: ``ok`` (served at the first try), ``retried_ok`` (served after a retry), ``failed``
+Outcomes: ``ok`` (served at the first try), ``retried_ok`` (served after a retry), ``resumed``
+(a stream cut after its first byte and continued to its end: ``agent.front.resume``), ``failed``
 (the router could not serve it within the retry budget), ``truncated`` (a stream cut after its
-first byte: the client got the error event), ``rejected`` (a 4xx: the request itself, or no
-router yet, or the queue's 429), ``cancelled`` (the client went away first). The queue's own
-series (``tilert_front_queue_*``) say how many wait for a decode, how long they waited, and how
-many were refused by its bounds (``agent.front.admission``). docs/metrics.md lists the series.
+first byte and not continued: the client got the error event), ``rejected`` (a 4xx: the request
+itself, or no router yet, or the queue's 429), ``cancelled`` (the client went away first). The
+queue's own series (``tilert_front_queue_*``) say how many wait for a decode, how long they
+waited, and how many were refused by its bounds (``agent.front.admission``). docs/metrics.md
+lists the series.
 """
 
 from __future__ import annotations
@@ -16,8 +18,16 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-Outcome = Literal["ok", "retried_ok", "failed", "truncated", "rejected", "cancelled"]
-OUTCOMES: tuple[Outcome, ...] = ("ok", "retried_ok", "failed", "truncated", "rejected", "cancelled")
+Outcome = Literal["ok", "retried_ok", "resumed", "failed", "truncated", "rejected", "cancelled"]
+OUTCOMES: tuple[Outcome, ...] = (
+    "ok",
+    "retried_ok",
+    "resumed",
+    "failed",
+    "truncated",
+    "rejected",
+    "cancelled",
+)
 # The retries' reasons (agent.front.retry): each served from 0; another status adds its own.
 REASONS = (
     "connect",

@@ -13,8 +13,10 @@ before its first token is tried again too. The router is reached through
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 import trio
@@ -29,7 +31,15 @@ from agent.front.retry import (
     stream_failure,
 )
 from agent.front.sse import StreamReader, StreamWatch
-from agent.front.upstream import H11Upstream, HttpxUpstream, Reply, Upstream, UpstreamError
+from agent.front.upstream import (
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    H11Upstream,
+    HttpxUpstream,
+    Reply,
+    Upstream,
+    UpstreamError,
+)
 
 WAIT_POLL_S = 0.5  # a safety net: the head's changes wake waiting requests before this
 # A stream with no first event this long after an engine restarted and the pool is whole again
@@ -84,6 +94,14 @@ class Refused:
     content: bytes = b""
 
 
+def make_client() -> httpx.AsyncClient:
+    """An httpx client with the bounds of a stream (keep-alive, no overall timeout): the service
+    front's to its cells (their ``/v1/models``; its requests through ``HttpxUpstream``)."""
+    timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S, write=60.0, pool=60.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
 def make_upstream(transport: httpx.AsyncBaseTransport | None = None) -> Upstream:
     """The front's own client to the router: keep-alive, no overall timeout on a stream
     (``transport``: the router in process, for tests/kit/front.py; None: the network)."""
@@ -133,16 +151,20 @@ class Proxy:
         stream: bool,
         on_retry: Callable[[str], None],
         want_usage: bool = False,
+        new_watch: Callable[[], StreamWatch] | None = None,
     ) -> Opened | Refused:
         """Try ``body`` at the router's ``path`` until an answer passes or the budget ends;
-        ``on_retry`` is told each try again's reason (the request's ``Ticket``)."""
+        ``on_retry`` is told each try again's reason (the request's ``Ticket``); a stream is
+        watched by a ``new_watch()`` of each try (``agent.front.resume``'s), else a plain one."""
+        if new_watch is None:
+            new_watch = partial(StreamWatch, want_usage=want_usage)
         start = trio.current_time()
         deadline = start + self.budget.budget_s
         tries = made = 0  # the tries counted (a refused connection is not), and all of them
         while True:
             url = await self.router_url(deadline)
             made += 1
-            result = await self._try(url + path, body, stream, want_usage)
+            result = await self._try(url + path, body, stream, new_watch)
             if isinstance(result, Opened):
                 return result
             tries += 0 if result.refused else 1
@@ -165,7 +187,9 @@ class Proxy:
             with trio.move_on_after(min(remaining, WAIT_POLL_S)):
                 await self._wake.wait()
 
-    async def _try(self, url: str, body: bytes, stream: bool, want_usage: bool) -> Opened | Failure:
+    async def _try(
+        self, url: str, body: bytes, stream: bool, new_watch: Callable[[], StreamWatch]
+    ) -> Opened | Failure:
         response: Reply | None = None
         result: Opened | Failure = stale_failure("an engine restarted and the stream had not begun")
         with trio.CancelScope() as scope:
@@ -174,7 +198,7 @@ class Proxy:
                     nursery.start_soon(self._give_up_if_lost, scope, self.router().marks)
                 try:
                     response = await self.client.post(url, body)
-                    result = await _answer(response, stream, want_usage)
+                    result = await _answer(response, stream, new_watch)
                 except UpstreamError as exc:
                     said = "refused the connection" if exc.refused else "failed to answer"
                     result = connect_failure(
@@ -201,14 +225,16 @@ class Proxy:
                 await self._wake.wait()
 
 
-async def _answer(response: Reply, stream: bool, want_usage: bool) -> Opened | Failure:
+async def _answer(
+    response: Reply, stream: bool, new_watch: Callable[[], StreamWatch]
+) -> Opened | Failure:
     """The router's answer: a failure (its status), a whole body, or a stream begun."""
     if response.status != 200:
         content = await _read_bounded(response)
         return status_failure(response.status, content.decode(errors="replace"))
     if not stream:
         return Opened(response, body=await _read_bounded(response))
-    return await _first_events(response, StreamWatch(want_usage=want_usage))
+    return await _first_events(response, new_watch())
 
 
 async def _read_bounded(response: Reply) -> bytes:
@@ -238,3 +264,26 @@ async def _first_events(response: Reply, watch: StreamWatch) -> Opened | Failure
             return Opened(response, stream=StreamStart(first, reader))
     reader.end()
     return stream_failure(f"the stream ended before its first event: {watch.truncated}")
+
+
+async def relayed(
+    response: Reply, start: StreamStart, log: logging.Logger
+) -> AsyncGenerator[bytes, None]:
+    """A stream begun (``start``) passed on as it arrives, to its end (a cut marked by its
+    watch); the router's reply closed however it ends. Nothing waits for more than what has
+    arrived (``StreamReader.read``)."""
+    reader = start.reader
+    try:
+        if start.first:
+            yield b"".join(start.first)
+        try:
+            while (out := await reader.read()) is not None:
+                if out:
+                    yield out
+        except UpstreamError as exc:
+            log.warning("front: the router's stream broke: %r", exc)
+        if tail := reader.end():
+            yield tail
+    finally:
+        with trio.CancelScope(shield=True):
+            await response.aclose()

@@ -106,6 +106,17 @@ def _finish_reason(chunk: dict[str, Any]) -> str | None:
     return None
 
 
+def _plain(chunk: dict[str, Any]) -> bool:
+    """Whether a chunk's choices carry only text (no reasoning, tool calls, logprobs)."""
+    for choice in chunk.get("choices") or []:
+        if not isinstance(choice, dict) or choice.get("logprobs"):
+            return False
+        delta = choice.get("delta") or {}
+        if any(v for k, v in delta.items() if k not in ("role", "content")):
+            return False
+    return True
+
+
 def _content(chunk: dict[str, Any]) -> str:
     text = ""
     for choice in chunk.get("choices") or []:
@@ -133,8 +144,12 @@ class StreamWatch:
     # The router's error in words (its error chunk's ``error``, or the decode's error text).
     error_text: str | None = None
     events: int = 0  # events with data read (a comment or keep-alive is none)
-    keep_text: bool = False  # keep the reply's text (``text``): a canary's, not a proxied one
+    keep_text: bool = False  # keep the reply's text (``text``): a canary's, a resumable stream's
+    # A cut says nothing yet (``agent.front.resume`` continues it, or says ``cut_events``).
+    quiet_cut: bool = False
+    plain: bool = True  # with ``keep_text``: every chunk carried only text (it can be continued)
     _texts: list[str] = field(default_factory=list)
+    _held_text: str = ""  # the held finish chunk's own text (not sent if the stream is cut)
 
     @property
     def text(self) -> str:
@@ -148,11 +163,7 @@ class StreamWatch:
 
     def push(self, event: bytes) -> list[bytes]:
         """One event from the router -> what the client gets now."""
-        if self.held is None and self.chunk_id and not self.keep_text and plain_content(event):
-            # Most events: a token passed on as it came, unparsed (only an event that can end
-            # the stream is parsed: docs/performance.md, "The front's cost").
-            self.events += 1
-            self.chunks += 1
+        if self._unparsed(event):
             return [event]
         data = event_data(event)
         self.events += data is not None
@@ -165,16 +176,9 @@ class StreamWatch:
         chunk = _decoded(data)
         if chunk is None:
             return [event]
-        if "error" in chunk:
-            error = chunk["error"]
-            self.upstream_error = error if isinstance(error, dict) else {"error": error}
-            self.error_text = str(error)
-            return self._cut("the router sent an error mid-stream")
         content = _content(chunk)
-        if content.startswith(DECODE_ERROR_TEXT):
-            self.error_text = content.strip()
-            self.upstream_error = {"error": self.error_text}
-            return self._cut("the decode sent an error mid-stream")
+        if (cut := self._failed(chunk, content)) is not None:
+            return cut
         self.chunk_id = chunk.get("id") or self.chunk_id
         self.model = chunk.get("model") or self.model
         self.created = chunk.get("created") or self.created
@@ -185,12 +189,40 @@ class StreamWatch:
             self.chunks += 1
             if self.keep_text:
                 self._texts.append(content)
+        if self.keep_text and self.plain:
+            self.plain = _plain(chunk)
         reason = _finish_reason(chunk)
         if reason is not None:
             self.finish = reason
-            self.held = event
+            self.held, self._held_text = event, content
             return out
         return [*out, event]
+
+    def _failed(self, chunk: dict[str, Any], content: str) -> list[bytes] | None:
+        """The cut's events when ``chunk`` says the stream failed (the router's error chunk, the
+        decode's error in the text), else None."""
+        if "error" in chunk:
+            error = chunk["error"]
+            self.upstream_error = error if isinstance(error, dict) else {"error": error}
+            self.error_text = str(error)
+            return self._cut("the router sent an error mid-stream")
+        if content.startswith(DECODE_ERROR_TEXT):
+            self.error_text = content.strip()
+            self.upstream_error = {"error": self.error_text}
+            return self._cut("the decode sent an error mid-stream")
+        return None
+
+    def _unparsed(self, event: bytes) -> bool:
+        """Whether ``event`` is a token passed on as it came, counted from its bytes alone (most
+        events: only one that can end the stream, or whose text is kept, is parsed;
+        docs/performance.md, "The front beside the floors")."""
+        if self.held is not None or not self.chunk_id or self.keep_text:
+            return False
+        if not plain_content(event):
+            return False
+        self.events += 1
+        self.chunks += 1
+        return True
 
     def end(self) -> list[bytes]:
         """The router's stream ended (cleanly or not) -> the client's last events."""
@@ -199,6 +231,11 @@ class StreamWatch:
         if self.finish is None:
             return self._cut("the stream ended without a finish reason")
         return self._cut("the stream ended without [DONE]")
+
+    def cut(self, why: str) -> list[bytes]:
+        """The stream is given up here (``why``: its source failed) -> the client's last events:
+        the ``stream_truncated`` error event and ``[DONE]`` (nothing once it ended)."""
+        return [] if self.ended else self._cut(why)
 
     def _release(self) -> list[bytes]:
         held, self.held = self.held, None
@@ -227,13 +264,25 @@ class StreamWatch:
         return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
     def _cut(self, why: str) -> list[bytes]:
-        """The stream is a cut: the held ``stop`` is dropped, the error event and [DONE] sent."""
+        """The stream is a cut: the held ``stop`` is dropped, the error event and [DONE] sent
+        (with ``quiet_cut``, later: ``cut_events``)."""
         self.truncated = why
+        if self.held is not None and self._held_text:  # its text never reached the client
+            self.chunks -= 1
+            if self.keep_text:
+                self._texts.pop()
         self.held = None
-        extra: dict[str, Any] = {"code": 502, "chunks": self.chunks}
+        return [] if self.quiet_cut else self.cut_events()
+
+    def cut_events(self, before: int = 0) -> list[bytes]:
+        """The client's last events of a cut: the ``stream_truncated`` error event, [DONE]
+        (``before``: the chunks streams before this one sent, when it continued them)."""
+        why = self.truncated or "cut"
+        chunks = before + self.chunks
+        extra: dict[str, Any] = {"code": 502, "chunks": chunks}
         if self.upstream_error is not None:
             extra["upstream"] = self.upstream_error
-        message = f"the reply was cut after {self.chunks} chunk(s): {why}"
+        message = f"the reply was cut after {chunks} chunk(s): {why}"
         return [error_event(message, "stream_truncated", **extra), DONE]
 
 
@@ -267,3 +316,7 @@ class StreamReader:
     def end(self) -> bytes:
         """The router's stream ended: the client's last events (a cut marked)."""
         return b"".join(self.watch.end())
+
+    def cut(self, why: str) -> bytes:
+        """The stream is given up before its end (``why``): the client's last events."""
+        return b"".join(self.watch.cut(why))

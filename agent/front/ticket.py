@@ -12,21 +12,47 @@ it, and a served request's outcome says whether it was tried again (``served``).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import trio
 
-from agent.front.admission import Slot
-from agent.front.figures import FrontFigures, Outcome
+from agent.front.figures import Outcome
 from agent.web.asgi import Response
+
+
+class Counted(Protocol):
+    """Where a ticket counts its request: ``agent.front.figures.FrontFigures`` (the front door),
+    or the service front's figures at the request's cell (``agent.service.front``)."""
+
+    def started(self) -> None:
+        """A request arrived."""
+
+    def retried(self, reason: str) -> None:
+        """The request is tried again after ``reason``."""
+
+    def first_byte(self, ttfb_s: float) -> None:
+        """The reply's first byte is about to be sent."""
+
+    def ended(self, outcome: Outcome, latency_s: float) -> None:
+        """The request ended with ``outcome`` after ``latency_s``."""
+
+
+class Held(Protocol):
+    """What a let-in request holds until it ends: its ``agent.front.admission.Slot`` (and, at
+    the service front, its place at a cell)."""
+
+    def release(self) -> None:
+        """Give it back (idempotent, synchronous)."""
 
 
 class Ticket:
     """One request's life at the front: counted in, counted out once."""
 
-    def __init__(self, figures: FrontFigures) -> None:
+    def __init__(self, figures: Counted) -> None:
         self.figures = figures
         self.arrived = trio.current_time()
         self.retries = 0
-        self.slot: Slot | None = None  # the request's slot at the router, once let in
+        self.slot: Held | None = None  # the request's slot at the router, once let in
         self.outcome: Outcome | None = None  # once ended
         self._first_byte = False
         figures.started()
@@ -35,7 +61,7 @@ class Ticket:
         """Seconds since the request arrived."""
         return trio.current_time() - self.arrived
 
-    def hold(self, slot: Slot) -> None:
+    def hold(self, slot: Held) -> None:
         """The request was let in: ``slot`` is given back when it ends."""
         self.slot = slot
 

@@ -2,8 +2,8 @@
 
 The front door is the job's one stable OpenAI-compatible address, served by the head agent in front
 of the router (docs/agent.md, "The front door"). These are its port, how many requests may wait
-for a free decode and how long (its queue), and how much it may spend saving a request that
-failed before its first byte reached the client.
+for a free decode and how long (its queue), how much it may spend saving a request that failed
+before its first byte reached the client, and whether a stream cut after it is continued.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class FrontQueue(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
 
 
 class FrontPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
-    """``agent.front``: the front door's port, queue, retries and bounds."""
+    """``agent.front``: the front door's port, queue, retries, bounds and resume."""
 
     # Where the head starts probing for a free port at its start; fixed for the job's life then.
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = DEFAULT_FRONT_PORT
@@ -47,3 +47,7 @@ class FrontPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 * MiB
     # A client that has not sent its whole body within this is answered 408.
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+    # A plain chat's stream cut by a dead decode is continued by a new request (the
+    # conversation plus the text already sent), so the client sees one whole stream; false:
+    # the cut is marked with the ``stream_truncated`` error event (agent.front.resume).
+    resume: bool = True

@@ -176,7 +176,7 @@ class QueueSummary(msgspec.Struct, kw_only=True):
 class FrontSummary(msgspec.Struct, kw_only=True):
     """The front door's request counts since the head started (status.json ``front``)."""
 
-    # outcome (ok, retried_ok, failed, truncated, rejected, cancelled) -> requests
+    # outcome (ok, retried_ok, resumed, failed, truncated, rejected, cancelled) -> requests
     requests: dict[str, int] = {}
     # reason (connect, status_502, busy, stream_error, ...) -> tries again
     retries: dict[str, int] = {}
@@ -214,6 +214,10 @@ class JobStatus(msgspec.Struct, kw_only=True):
     local_started_at: float | None = None
     updated_at: float = msgspec.field(default_factory=time.time)
     error: str | None = None
+    # Why the job ended when nobody stopped it and nothing failed: ``time_limit`` (a ``--local``
+    # job's slurm.time_limit came; its supervisor writes it last). None otherwise, and always
+    # under Slurm (squeue/sacct say TIMEOUT there).
+    ended_by: Literal["time_limit"] | None = None
     agents: list[JobAgent] = []
     # The router, supervised by prefill-0 (not an agent of its own; ``logs J router`` shows it).
     router: JobAgent | None = None

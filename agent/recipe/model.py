@@ -324,6 +324,40 @@ def agent_keys() -> list[str]:
     return keys
 
 
+class ServiceFrontSettings(_Strict):
+    """``service.front``: where the service front listens (an address that outlives every cell)."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8090
+
+
+class ReplaceBound(_Strict):
+    """``service.replace``: how often a failed cell is replaced (docs/service.md)."""
+
+    # Backoff between replacements of the same line of cells: first, doubled each time, at most.
+    backoff_s: Annotated[float, msgspec.Meta(ge=0, le=_HOUR_S)] = 10.0
+    backoff_max_s: Annotated[float, msgspec.Meta(ge=0, le=_DAY_S)] = 600.0
+    # At most this many replacements in any hour; past it the service stays degraded and says so.
+    max_per_hour: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 6
+
+
+class Service(_Strict):
+    """``service:``: the cells ``tilert-submit serve`` keeps behind one service front
+    (docs/service.md); ignored by ``tilert-submit submit``."""
+
+    # Cells serving at once in steady state.
+    cells: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    front: ServiceFrontSettings = msgspec.field(default_factory=ServiceFrontSettings)
+    # How long before a cell's end its successor is submitted: seconds, or ``auto`` (the last
+    # cell's submit-to-ready time x SUCCESSOR_LEAD_FACTOR, plus the time it waited in the queue).
+    successor_lead_s: Annotated[float, msgspec.Meta(gt=0, le=7 * _DAY_S)] | Literal["auto"] = "auto"
+    # Cells at once during a succession; null: ``cells + 1``.
+    max_cells: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
+    # How long a retired cell's streams may run on before it is stopped.
+    drain_s: Annotated[float, msgspec.Meta(ge=0, le=_DAY_S)] = 60.0
+    replace: ReplaceBound = msgspec.field(default_factory=ReplaceBound)
+
+
 class Recipe(_Strict):
     """A whole recipe file (srtctl schema 2 plus the ``agent:`` section)."""
 
@@ -342,6 +376,7 @@ class Recipe(_Strict):
     setup_script: str | None = None
     benchmark: Benchmark = msgspec.field(default_factory=Benchmark)
     agent: AgentSection = msgspec.field(default_factory=AgentSection)
+    service: Service = msgspec.field(default_factory=Service)
 
 
 # srtctl's health_check defaults when a recipe omits it: one hour, enough for a GLM-5 load.

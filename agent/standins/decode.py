@@ -12,7 +12,6 @@ fixed reply in the demo tokenizer's byte ids (``agent.standins.tokens``), ending
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import os
 import socket
@@ -115,24 +114,23 @@ class DecodeState:
 
 
 def _plan(
-    first_token_id: int, max_tokens: int, ignore_eos: bool, table: list[int] | None = None
+    first_token_id: int,
+    max_tokens: int,
+    ignore_eos: bool,
+    table: list[int] | None = None,
+    at: int = 0,
 ) -> tuple[list[int], str]:
     """The tokens to emit and the finish reason: the model's greedy continuation by ``table``
-    (``TILERT_MOCK_NEXT_TOKENS``), else the fixed reply."""
+    (``TILERT_MOCK_NEXT_TOKENS``), else the fixed reply after its token ``at`` (the first
+    token's place in it: 0, or where a continued answer's context left it)."""
     if table is not None:
         ids = tokens.continued(first_token_id, table, max(1, max_tokens))
-        return ids, "stop" if ids[-1] == tokens.EOS_ID else "length"
-    tail = tokens.continuation_ids()
-    if ignore_eos:
-        tail = [t for t in tail if t != tokens.EOS_ID]
-        ids = [first_token_id, *itertools.islice(itertools.cycle(tail), max(0, max_tokens - 1))]
-        return ids[: max(1, max_tokens)], "length"
-    ids = [first_token_id, *tail]
-    if first_token_id == tokens.EOS_ID:
-        return [first_token_id], "stop"
-    if len(ids) > max_tokens:
-        return ids[: max(1, max_tokens)], "length"
-    return ids, "stop"
+    elif first_token_id == tokens.EOS_ID:
+        ids = [first_token_id]
+    else:
+        rest = tokens.reply_ids(at + 1, max(0, max_tokens - 1), ignore_eos=ignore_eos)
+        ids = [first_token_id, *rest]
+    return ids, "stop" if ids[-1] == tokens.EOS_ID else "length"
 
 
 def _fake_logprob(token_id: int) -> float:
@@ -309,10 +307,13 @@ class DecodeService:
             state.cancel = None
             self.crasher.request_answered()
 
-    async def _receive_kv(self, rid: str, timeout_s: float, cancel: trio.Event) -> int | Response:
-        """The sequence length of the KV that arrived for ``rid``, or the error reply."""
+    async def _receive_kv(
+        self, rid: str, timeout_s: float, cancel: trio.Event
+    ) -> tuple[int, int] | Response:
+        """The sequence length of the KV that arrived for ``rid`` and the reply's place in it
+        (``wire.Admission.reply_at``), or the error reply."""
         if self.faults.no_kv:
-            return 0
+            return 0, 0
         got = await self.receiver.wait_complete(rid, timeout_s, cancel)
         if cancel.is_set():
             log.info("cancelled during KV transfer for %s", rid)
@@ -326,9 +327,9 @@ class DecodeService:
             )
         if got is None:
             return json_response({"error": "kv_transfer_timeout", "rid": rid}, 504)
-        return got.seq_len
+        return got.seq_len, got.reply_at
 
-    async def _prepare(self, body: DecodeBody, cancel: trio.Event) -> int | Response:
+    async def _prepare(self, body: DecodeBody, cancel: trio.Event) -> tuple[int, int] | Response:
         """Refuse what the engine cannot do, then wait for the KV: its sequence length or the
         error reply (after which the node is free again)."""
         rid = body.rid
@@ -342,14 +343,19 @@ class DecodeService:
             self.cleanup(rid)
         return got
 
-    def _answer(self, body: DecodeBody, seq_len: int, cancel: trio.Event, t0: float) -> _Answer:
-        """What to answer once the KV is in (the fault may make it nothing)."""
+    def _answer(
+        self, body: DecodeBody, kv: tuple[int, int], cancel: trio.Event, t0: float
+    ) -> _Answer:
+        """What to answer once the KV (its length, the reply's place) is in (the fault may make
+        it nothing)."""
         table = None if self.faults.wrong_answers else self.next_tokens
+        seq_len, at = kv
         ids, finish = _plan(
             body.first_token_id,
             body.max_tokens,
             bool((body.sampling or {}).get("ignore_eos")),
             table,
+            at,
         )
         limit = self.faults.no_tokens_after_requests
         if limit is not None and self.crasher.answered >= limit:
@@ -371,10 +377,10 @@ class DecodeService:
         state.current_rid, state.cancel = rid, cancel
         self.receiver.expect(rid)
         t0 = time.time()
-        seq_len = await self._prepare(body, cancel)
-        if isinstance(seq_len, Response):
-            return seq_len
-        answer = self._answer(body, seq_len, cancel, t0)
+        kv = await self._prepare(body, cancel)
+        if isinstance(kv, Response):
+            return kv
+        answer = self._answer(body, kv, cancel, t0)
         if not body.stream:
             try:
                 return await answer.whole()

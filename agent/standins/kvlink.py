@@ -120,6 +120,7 @@ class Transfer:
     port: int
     seq_len: int
     sampling: dict[str, Any]
+    reply_at: int = 0  # where the stand-in model's reply stands in the context (wire.Admission)
 
 
 class Sender:
@@ -132,9 +133,15 @@ class Sender:
         self.no_kv = no_kv
 
     def claim(
-        self, request_id: str, params: dict[str, Any], seq_len: int, sampling: dict[str, Any]
+        self,
+        request_id: str,
+        params: dict[str, Any],
+        seq_len: int,
+        sampling: dict[str, Any],
+        reply_at: int = 0,
     ) -> None:
-        """Take a request whose ``kv_transfer_params`` name a decode node; send its KV soon."""
+        """Take a request whose ``kv_transfer_params`` name a decode node; send its KV soon
+        (``reply_at``: how much of the stand-in model's reply its context holds)."""
         c = self.config
         rid = derive_rid(request_id)
         host = params["tilert_host"]
@@ -150,7 +157,8 @@ class Sender:
             conn_log.warning("TILERT_MOCK_NO_KV: not sending the KV of %s", rid)
             return
         port = int(params.get("tilert_ctrl_port", c.ctrl_port))
-        self.nursery.start_soon(self.send, Transfer(rid, str(host), port, seq_len, sampling))
+        transfer = Transfer(rid, str(host), port, seq_len, sampling, reply_at)
+        self.nursery.start_soon(self.send, transfer)
 
     async def send(self, transfer: Transfer) -> None:
         """Every local sender rank, in parallel, like the TP workers."""
@@ -208,6 +216,7 @@ class Sender:
                         last_prompt_token=tokens.EOS_ID,
                         sampling=transfer.sampling or None,
                         admission_window_s=self.config.admission_window_s(),
+                        reply_at=transfer.reply_at,
                     )
                 )
                 ack = await frames.receive()
@@ -293,6 +302,7 @@ class Slot:
     seq_len: int
     generation: int
     state: str = RESERVED
+    reply_at: int = 0  # the stand-in model's place in its reply (wire.Admission.reply_at)
     done_ranks: set[int] = field(default_factory=set)
     writers: int = 0
     t_first: float = field(default_factory=time.time)
@@ -378,7 +388,9 @@ class Receiver:
             return wire.Verdict(accepted=False, error="busy", busy_rid=cur.rid)
         else:
             self._generation += 1
-            cur = self.current = Slot(rid=rid, seq_len=req.seq_len, generation=self._generation)
+            cur = self.current = Slot(
+                rid=rid, seq_len=req.seq_len, generation=self._generation, reply_at=req.reply_at
+            )
             recv_log.info(
                 "request %s: seq_len=%d (generation %d)", rid, cur.seq_len, cur.generation
             )

@@ -158,6 +158,14 @@ def _prompt_text(body: dict[str, Any], is_chat: bool) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list")
+    # vLLM's ``continue_final_message``: the last message left open (no end of turn), to be
+    # continued; it refuses it together with a generation prompt.
+    open_end = bool(body.get("continue_final_message"))
+    generation = bool(body.get("add_generation_prompt", True))
+    if open_end and generation:
+        raise HTTPError(
+            400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
     parts = []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
@@ -165,8 +173,9 @@ def _prompt_text(body: dict[str, Any], is_chat: bool) -> str:
             content = "".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
         role = m.get("role", "user") if isinstance(m, dict) else "user"
         parts.append(f"<|im_start|>{role}\n{content or ''}<|im_end|>\n")
-    generation_prompt = "<|im_start|>assistant\n" if body.get("add_generation_prompt", True) else ""
-    return "".join(parts) + generation_prompt
+    if open_end:
+        parts[-1] = parts[-1].removesuffix("<|im_end|>\n")
+    return "".join(parts) + (tokens.ASSISTANT_TURN if generation else "")
 
 
 def _error(
@@ -311,7 +320,10 @@ class PrefillServer:
                 "in the completion). Please reduce the length of the messages or completion.",
                 400,
             )
-        reply = [tokens.first_token_id(), *tokens.continuation_ids()][:max_tokens]
+        # The model's reply from where the context's last assistant turn leaves it (the start:
+        # a plain chat); the decode continues from the same place (``reply_at`` in the KV).
+        at = tokens.reply_at(text)
+        reply = tokens.reply_ids(at, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
         finish = "stop" if reply[-1] == tokens.EOS_ID else "length"
         visible = [t for t in reply if t != tokens.EOS_ID]
         response_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{secrets.token_hex(16)}"
@@ -322,7 +334,7 @@ class PrefillServer:
         try:
             params = body.get("kv_transfer_params")
             if self.sender is not None and isinstance(params, dict) and params.get("tilert_host"):
-                self.sender.claim(internal_id, params, n_prompt, openai_api.sampling(body))
+                self.sender.claim(internal_id, params, n_prompt, openai_api.sampling(body), at)
             created = int(time.time())
             # vLLM's UsageInfo order.
             usage = {

@@ -67,6 +67,49 @@ def continuation_ids() -> list[int]:
     return [*encode_bytes(CONTINUATION_TEXT), EOS_ID]
 
 
+# The stand-in model's reply: ``FIRST_TOKEN_TEXT + CONTINUATION_TEXT`` one byte per token, then
+# EOS; with ``ignore_eos`` the continuation repeats instead. A context whose last assistant turn
+# already holds the start of that reply (a continued answer: ``continue_final_message``) is
+# continued from there, so a reply continued after a cut equals the uncut one.
+ASSISTANT_TURN = "<|im_start|>assistant\n"
+
+
+def _reply_token(at: int, ignore_eos: bool) -> int | None:
+    """The reply's token at position ``at`` (None: past its EOS)."""
+    head, tail = FIRST_TOKEN_TEXT.encode(), CONTINUATION_TEXT.encode()
+    if at < len(head):
+        return byte_token_id(head[at])
+    at -= len(head)
+    if ignore_eos:
+        return byte_token_id(tail[at % len(tail)])
+    if at < len(tail):
+        return byte_token_id(tail[at])
+    return EOS_ID if at == len(tail) else None
+
+
+def reply_ids(at: int, count: int, *, ignore_eos: bool = False) -> list[int]:
+    """At most ``count`` tokens of the reply from position ``at`` on (EOS ends it; past its end,
+    EOS alone)."""
+    out: list[int] = []
+    while len(out) < count:
+        token = _reply_token(at + len(out), ignore_eos)
+        out.append(EOS_ID if token is None else token)
+        if out[-1] == EOS_ID:
+            break
+    return out
+
+
+def reply_at(prompt: str) -> int:
+    """How many tokens of the reply ``prompt``'s last assistant turn already holds (0 when it
+    holds none, or text the model did not write)."""
+    _, turn, written = prompt.rpartition(ASSISTANT_TURN)
+    if not turn or not written:
+        return 0
+    cycle = CONTINUATION_TEXT.encode()
+    whole = FIRST_TOKEN_TEXT.encode() + cycle * (len(written.encode()) // len(cycle) + 1)
+    return len(written.encode()) if whole.startswith(written.encode()) else 0
+
+
 def render(ids: list[int]) -> str:
     """Text of ``ids`` without a tokenizer: byte tokens as their bytes, specials dropped."""
     raw = bytearray()

@@ -66,6 +66,10 @@ class Admission(msgspec.Struct, omit_defaults=True):
     sampling: dict[str, Any] | None = None
     admission_window_s: float = 0.0
     prompt_token_ids: list[int] | None = None
+    # The stand-ins' own, in place of the KV's content: how many tokens of the stand-in model's
+    # reply the context already holds (a continued answer), so the decode continues from there.
+    # Omitted when 0; TileRT's receiver reads only the keys it knows.
+    reply_at: int = 0
 
 
 class Verdict(msgspec.Struct, omit_defaults=True):

@@ -91,6 +91,20 @@ def _is_supervisor_of(cmdline: list[str], job: JobDir) -> bool:
         return False
 
 
+def process_facts(pid: int) -> tuple[float, list[str]] | str:
+    """Live ``pid``'s start time and command line (what tells it from a stranger that reuses
+    the pid), or why they cannot be had."""
+    import psutil  # imported for `stop` and a submission only (see pid_alive)
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time(), proc.cmdline()
+    except psutil.NoSuchProcess:
+        return f"pid {pid} is gone"
+    except psutil.Error as exc:
+        return f"pid {pid} cannot be inspected ({type(exc).__name__})"
+
+
 def not_the_supervisor(job: JobDir, status: JobStatus) -> str | None:
     """Why the live pid status.json names is not this job's supervisor, or None when it is:
     its start time must be the one status.json recorded and its whole command line the
@@ -101,16 +115,10 @@ def not_the_supervisor(job: JobDir, status: JobStatus) -> str | None:
             f"status.json names pid {pid} without the supervisor's start time "
             "(local_started_at), so it cannot be told from another process that reuses the pid"
         )
-    import psutil  # imported for `stop` and a submission only (see pid_alive)
-
-    try:
-        proc = psutil.Process(pid)
-        started = proc.create_time()
-        cmdline = proc.cmdline()
-    except psutil.NoSuchProcess:
-        return f"pid {pid} is gone"
-    except psutil.Error as exc:
-        return f"pid {pid} cannot be inspected ({type(exc).__name__})"
+    facts = process_facts(pid)
+    if isinstance(facts, str):
+        return facts
+    started, cmdline = facts
     if abs(started - status.local_started_at) > START_TIME_SLACK_S:
         return (
             f"pid {pid} started at {_when(started)}, but this job's supervisor started at "

@@ -41,6 +41,7 @@ from agent.launch.spec import exit_description
 from agent.node.logpump import LogSink
 from agent.problems import printable
 from submit.local.backend import STOP_SIGNALS
+from submit.local.timelimit import ends_at, limit_text
 
 PROGRESS_EVERY_S = 10.0
 POLL_S = 0.25
@@ -119,6 +120,9 @@ class LocalRun:
         # agents under one name would fight over its record).
         self._pool_indexes: set[int] = set(range(plan.decode.workers))
         self._nursery: trio.Nursery | None = None
+        # Set once slurm.time_limit's signal lead came (submit.local.timelimit): the job ends
+        # because its time is up, and status.json's ended_by says so.
+        self.timed_out = False
 
     async def _start(self, nursery: trio.Nursery, role: Role, index: int) -> None:
         name = agent_name(role, index)
@@ -166,6 +170,31 @@ class LocalRun:
                     agent.kill()
                 self.stopping.cancel()
 
+    async def _time_limit(self) -> None:
+        """slurm.time_limit as Slurm applies it: SIGTERM to every agent at the signal lead (they
+        drain, as on a stop), every agent killed at the limit if any is still there."""
+        status = _read(self.job)
+        end = ends_at(self.plan, status.local_started_at if status else None)
+        if end is None:
+            return
+        lead = self.plan.slurm.signal_lead_s
+        _say(f"time limit: {limit_text(self.plan)}; the job ends by {time.ctime(end)}")
+        # Wall-clock deadlines (what `status` and the service compute from local_started_at),
+        # slept on trio's clock.
+        await trio.sleep(max(0.0, end - lead - time.time()))
+        if not self.stop.is_set():
+            self.timed_out = True
+            _say(f"time limit: {lead}s left, stopping every agent (SIGTERM, as Slurm's --signal)")
+            self.stop.set()
+        await trio.sleep(max(0.0, end - time.time()))
+        if self.timed_out and self.forced is None:
+            left = [name for name, agent in self.agents.items() if agent.returncode is None]
+            if left:
+                _say(f"time limit reached: killing {', '.join(left)}")
+                for agent in self.agents.values():
+                    agent.kill()
+                self.stopping.cancel()
+
     async def run(self) -> int:
         """Start the agents, show progress, wait for a signal, a failure or the limit."""
         code = 0
@@ -175,6 +204,7 @@ class LocalRun:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._on_signals, signals)
+                nursery.start_soon(self._time_limit)
                 starts: list[tuple[Role, int]] = [
                     ("prefill", i) for i in range(self.plan.prefill.nodes)
                 ]
@@ -216,6 +246,10 @@ class LocalRun:
                 return
             status.state, status.error = "failed", self.failure
             reason = "stopped: the job failed"
+        elif self.timed_out:
+            status.ended_by = "time_limit"
+            status.state = "failed" if status.state == "failed" else "stopped"
+            reason = f"stopped at the time limit ({limit_text(self.plan)})"
         elif status.state in FINAL_STATES:
             reason = f"stopped with the job ({status.state})"
         else:

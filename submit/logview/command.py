@@ -40,7 +40,12 @@ _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``logs`` subcommand's arguments to ``parser``."""
-    parser.add_argument("job_dir", metavar="J", help="the job directory tilert-submit printed")
+    parser.add_argument(
+        "job_dir",
+        metavar="J",
+        help="the job directory tilert-submit printed, or a service's (S: then NAME is "
+        "CELL [NAME...], docs/service.md)",
+    )
     parser.add_argument(
         "name",
         metavar="NAME",

@@ -1,5 +1,6 @@
 """``python -m tests.bench [--quick] [--only NAME,...] [--out bench-results.json]``, or one of
-the benchmarks with a command line of its own: ``python -m tests.bench chaos [...]``."""
+the benchmarks with a command line of its own: ``python -m tests.bench chaos [...]``, ``python -m
+tests.bench service [...]``."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ GROUPS = {
     ),
 }
 # The benchmarks with a command line of their own (``python -m tests.bench NAME --help``).
-COMMANDS = {"chaos": "tests.bench.chaos"}
+COMMANDS = {"chaos": "tests.bench.chaos", "service": "tests.bench.service"}
 # Shorthands for a group of figures: ``python -m tests.bench front [--quick] [--out FILE]``.
 SHORTHANDS = {"front": "tests.bench.frontcost"}
 

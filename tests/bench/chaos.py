@@ -5,8 +5,9 @@ output) under a steady streaming load (``tests.bench.chaosload``) for a bounded 
 a schedule (``tests.bench.chaosplan``), decode engines, the prefill engine, a decode agent and
 the router are killed and ``scale`` grows and shrinks the pool (``tests.bench.chaosfaults``).
 
-It prints per fault the requests lost, truncated (visibly) and retried (by the client itself and
-by the front, from its ``tilert_front_retries_total``), and the time back to ``ready``; exits 1
+It prints per fault the requests lost, truncated (visibly), continued by the front after a cut
+(``resumed``, from its ``tilert_front_requests_total``) and retried (by the client itself and by
+the front, from its ``tilert_front_retries_total``), and the time back to ``ready``; exits 1
 naming each target missed (docs/performance.md, "The chaos benchmark"). The clients go to the
 job's front door (status.json ``front_url``), or to ``router_url`` when the job has none (or
 with ``--target router``).
@@ -192,18 +193,31 @@ def run(args: argparse.Namespace, root: Path) -> int:
             if faults is not None:
                 faults.close()
             job.stop(60)
-    return report(args, requests, struck, which, target)
+    return report(args, requests, struck, which, target, resuming(args, url == front))
+
+
+def resuming(args: argparse.Namespace, at_front: bool) -> bool:
+    """Whether the front continues cut streams: the clients are at it, and no ``--set`` turned
+    ``agent.front.resume`` off."""
+    off = any(s.replace(" ", "").lower() == "agent.front.resume=false" for s in args.set)
+    return at_front and not off
 
 
 def report(
-    args: argparse.Namespace, requests: list[Any], struck: list[Struck], which: str, target: str
+    args: argparse.Namespace,
+    requests: list[Any],
+    struck: list[Struck],
+    which: str,
+    target: str,
+    resume: bool = False,
 ) -> int:
     """Print the per-fault table and the misses, write ``--out``; 1 when a target is missed."""
-    costs = account(requests, struck, args.bound)
+    costs = account(requests, struck, args.bound, resume=resume)
     load = os.getloadavg()
     print()
     print(render(costs))
     print(f"\n{len(requests)} requests by {args.clients} clients to {target}; {which}")
+    print(f"cut streams continued by the front (agent.front.resume): {'yes' if resume else 'no'}")
     print(f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
     misses = [m for c in costs for m in c.misses]
     for c in costs:

@@ -5,7 +5,8 @@ A request belongs to the last fault that struck before it ended (a request that 
 first fault belongs to the steady ``baseline``); it was *in flight* at its fault when it started
 before the fault struck. The targets (issue 28): nothing lost to a decode-engine kill, a
 decode-agent kill, a router hand-over (``scale``) or in the baseline; only requests in flight at
-a decode kill may end truncated, and then with the visible ``stream_truncated`` error event; a
+a decode kill may end truncated, and then with the visible ``stream_truncated`` error event, and
+none at all while the front continues cut streams (``agent.front.resume``, issue 38); a
 prefill or router SIGKILL loses at most the requests in flight at that moment (their streams ran
 through the process that died). A silent cut (a stream that ends as if complete, its text short)
 is a miss wherever it happens.
@@ -148,6 +149,8 @@ class Cost:
     in_flight: int = 0
     client_retries: int = 0
     front_retries: float | None = None
+    # Streams the front continued after a cut (its ``resumed`` outcome; None without a front).
+    resumed: float | None = None
     ready_s: float | None = None
     # The longest any request of the fault took (start -> end): what waiting for a router being
     # handed over, or for a decode back, cost the clients.
@@ -168,7 +171,7 @@ def buckets(requests: Sequence[Request], struck: Sequence[Struck]) -> Iterator[l
     yield from out
 
 
-def _misses(cost: Cost, fault: Fault | None, truncated_in_flight: int) -> list[str]:
+def _misses(cost: Cost, fault: Fault | None, truncated_in_flight: int, resume: bool) -> list[str]:
     out = []
     where = fault.label if fault else "baseline"
     if cost.cut:
@@ -186,14 +189,19 @@ def _misses(cost: Cost, fault: Fault | None, truncated_in_flight: int) -> list[s
     if fault is None or not fault.kills_a_decode:
         if cost.truncated:
             out.append(f"{where}: {cost.truncated} truncated, and no decode was killed")
+    elif resume and cost.truncated:
+        out.append(f"{where}: {cost.truncated} truncated, with the front continuing cut streams")
     elif cost.truncated > truncated_in_flight:
         out.append(f"{where}: {cost.truncated - truncated_in_flight} truncated, not in flight")
     return out
 
 
-def account(requests: Sequence[Request], struck: Sequence[Struck], bound_s: float) -> list[Cost]:
-    """Per fault (the baseline first): requests, lost, truncated, retries, time back to ready,
-    and the targets missed (``bound_s``: the bound a fault had to be ready again within)."""
+def account(
+    requests: Sequence[Request], struck: Sequence[Struck], bound_s: float, *, resume: bool = False
+) -> list[Cost]:
+    """Per fault (the baseline first): requests, lost, truncated, resumed, retries, time back to
+    ready, and the targets missed (``bound_s``: the bound a fault had to be ready again within;
+    ``resume``: the front continues cut streams, so a decode kill may truncate none)."""
     costs = []
     last_end = max((r.end for r in requests), default=0.0)
     for k, group in enumerate(buckets(requests, struck)):
@@ -211,12 +219,14 @@ def account(requests: Sequence[Request], struck: Sequence[Struck], bound_s: floa
         flying = [r for r in group if s is not None and r.start < s.at]
         cost.in_flight = len(flying)
         truncated_in_flight = sum(r.outcome == "truncated" for r in flying)
-        cost.misses = _misses(cost, s.fault if s else None, truncated_in_flight)
+        cost.misses = _misses(cost, s.fault if s else None, truncated_in_flight, resume)
         if s is not None:
             until = struck[k].at if k < len(struck) else last_end
             if until > s.at:
                 cost.ok_per_s = cost.ok / (until - s.at)
             cost.front_retries = s.front_retries
+            if s.front_retries is not None:  # the front's counters were read
+                cost.resumed = s.front_outcomes.get("resumed", 0.0)
             if s.ready_at is None:
                 cost.misses.append(f"{s.fault.label}: not ready again within {bound_s:g} s")
             else:
@@ -237,6 +247,7 @@ def render(costs: Sequence[Cost]) -> str:
         "ok",
         "lost",
         "truncated",
+        "resumed",
         "in flight",
         "client retries",
         "front retries",
@@ -254,6 +265,7 @@ def render(costs: Sequence[Cost]) -> str:
                 str(c.ok),
                 str(c.lost),
                 str(c.truncated),
+                _cell(c.resumed, 0),
                 str(c.in_flight),
                 str(c.client_retries),
                 _cell(c.front_retries, 0),

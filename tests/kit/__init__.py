@@ -33,6 +33,9 @@ the /metrics page readers, which are imported from ``tests.kit.metrics``. One co
 - ``front``: the front door in process (``FrontKit``): the router on an ``httpx.MockTransport``
   with scripted answers, its state scripted (none, handing over, serving), requests through the
   ASGI app with no socket, on trio's autojump clock; imported from ``tests.kit.front``.
+- ``servicefront``: a service front on a real socket from a thread of the test process
+  (``FrontThread``: the control plane's calls run in its loop) and a local job as a cell of its
+  table (``cell_record``); imported from ``tests.kit.servicefront``.
 
 Free ports come from ``tests/infra/ports.py`` (``free_port``, ``free_ports``), the only place
 that picks them.

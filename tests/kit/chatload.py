@@ -22,21 +22,22 @@ class Busy(AssertionError):
 
 
 def stream_chat(url: str, model: str, started: threading.Event | None = None) -> dict[str, Any]:
-    """One streaming chat: its text, its chunks and its finish reason (raises on an error;
-    ``started`` is set once text arrived)."""
+    """One streaming chat: its text, its chunks, its finish reason and whether it ended with
+    ``[DONE]`` (raises on an error; ``started`` is set once text arrived)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Hello"}],
         "max_tokens": 64,
         "stream": True,
     }
-    text, chunks, finish = "", 0, None
+    text, chunks, finish, done = "", 0, None, False
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
         if response.status_code == 429:
             raise Busy(f"router answered 429: {response.read()!r}")
         if response.status_code != 200:
             raise AssertionError(f"router answered {response.status_code}: {response.read()!r}")
         for line in response.iter_lines():
+            done = done or line[5:].strip() == "[DONE]"
             if not line.startswith("data:") or line[5:].strip() in ("", "[DONE]"):
                 continue
             chunk = json.loads(line[5:])
@@ -48,18 +49,20 @@ def stream_chat(url: str, model: str, started: threading.Event | None = None) ->
             chunks += 1
             if started is not None and text:
                 started.set()
-    return {"text": text, "chunks": chunks, "finish": finish}
+    return {"text": text, "chunks": chunks, "finish": finish, "done": done}
 
 
 @dataclass
 class ChatLoad:
     """``clients`` threads chatting one chat after another until ``stop``; a refused connection
     is retried after ``RETRY_S`` (and its time kept), so is a busy pool (counted), any other
-    failure is kept."""
+    failure is kept (with ``answer``: a chat whose text is not it, or that ended without
+    ``[DONE]``, is one)."""
 
     url: str
     model: str
     clients: int = 1
+    answer: str | None = None
     served: int = 0
     # Monotonic times of refused connections, and of the first chat served after each refusal.
     refused_at: list[float] = field(default_factory=list)
@@ -75,7 +78,9 @@ class ChatLoad:
         while not self.stop.is_set():
             began = time.monotonic()
             try:
-                stream_chat(self.url, self.model)
+                got = stream_chat(self.url, self.model)
+                if self.answer is not None and (got["text"], got["done"]) != (self.answer, True):
+                    raise AssertionError(f"not the whole answer: {got}")
             except httpx.ConnectError:
                 with self._lock:
                     self.refused_at.append(time.monotonic())

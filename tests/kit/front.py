@@ -232,6 +232,9 @@ class Client:
     parts: Sequence[bytes] = (b"",)
     stall: bool = False
     leave_after: int | None = None
+    # Leaves once a part of the reply holding these bytes arrived (b"[DONE]": a client that
+    # closes the moment it read the stream's end, before the response's own end).
+    leave_on: bytes | None = None
     # The server stops (cancels the app) while the reply's start is being sent, before any chunk.
     stopped_at_start: bool = False
 
@@ -267,6 +270,8 @@ async def call(
             parts.append(message["body"])
         if client.leave_after is not None and len(parts) >= client.leave_after:
             left.set()
+        if client.leave_on is not None and client.leave_on in message.get("body", b""):
+            left.set()
 
     if client.stopped_at_start:
         with trio.move_on_after(STOP_S):
@@ -296,12 +301,14 @@ class FrontKit:
         max_waiting: int = 1024,
         max_body_bytes: int = 1 << 20,
         body_timeout_s: float = 30.0,
+        resume: bool = True,
     ) -> None:
         policy = FrontPolicy(
             retry=FrontRetry(attempts=attempts, budget_s=budget_s),
             queue=FrontQueue(max_waiting=max_waiting),
             max_body_bytes=max_body_bytes,
             body_timeout_s=body_timeout_s,
+            resume=resume,
         )
         self.router = ScriptedRouter()
         self.upstream = Upstream()

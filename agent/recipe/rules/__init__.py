@@ -3,23 +3,24 @@
 ``check`` runs srtctl's own rules and the failures srtctl would see only on the nodes
 (``srtctl``), then the prefill/decode agreements that TileRT checks only at the first request
 (``agreements``), that the router renders chats as the prefill does (``chattemplate``), whether
-the weights conversion agrees with the decode (``weights``), and the ``benchmark:`` section
-(``benchmark``), reading values through ``values``. It returns every
+the weights conversion agrees with the decode (``weights``), the ``benchmark:`` section
+(``benchmark``) and the ``service:`` section (``service``; ``service.serving`` is what
+``tilert-submit serve`` adds), reading values through ``values``. It returns every
 problem, in a fixed order, so that one run reports all of them; the loader runs it on every
 recipe, and every agent again on its node.
 
 Arg keys are compared with ``_`` == ``-``; a problem names a key as the user wrote it. The TileRT
 and vLLM facts the rules compare against live in ``agent.facts``.
 
-May import ``agent.facts``, ``agent.problems`` and ``agent.recipe.model`` only (the loader imports
-this package).
+May import ``agent.facts``, ``agent.problems``, ``agent.recipe.model`` and
+``agent.recipe.serviceplan`` (Slurm's time format) only (the loader imports this package).
 """
 
 from __future__ import annotations
 
 from agent.problems import Problem
 from agent.recipe.model import Recipe
-from agent.recipe.rules import agreements, benchmark, chattemplate, srtctl, weights
+from agent.recipe.rules import agreements, benchmark, chattemplate, service, srtctl, weights
 
 
 def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
@@ -41,4 +42,5 @@ def check(recipe: Recipe, *, launcher: str | None = None) -> list[Problem]:
     srtctl.settings(recipe, out)
     weights.conversion(recipe, out)
     benchmark.benchmark(recipe, out)
+    service.service(recipe, out)
     return out
