@@ -50,6 +50,7 @@ UNIT_MODULES = frozenset(
         "test_front_plumbing",
         "test_front_resume",
         "test_front_units",
+        "test_front_upstream",
         "test_head",
         "test_head_down",
         "test_head_gate",

@@ -32,6 +32,7 @@ APT_PACKAGES=(
   python3-venv                        # `python3 -m venv` on Debian
   systemd                             # systemd-analyze verify (tests/test_systemd.py)
   nginx                               # a proxy with its defaults before the front door
+  haproxy                             # the other proxy beside it (tests/bench/frontcost.py)
   util-linux mount hostname           # unshare, mount --bind, hostname: per-node hostnames
 )
 

@@ -33,9 +33,12 @@ pytestmark = pytest.mark.router
 READY_S = 120.0
 BURST = 500
 DECODES = 2  # the demo's
-# Short streams keep the wall time modest: 500 streams, two at a time.
+# Short streams keep the wall time modest (500 streams, two at a time, about 40 s), yet long
+# enough (32 tokens, 160 ms at a decode) that the burst's arrivals outpace the two decodes whatever
+# the front's own cost: with 4 tokens a faster front (or a slower metrics poll between arrivals on
+# a loaded machine) served them nearly as they came, and fewer than 100 ever waited.
 TOKEN_DELAY = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.005"
-CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True}
+CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32, "stream": True}
 HEALTH_BOUND_S = 5.0  # the job's probe timeout (PROBE): /health must answer within it
 SERVED_S = 600.0  # the whole burst's bound (a bound, not a speed target)
 SLOW_TOKENS = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.05"

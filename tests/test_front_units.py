@@ -23,7 +23,7 @@ from agent.front.retry import (
     status_failure,
     stream_failure,
 )
-from agent.front.sse import DONE, EventSplitter, StreamWatch, event_data
+from agent.front.sse import DONE, EventSplitter, StreamWatch, event_data, plain_content
 from tests.kit.front import CUT, ROLE, USAGE, chunk
 
 
@@ -151,6 +151,45 @@ def test_a_stream_that_ends_early_is_a_cut(events: list[bytes], why: str) -> Non
     assert error_of(out[-2])["type"] == "stream_truncated"
     assert watch.truncated is not None
     assert why in watch.truncated
+
+
+@pytest.mark.parametrize(
+    ("event", "plain"),
+    [
+        (chunk("Hel"), True),
+        (b"data: " + chunk("Hel")[6:].replace(b": ", b":").replace(b", ", b","), True),  # compact
+        (chunk('say "finish_reason": "stop", "error": 1'), True),  # quoted in text: escaped
+        (chunk("[DONE]"), False),  # a marker in the text: parsed (the parse decides)
+        (chunk(""), False),
+        (chunk(None), False),
+        (chunk(None, "stop"), False),
+        (chunk("a", "length"), False),
+        (chunk("\n[decode error: decode stalled]"), False),
+        (ROLE, False),
+        (CUT, False),
+        (USAGE, False),
+        (DONE, False),
+        (b": keep-alive\n\n", False),
+        (b"data: " + chunk("a")[6:-2] + b"\ndata: " + chunk("b")[6:], False),  # two data lines
+    ],
+)
+def test_only_plain_tokens_pass_unparsed(event: bytes, plain: bool) -> None:
+    """The byte scan says plain only of a chunk the parse would pass on as a token."""
+    assert plain_content(event) is plain
+    if plain:
+        data = json.loads(event_data(event) or b"")
+        choice = data["choices"][0]
+        assert choice["finish_reason"] is None
+        assert choice["delta"]["content"]
+
+
+def test_the_byte_scan_and_the_parse_agree_on_a_stream() -> None:
+    """Tokens after the role chunk pass unparsed; the stream's state is the parse's."""
+    events = [ROLE, chunk("a"), chunk("b"), chunk(None, "stop"), USAGE, DONE]
+    fast, parsed = StreamWatch(want_usage=True), StreamWatch(want_usage=True, keep_text=True)
+    assert run(fast, events) == run(parsed, events)
+    for name in ("chunks", "events", "finish", "done", "truncated", "usage_seen", "chunk_id"):
+        assert getattr(fast, name) == getattr(parsed, name), name
 
 
 def test_usage_is_counted_when_the_router_sends_none() -> None:

@@ -1,7 +1,7 @@
 """Clients a job meets in its first hour, against a running local job (stand-ins, the REAL
 TileRT router): pgjones/hypercorn#203's malformed connection at the front and the agents while
-chats stream, nginx with its defaults before the front, an HTTP/1.0 client, headers and bodies
-no server may answer with a 500 (docs/reliability.md, "Servers contained"; in process:
+chats stream, nginx with its defaults and HAProxy before the front, an HTTP/1.0 client, headers
+and bodies no server may answer with a 500 (docs/reliability.md, "Servers contained"; in process:
 tests/test_web.py).
 """
 
@@ -18,6 +18,7 @@ import pytest
 
 from tests import kit
 from tests.conftest import require
+from tests.infra.haproxy import HAProxy, haproxy_binary
 from tests.infra.nginx import Nginx, nginx_binary
 from tests.kit import FAST
 from tests.kit.chatload import ChatLoad
@@ -132,6 +133,20 @@ def test_a_stream_through_nginx_with_its_defaults_ends_at_its_last_event(
         log = proxy.error_log()
     assert "timed out" not in log, log
     assert "prematurely closed" not in log, log
+
+
+def test_a_stream_through_haproxy_ends_at_its_last_event(job: kit.LocalJob, tmp_path: Path) -> None:
+    """HAProxy as tests/bench/frontcost.py runs it (HTTP/1.1 kept alive to the front,
+    ``option http-no-delay``) passes streamed chats whole, twice on its kept connection."""
+    require(haproxy_binary() is not None, "haproxy not installed")
+    body = {**CHAT, "model": MODEL, "stream": True}
+    with HAProxy(front(job), tmp_path / "haproxy") as proxy, httpx.Client(timeout=WAIT_S) as c:
+        for _ in range(2):
+            with c.stream("POST", f"{proxy.url}/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                got = events(response.iter_lines())
+            assert got[-1] == "[DONE]"
+            assert any(isinstance(e, dict) and e["choices"][0]["finish_reason"] for e in got)
 
 
 def test_an_http10_client_gets_the_whole_stream_and_the_close(job: kit.LocalJob) -> None:

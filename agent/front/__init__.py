@@ -8,8 +8,9 @@ front of TileRT's router (docs/agent.md, "The front door").
 - ``ticket``: ``Ticket``, one request from its arrival to its last byte: its outcome, timings and
   figures counted in this one place, its slot given back once.
 - ``proxy``: the way to the router: its URL asked at every try, a wait while it is handed over,
-  tries again before the client's first byte; httpx's AsyncClient (a transport may be handed in:
-  the router in process, for tests).
+  tries again before the client's first byte.
+- ``upstream``: the client to the router: h11 on trio's streams, kept-alive connections per
+  router (``HttpxUpstream``: an httpx transport handed in, the router in process, for tests).
 - ``retry``: which failures are tried again, the pause, the budget (pure).
 - ``resume``: a stream cut after its first byte continued by a new request (the conversation
   plus the text already sent), its chunks rewritten into the first stream's
@@ -22,7 +23,7 @@ front of TileRT's router (docs/agent.md, "The front door").
 - ``openai``: ``/v1/models``, what TileRT 0.1.6 cannot serve, OpenAI's error shape (pure).
 - ``figures``: the ``tilert_front_*`` series, in the registry the head agent hands over.
 
-May import: the standard library, trio, httpx, msgspec, prometheus_client, ``agent.web``,
+May import: the standard library, trio, h11, httpx, msgspec, prometheus_client, ``agent.web``,
 ``agent.errors`` and ``agent.job`` (its settings, ``agent.job.frontpolicy``). Imported by
 ``agent.head`` (which runs it) and ``agent.nodeagent`` (which builds its figures).
 """

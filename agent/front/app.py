@@ -39,12 +39,13 @@ from agent.front.proxy import (
     RouterNow,
     StreamStart,
     Unavailable,
-    make_client,
+    make_upstream,
     relayed,
 )
 from agent.front.resume import Resume, why_not
 from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
+from agent.front.upstream import Reply
 from agent.job.frontpolicy import FrontPolicy
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
 from agent.web.server import serve
@@ -111,9 +112,13 @@ class Front:
     @asynccontextmanager
     async def connected(self) -> AsyncIterator[None]:
         """The front's client to the router open: ``app`` sends requests on within it."""
-        async with make_client(self.transport) as client:
-            self.proxy = Proxy(client, self.router, self.budget)
+        upstream = make_upstream(self.transport)
+        try:
+            self.proxy = Proxy(upstream, self.router, self.budget)
             yield
+        finally:
+            with trio.CancelScope(shield=True):
+                await upstream.aclose()
 
     async def _models(self, _request: Request) -> Response:
         return json_response(models_body(self.model, self.created))
@@ -181,7 +186,7 @@ class Front:
         if isinstance(result, Refused):
             return ticket.answer(*refused(result))
         if result.stream is None:
-            ctype = result.response.headers.get("content-type", "application/json")
+            ctype = result.response.content_type
             return ticket.answer(Response(result.body, 200, ctype), ticket.served())
         chunks = self._relay(result.response, result.stream, ticket, resume)
         upstream = result.response
@@ -205,7 +210,7 @@ class Front:
         return Resume(proxy, path, value, wants_usage(value), ticket.retried, self.log)
 
     async def _relay(
-        self, response: httpx.Response, start: StreamStart, ticket: Ticket, resume: Resume | None
+        self, response: Reply, start: StreamStart, ticket: Ticket, resume: Resume | None
     ) -> AsyncIterator[bytes]:
         """The stream passed on as it arrives (a cut continued by ``resume``); its ticket ended
         when it ends (its slot given back once the router's reply ended: the router has freed

@@ -7,7 +7,8 @@ it (woken by the head's changes, bounded by the request's budget) instead of bei
 wait is not a try. A try that failed before the client's first byte is tried again as the recipe's
 ``agent.front.retry`` allows (the rules are ``agent.front.retry``'s). A stream's first byte is its
 first content (or its end): events before it (the role chunk) are held, so a stream that fails
-before its first token is tried again too.
+before its first token is tried again too. The router is reached through
+``agent.front.upstream`` (h11 on trio's streams; an httpx transport handed in, for tests).
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ from agent.front.retry import (
     stream_failure,
 )
 from agent.front.sse import StreamReader, StreamWatch
+from agent.front.upstream import (
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    H11Upstream,
+    HttpxUpstream,
+    Reply,
+    Upstream,
+    UpstreamError,
+)
 
 WAIT_POLL_S = 0.5  # a safety net: the head's changes wake waiting requests before this
 # A stream with no first event this long after an engine restarted and the pool is whole again
@@ -37,9 +47,6 @@ WAIT_POLL_S = 0.5  # a safety net: the head's changes wake waiting requests befo
 # KV that never comes, 120 s).
 STALE_AFTER_RESTART_S = 5.0
 MAX_REPLY_BYTES = 64 << 20  # a non-streamed reply, or a refusal's body, read at most this far
-CONNECT_TIMEOUT_S = 5.0
-# A stream may wait this long for its next event (TileRT's own bound: TILERT_PD_HTTP_TIMEOUT_S).
-READ_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ class StreamStart:
 class Opened:
     """A router reply that passed: a stream (``stream``) or a whole body."""
 
-    response: httpx.Response
+    response: Reply
     body: bytes = b""
     stream: StreamStart | None = None
 
@@ -87,12 +94,20 @@ class Refused:
     content: bytes = b""
 
 
-def make_client(transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The front's own client to the router: keep-alive, no overall timeout on a stream
-    (``transport``: the router in process, for tests/kit/front.py; None: the network)."""
+def make_client() -> httpx.AsyncClient:
+    """An httpx client with the bounds of a stream (keep-alive, no overall timeout): the service
+    front's to its cells (their ``/v1/models``; its requests through ``HttpxUpstream``)."""
     timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S, write=60.0, pool=60.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, transport=transport)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
+def make_upstream(transport: httpx.AsyncBaseTransport | None = None) -> Upstream:
+    """The front's own client to the router: keep-alive, no overall timeout on a stream
+    (``transport``: the router in process, for tests/kit/front.py; None: the network)."""
+    if transport is None:
+        return H11Upstream()
+    return HttpxUpstream(httpx.AsyncClient(transport=transport, trust_env=False))
 
 
 class Proxy:
@@ -100,7 +115,7 @@ class Proxy:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: Upstream,
         router: Callable[[], RouterNow],
         budget: RetryBudget,
     ) -> None:
@@ -175,22 +190,20 @@ class Proxy:
     async def _try(
         self, url: str, body: bytes, stream: bool, new_watch: Callable[[], StreamWatch]
     ) -> Opened | Failure:
-        headers = {"content-type": "application/json", "accept": "*/*"}
-        request = self.client.build_request("POST", url, content=body, headers=headers)
-        response: httpx.Response | None = None
+        response: Reply | None = None
         result: Opened | Failure = stale_failure("an engine restarted and the stream had not begun")
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 if stream:
                     nursery.start_soon(self._give_up_if_lost, scope, self.router().marks)
                 try:
-                    response = await self.client.send(request, stream=True)
+                    response = await self.client.post(url, body)
                     result = await _answer(response, stream, new_watch)
-                except httpx.ConnectError as exc:
-                    why = f"the router at {url} refused the connection: {exc!r}"
-                    result = connect_failure(why, refused=True)
-                except httpx.TransportError as exc:
-                    result = connect_failure(f"the router at {url} failed to answer: {exc!r}")
+                except UpstreamError as exc:
+                    said = "refused the connection" if exc.refused else "failed to answer"
+                    result = connect_failure(
+                        f"the router at {url} {said}: {exc}", refused=exc.refused
+                    )
                 nursery.cancel_scope.cancel()
         if scope.cancelled_caught:
             result = stale_failure("an engine restarted and the stream had not begun")
@@ -213,22 +226,22 @@ class Proxy:
 
 
 async def _answer(
-    response: httpx.Response, stream: bool, new_watch: Callable[[], StreamWatch]
+    response: Reply, stream: bool, new_watch: Callable[[], StreamWatch]
 ) -> Opened | Failure:
     """The router's answer: a failure (its status), a whole body, or a stream begun."""
-    if response.status_code != 200:
+    if response.status != 200:
         content = await _read_bounded(response)
-        return status_failure(response.status_code, content.decode(errors="replace"))
+        return status_failure(response.status, content.decode(errors="replace"))
     if not stream:
         return Opened(response, body=await _read_bounded(response))
     return await _first_events(response, new_watch())
 
 
-async def _read_bounded(response: httpx.Response) -> bytes:
+async def _read_bounded(response: Reply) -> bytes:
     """A whole reply body, at most ``MAX_REPLY_BYTES`` (the rest dropped), the reply closed."""
     parts, size = [], 0
     try:
-        async for part in response.aiter_raw():
+        async for part in response.body():
             parts.append(part)
             size += len(part)
             if size > MAX_REPLY_BYTES:
@@ -238,10 +251,10 @@ async def _read_bounded(response: httpx.Response) -> bytes:
     return b"".join(parts)
 
 
-async def _first_events(response: httpx.Response, watch: StreamWatch) -> Opened | Failure:
+async def _first_events(response: Reply, watch: StreamWatch) -> Opened | Failure:
     """Read the stream up to its first content (or its end); a cut before that is a failure
     (nothing reached the client yet: it may be tried again)."""
-    reader = StreamReader(response.aiter_raw(), watch)
+    reader = StreamReader(response.body(), watch)
     first: list[bytes] = []
     while (out := await reader.read()) is not None:
         first.append(out)
@@ -254,7 +267,7 @@ async def _first_events(response: httpx.Response, watch: StreamWatch) -> Opened 
 
 
 async def relayed(
-    response: httpx.Response, start: StreamStart, log: logging.Logger
+    response: Reply, start: StreamStart, log: logging.Logger
 ) -> AsyncGenerator[bytes, None]:
     """A stream begun (``start``) passed on as it arrives, to its end (a cut marked by its
     watch); the router's reply closed however it ends. Nothing waits for more than what has
@@ -267,7 +280,7 @@ async def relayed(
             while (out := await reader.read()) is not None:
                 if out:
                     yield out
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             log.warning("front: the router's stream broke: %r", exc)
         if tail := reader.end():
             yield tail

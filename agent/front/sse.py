@@ -36,18 +36,19 @@ class EventSplitter:
 
     def feed(self, data: bytes) -> list[bytes]:
         """The whole events ``data`` completes."""
-        buf = self._rest + data.replace(b"\r\n", b"\n")
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        buf = self._rest + data if self._rest else data
         events = []
-        while True:
-            end = buf.find(b"\n\n")
-            if end < 0:
-                break
-            events.append(buf[: end + 2])
-            buf = buf[end + 2 :]
-        if len(buf) > MAX_EVENT_BYTES:
-            events.append(buf)
-            buf = b""
-        self._rest = buf
+        start = 0  # each event sliced once (slicing off the rest each time is quadratic)
+        while (end := buf.find(b"\n\n", start)) >= 0:
+            events.append(buf[start : end + 2])
+            start = end + 2
+        rest = buf[start:] if start else buf
+        if len(rest) > MAX_EVENT_BYTES:
+            events.append(rest)
+            rest = b""
+        self._rest = rest
         return events
 
     def rest(self) -> bytes:
@@ -61,6 +62,27 @@ def event_data(event: bytes) -> bytes | None:
         line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
     ]
     return b"\n".join(lines) if lines else None
+
+
+def plain_content(event: bytes) -> bool:
+    """Whether ``event`` is surely one chunk of content that ends nothing, read from its bytes:
+    one ``data:`` line of one choice whose ``finish_reason`` is null and whose content is not
+    empty, and no error, usage, decode error or ``[DONE]`` in it. A JSON string escapes its
+    quotes, so the keys matched here are keys, never text. Anything else (False) is parsed."""
+    if not event.startswith(b"data: {") or event.count(b"\n") != 2:
+        return False
+    at = event.find(b'"finish_reason"')
+    if at < 0 or event.find(b'"finish_reason"', at + 1) >= 0:
+        return False
+    if not event[at + 15 : at + 24].lstrip(b": ").startswith(b"null"):
+        return False
+    if b'"error"' in event or b'"usage"' in event or b"[d" in event or b"[D" in event:
+        return False  # an error, usage, a decode error in the text, [DONE]: parsed
+    at = event.find(b'"content"')
+    if at < 0:
+        return False
+    value = event[at + 9 : at + 14].lstrip(b": ")
+    return value[:1] == b'"' and value[1:2] not in (b'"', b"")
 
 
 def error_event(message: str, kind: str, **extra: Any) -> bytes:
@@ -141,6 +163,8 @@ class StreamWatch:
 
     def push(self, event: bytes) -> list[bytes]:
         """One event from the router -> what the client gets now."""
+        if self._unparsed(event):
+            return [event]
         data = event_data(event)
         self.events += data is not None
         if self.ended:
@@ -152,16 +176,9 @@ class StreamWatch:
         chunk = _decoded(data)
         if chunk is None:
             return [event]
-        if "error" in chunk:
-            error = chunk["error"]
-            self.upstream_error = error if isinstance(error, dict) else {"error": error}
-            self.error_text = str(error)
-            return self._cut("the router sent an error mid-stream")
         content = _content(chunk)
-        if content.startswith(DECODE_ERROR_TEXT):
-            self.error_text = content.strip()
-            self.upstream_error = {"error": self.error_text}
-            return self._cut("the decode sent an error mid-stream")
+        if (cut := self._failed(chunk, content)) is not None:
+            return cut
         self.chunk_id = chunk.get("id") or self.chunk_id
         self.model = chunk.get("model") or self.model
         self.created = chunk.get("created") or self.created
@@ -180,6 +197,32 @@ class StreamWatch:
             self.held, self._held_text = event, content
             return out
         return [*out, event]
+
+    def _failed(self, chunk: dict[str, Any], content: str) -> list[bytes] | None:
+        """The cut's events when ``chunk`` says the stream failed (the router's error chunk, the
+        decode's error in the text), else None."""
+        if "error" in chunk:
+            error = chunk["error"]
+            self.upstream_error = error if isinstance(error, dict) else {"error": error}
+            self.error_text = str(error)
+            return self._cut("the router sent an error mid-stream")
+        if content.startswith(DECODE_ERROR_TEXT):
+            self.error_text = content.strip()
+            self.upstream_error = {"error": self.error_text}
+            return self._cut("the decode sent an error mid-stream")
+        return None
+
+    def _unparsed(self, event: bytes) -> bool:
+        """Whether ``event`` is a token passed on as it came, counted from its bytes alone (most
+        events: only one that can end the stream, or whose text is kept, is parsed;
+        docs/performance.md, "The front beside the floors")."""
+        if self.held is not None or not self.chunk_id or self.keep_text:
+            return False
+        if not plain_content(event):
+            return False
+        self.events += 1
+        self.chunks += 1
+        return True
 
     def end(self) -> list[bytes]:
         """The router's stream ended (cleanly or not) -> the client's last events."""
@@ -254,7 +297,11 @@ class StreamReader:
 
     def feed(self, data: bytes) -> bytes:
         """What the client gets for ``data``: the events it completes, through the watch."""
-        return b"".join(out for event in self.splitter.feed(data) for out in self.watch.push(event))
+        events = self.splitter.feed(data)
+        outs = [out for event in events for out in self.watch.push(event)]
+        if len(outs) == 1:
+            return outs[0]
+        return b"".join(outs)
 
     async def read(self) -> bytes | None:
         """The next read from the router, for the client (b"": nothing whole yet); None once the

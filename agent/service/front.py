@@ -39,6 +39,7 @@ from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, unsupported, wants_
 from agent.front.proxy import Opened, Proxy, Refused, StreamStart, Unavailable, make_client
 from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
+from agent.front.upstream import HttpxUpstream, Reply, UpstreamError
 from agent.job.frontpolicy import FrontPolicy
 from agent.service.cellslots import CellSlots, Route
 from agent.service.figures import CELL_CUT, CONTENT_TYPE, NO_CELL, ServiceFigures
@@ -251,7 +252,7 @@ class ServiceFront:
     ) -> Response | StreamingResponse:
         """The request at its cell's front door (another cell's after a failed try or a cut)."""
         stream = bool(value.get("stream"))
-        proxy = Proxy(client, route.now, self.budget)
+        proxy = Proxy(HttpxUpstream(client), route.now, self.budget)
 
         def retried(reason: str) -> None:
             ticket.retried(reason)
@@ -276,7 +277,7 @@ class ServiceFront:
         if isinstance(result, Refused):
             return ticket.answer(*refused(result))
         if result.stream is None:
-            ctype = result.response.headers.get("content-type", "application/json")
+            ctype = result.response.content_type
             return ticket.answer(Response(result.body, 200, ctype), ticket.served())
         upstream = result.response
 
@@ -289,7 +290,7 @@ class ServiceFront:
         return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}, closed)
 
     async def _relay(
-        self, response: httpx.Response, start: StreamStart, ticket: Ticket, route: Route
+        self, response: Reply, start: StreamStart, ticket: Ticket, route: Route
     ) -> AsyncIterator[bytes]:
         """The stream passed on as it arrives; a cut of its cell ends it marked; its ticket
         ended when it ends (its slot given back once the cell's reply ended)."""
@@ -304,7 +305,7 @@ class ServiceFront:
                 with route.guarded() as scope:
                     try:
                         out = await reader.read()
-                    except httpx.HTTPError as exc:
+                    except UpstreamError as exc:
                         self.log.warning("service front: a cell's stream broke: %r", exc)
                         out = None
                 if scope.cancelled_caught:

@@ -28,7 +28,15 @@ GROUPS = {
         "heal_s",
     ),
     "tests.bench.handover": ("handover_gap_s", "handover_failed"),
-    "tests.bench.frontcost": ("front_added_ms_p50", "front_stream_ratio"),
+    "tests.bench.frontcost": (
+        "front_added_ms_p50",
+        "front_added_ms_p95",
+        "front_stream_ratio",
+        "front_cpu_us_per_event",
+        "front_cpu_s_per_1k",
+        "front_ttfb_p99_x_nginx",
+        "front_events_per_s",
+    ),
 }
 # The benchmarks with a command line of their own (``python -m tests.bench NAME --help``).
 COMMANDS = {"chaos": "tests.bench.chaos", "service": "tests.bench.service"}

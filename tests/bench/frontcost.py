@@ -1,31 +1,56 @@
-"""The front door's own cost (issue 28), side by side with the router in one job: a local mock
-job (1 prefill + 2 decodes, TileRT's real router when one is found as for the chaos benchmark,
-the stand-in decode streaming without delay), the same requests sent in turn to the front
-(status.json ``front_url``) and straight to the router (``router_url``), one at a time.
+"""The front door's own cost beside the floors (issues 28 and 38), in one interleaved run: a local
+mock job (1 prefill + 2 decodes, TileRT's real router when one is found as for the chaos
+benchmark, the stand-in decode streaming without delay) and, before the same router, the front
+(status.json ``front_url``), a bare pass-through on trio (``tests/bench/passthrough.py``), nginx
+(``proxy_buffering off``) and HAProxy (``option http-no-delay``); each round sends the same
+request to every path and straight to the router, the order turned every round.
 
-- ``front_added_ms_p50``: per pair of the same short streamed chat (the stand-in's whole answer),
-  the front's end-to-end time minus the router's, p50;
-- ``front_stream_ratio``: per pair of a long stream (``ignore_eos``, thousands of tokens), the
-  bytes per second through the front over those straight from the router, median.
+- ``front_added_ms_p50`` / ``_p95``: per round of the same 64-token streamed chat, a path's
+  end-to-end time minus the router's;
+- ``front_stream_ratio``: per round of a 3,000-token stream (``ignore_eos``), the bytes per second
+  through a path over those straight from the router, median;
+- ``front_cpu_us_per_event`` / ``front_cpu_s_per_1k``: each proxy process's CPU time (psutil,
+  before and after each of its own requests) over the events of the long streams / per 1,000 short
+  chats (the front's process is the head agent's: its probes while a request streams are in it);
+- ``front_ttfb_p99_x_nginx``: 32 clients streaming short chats at once through each path in turn,
+  the p99 time to the first event, over nginx's;
+- ``front_events_per_s``: the front alone in a process of its own (``tests/bench/frontalone.py``)
+  before an upstream that costs almost nothing (``tests/bench/sseupstream.py``; the router would
+  saturate first), streams read as fast as they come: events per second of the process's own
+  CPU (one core's worth); the bare pass-through and the front on a lean h11 server beside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
+import subprocess
 import tempfile
-import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 from agent.recipe.model import Probe
 from tests.bench.chaos import router_python, wait_job_ready
-from tests.bench.procs import env
-from tests.bench.results import Figure
+from tests.bench.frontload import chat_body, cpu_s, many_clients, saturate, timed_chat
+from tests.bench.procs import PY, REPO, env
+from tests.bench.results import Figure, percentile
+from tests.infra.haproxy import HAProxy, haproxy_binary
+from tests.infra.nginx import Nginx, nginx_binary
+from tests.infra.ports import free_port
 from tests.kit import FAST, LocalJob, isolated_sets
+from tests.kit.waiting import wait_for
 
 LONG_TOKENS = 3000
+TTFB_CLIENTS = 32
+SATURATION_STREAMS = 32
+SATURATION_EVENTS = 2000
+SATURATED = ["front", "front-lean", "passthrough"]
+STRAIGHT = "straight"
 BOOTSTRAP = 2000
 
 
@@ -37,107 +62,272 @@ def median_ci(values: list[float], seed: int = 28) -> tuple[float, float]:
     return meds[int(0.025 * BOOTSTRAP)], meds[int(0.975 * BOOTSTRAP) - 1]
 
 
-def _chat(client: httpx.Client, url: str, model: str, max_tokens: int, long: bool) -> int:
-    """One streamed chat read to its end; the bytes it streamed."""
-    body: dict[str, object] = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Hello"}],
-        "max_tokens": max_tokens,
-        "stream": True,
-    }
-    if long:
-        body["ignore_eos"] = True
-    size = 0
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {response.read()!r}")
-        for chunk in response.iter_raw():
-            size += len(chunk)
-    return size
+@dataclass
+class Way:
+    """One way to the router: its URL, the process whose CPU is its cost (None: straight), and
+    what was measured through it."""
+
+    url: str
+    pid: int | None
+    short: list[tuple[float, int]] = field(default_factory=list)
+    long: list[tuple[float, int]] = field(default_factory=list)
+    cpu_short_s: float = 0.0
+    cpu_long_s: float = 0.0
+    ttfb_s: list[float] = field(default_factory=list)
+    refused: int = 0
 
 
-def _timed(
-    client: httpx.Client, url: str, model: str, max_tokens: int, long: bool
-) -> tuple[float, int]:
-    start = time.perf_counter()
-    size = _chat(client, url, model, max_tokens, long)
-    return time.perf_counter() - start, size
+def _listener_pid(url: str) -> int:
+    """The process listening on ``url``'s port (the head agent, for the front)."""
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        address = conn.laddr
+        on_port = isinstance(address, tuple) and len(address) == 2 and address[1] == port
+        if conn.status == psutil.CONN_LISTEN and on_port and conn.pid is not None:
+            return conn.pid
+    raise RuntimeError(f"no process listens on {url}")
 
 
-def _pairs(
-    front: str, router: str, model: str, count: int, max_tokens: int, long: bool
-) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
-    """``count`` interleaved pairs (front, router), the order flipped every pair."""
-    through: list[tuple[float, int]] = []
-    direct: list[tuple[float, int]] = []
+@contextlib.contextmanager
+def program(*argv: str, answers: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A bench program of ours (``python -m ...``), started and waited for (``answers``: a URL
+    that answers once it serves), ended at the end."""
+    proc = subprocess.Popen([PY, *argv], cwd=REPO, stdin=subprocess.DEVNULL)
+
+    def up() -> bool:
+        assert proc.poll() is None, f"{argv} exited"
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(answers, timeout=2)
+            return True
+        return False
+
+    try:
+        wait_for(f"{argv[1]} to answer", up, 30.0)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _rounds(paths: dict[str, Way], body: dict[str, object], count: int, long: bool) -> None:
+    """``count`` rounds of ``body`` through every path, the order turned every round; each
+    proxy's CPU over them."""
+    names = list(paths)
     timeout = httpx.Timeout(30.0, read=120.0)
-    with httpx.Client(timeout=timeout) as a, httpx.Client(timeout=timeout) as b:
-        for url, client in ((front, a), (router, b)):  # warm: connections, caches
-            _chat(client, url, model, max_tokens, long)
+    clients = {name: httpx.Client(timeout=timeout) for name in names}
+    try:
+        for name in names:  # warm: connections, caches
+            timed_chat(clients[name], paths[name].url, body)
         for i in range(count):
-            order = [(front, a, through), (router, b, direct)]
-            for url, client, out in order if i % 2 == 0 else order[::-1]:
-                out.append(_timed(client, url, model, max_tokens, long))
-    return through, direct
+            shift = i % len(names)
+            for name in names[shift:] + names[:shift]:
+                way = paths[name]
+                # The proxy's CPU over its own requests only: the head's process (the front's)
+                # spends about 1% of a core on its probes meanwhile, which over the other
+                # paths' requests too would be a third of its figure.
+                before = cpu_s(way.pid) if way.pid is not None else 0.0
+                (way.long if long else way.short).append(timed_chat(clients[name], way.url, body))
+                used = cpu_s(way.pid) - before if way.pid is not None else 0.0
+                if long:
+                    way.cpu_long_s += used
+                else:
+                    way.cpu_short_s += used
+    finally:
+        for client in clients.values():
+            client.close()
 
 
-def measure(names: set[str], *, quick: bool) -> list[Figure]:
-    """The front's cost figures among ``names``, from one job."""
+def _ttfb(paths: dict[str, Way], body: dict[str, object], each: int) -> None:
+    """32 clients at once through each path in turn, twice, in turned orders."""
+    names = list(paths)
+    for order in (names, names[::-1]):
+        for name in order:
+            reads = many_clients(paths[name].url, body, TTFB_CLIENTS, each)
+            # A refusal (the router's 429 or 503 passed on: only the front queues) is counted,
+            # its time left out.
+            paths[name].refused += sum(not r.ok for r in reads)
+            paths[name].ttfb_s += [r.ttfb_s for r in reads if r.ok]
+
+
+def _added(paths: dict[str, Way], name: str) -> list[float]:
+    direct = paths[STRAIGHT].short
+    return [(t - d) * 1000 for (t, _), (d, _) in zip(paths[name].short, direct, strict=True)]
+
+
+def _ratios(paths: dict[str, Way], name: str) -> list[float]:
+    pairs = zip(paths[name].long, paths[STRAIGHT].long, strict=True)
+    return [(fs / ft) / (ds / dt) for (ft, fs), (dt, ds) in pairs]
+
+
+def side_by_side(paths: dict[str, Way], long_events: int) -> str:
+    """Every path's figures, one line each (printed and in the notes)."""
+    lines = []
+    for name, p in paths.items():
+        added = _added(paths, name) if name != STRAIGHT else [0.0]
+        cells = [
+            f"{name}: +{statistics.median(added):.2f} ms p50, +{percentile(added, 0.95):.2f} p95",
+            f"ratio {statistics.median(_ratios(paths, name)):.2f}",
+            f"ttfb p99 {percentile(p.ttfb_s, 0.99) * 1000:.1f} ms ({p.refused} refused)",
+        ]
+        if p.pid is not None:
+            cells.append(f"{p.cpu_long_s / long_events * 1e6:.0f} us/event")
+            cells.append(f"{p.cpu_short_s / len(p.short) * 1000:.2f} s/1k")
+        lines.append(", ".join(cells))
+    return "; ".join(lines)
+
+
+def measure_paths(names: set[str], *, quick: bool) -> list[Figure]:
+    """The figures measured before the job's router, every path side by side."""
     python = router_python()
     which = "TileRT's router" if python else "the router stand-in (no router venv)"
-    short_pairs, long_pairs = (60, 4) if quick else (400, 12)
-    figures = []
+    short_rounds, long_rounds, ttfb_each = (40, 3, 2) if quick else (200, 6, 4)
     with tempfile.TemporaryDirectory(prefix="tilert-bench-front-") as tmp:
         # The probes at their default pace: the front shares the head's process with the
-        # supervisors probing the prefill engine and the router, and FAST's 0.1 s probes (twenty
-        # a second) were a third of that process's samples (docs/performance.md, "The front's
-        # cost").
+        # supervisors probing the prefill engine and the router (docs/performance.md).
         probe = f"agent.probe.interval_s={Probe().interval_s:g}"
         args, _ = isolated_sets(python, *FAST, probe, "agent.probe.timeout_s=5")
-        with LocalJob(Path(tmp) / "job", args, env=env()) as job:
+        with contextlib.ExitStack() as stack:
+            job = stack.enter_context(LocalJob(Path(tmp) / "job", args, env=env()))
             status = wait_job_ready(job)
             front, router, model = status.get("front_url"), status["router_url"], status["model"]
             if not isinstance(front, str) or not isinstance(router, str):
                 raise RuntimeError("status.json has no front_url: this job has no front door")
             assert isinstance(model, str)
-            if "front_added_ms_p50" in names:
-                through, direct = _pairs(front, router, model, short_pairs, 64, long=False)
-                added = [(f[0] - d[0]) * 1000 for f, d in zip(through, direct, strict=True)]
-                low, high = median_ci(added)
-                note = (
-                    f"{which}; {short_pairs} pairs of the stand-in's whole answer streamed; "
-                    f"95% interval of the p50 {low:.2f} .. {high:.2f} ms; "
-                    f"front p50 {statistics.median(t for t, _ in through) * 1000:.2f} ms"
+            paths = {STRAIGHT: Way(router, None), "front": Way(front, _listener_pid(front))}
+            port = free_port()
+            bare = stack.enter_context(
+                program(
+                    "-m",
+                    "tests.bench.passthrough",
+                    str(port),
+                    router.rsplit(":", 1)[1],
+                    answers=f"http://127.0.0.1:{port}/health",
                 )
-                figures.append(
-                    Figure(
-                        "front_added_ms_p50",
-                        added,
-                        "straight to the router (ms)",
-                        [t * 1000 for t, _ in direct],
-                        note=note,
-                    )
-                )
-            if "front_stream_ratio" in names:
-                through, direct = _pairs(front, router, model, long_pairs, LONG_TOKENS, long=True)
-                ratios = [
-                    (fs / ft) / (ds / dt)
-                    for (ft, fs), (dt, ds) in zip(through, direct, strict=True)
-                ]
-                mb_s = [s / t / 1e6 for t, s in direct]
-                note = (
-                    f"{which}; {long_pairs} pairs of {LONG_TOKENS}-token streams "
-                    f"({statistics.median(s for _, s in direct) / 1e3:.0f} kB each); straight "
-                    f"to the router {statistics.median(mb_s):.2f} MB/s"
-                )
-                figures.append(
-                    Figure(
-                        "front_stream_ratio",
-                        ratios,
-                        "straight to the router (MB/s)",
-                        mb_s,
-                        note=note,
-                    )
-                )
+            )
+            paths["passthrough"] = Way(f"http://127.0.0.1:{port}", bare.pid)
+            if nginx_binary() is not None:
+                ngx = stack.enter_context(Nginx(router, Path(tmp) / "nginx"))
+                assert ngx.proc is not None
+                paths["nginx"] = Way(ngx.url, ngx.proc.pid)
+            if haproxy_binary() is not None:
+                hap = stack.enter_context(HAProxy(router, Path(tmp) / "haproxy"))
+                assert hap.proc is not None
+                paths["haproxy"] = Way(hap.url, hap.proc.pid)
+            short = chat_body(model, 64, long=False)
+            _rounds(paths, short, short_rounds, long=False)
+            _rounds(paths, chat_body(model, LONG_TOKENS, long=True), long_rounds, long=True)
+            _ttfb(paths, short, ttfb_each)
             job.stop(60)
+    note = f"{which}; {short_rounds} rounds short, {long_rounds} long; " + side_by_side(
+        paths, long_rounds * (LONG_TOKENS + 2)
+    )
+    return _path_figures(paths, names, note, long_rounds * (LONG_TOKENS + 2))
+
+
+def _path_figures(paths: dict[str, Way], names: set[str], note: str, events: int) -> list[Figure]:
+    """The front's figures among ``names``, each beside its reference."""
+    front, bare = paths["front"], paths["passthrough"]
+    added = _added(paths, "front")
+    low, high = median_ci(added)
+    direct_ms = [t * 1000 for t, _ in paths[STRAIGHT].short]
+    figures = [
+        Figure(
+            "front_added_ms_p50",
+            added,
+            "straight to the router (ms)",
+            direct_ms,
+            note=f"95% interval of the p50 {low:.2f} .. {high:.2f} ms; {note}",
+        ),
+        Figure("front_added_ms_p95", added, "straight (ms)", direct_ms, statistic="p95"),
+        Figure(
+            "front_stream_ratio",
+            _ratios(paths, "front"),
+            "the bare pass-through's",
+            _ratios(paths, "passthrough"),
+        ),
+        Figure(
+            "front_cpu_us_per_event",
+            [front.cpu_long_s / events * 1e6],
+            "the bare pass-through (us)",
+            [bare.cpu_long_s / events * 1e6],
+        ),
+        Figure(
+            "front_cpu_s_per_1k",
+            [front.cpu_short_s / len(front.short) * 1000],
+            "the bare pass-through (s)",
+            [bare.cpu_short_s / len(bare.short) * 1000],
+        ),
+    ]
+    if "nginx" in paths:
+        nginx_p99 = percentile(paths["nginx"].ttfb_s, 0.99)
+        figures.append(
+            Figure(
+                "front_ttfb_p99_x_nginx",
+                [percentile(front.ttfb_s, 0.99) / nginx_p99],
+                "nginx's p99 (ms)",
+                [nginx_p99 * 1000],
+            )
+        )
+    return [f for f in figures if f.name in names]
+
+
+def measure_saturation(*, quick: bool) -> Figure:
+    """Events per second through the front alone, before an upstream that costs almost nothing;
+    beside it the bare pass-through and the front served by a lean h11 server (a prototype:
+    ``tests/bench/leanserver.py``), the order turned each run; each one's CPU per event."""
+    runs = 2 if quick else 4
+    up = free_port()
+    upstream = f"http://127.0.0.1:{up}"
+    ports = {name: free_port() for name in SATURATED}
+    argv = {
+        "front": ["tests.bench.frontalone", str(ports["front"]), upstream],
+        "front-lean": ["tests.bench.frontalone", str(ports["front-lean"]), upstream, "--lean"],
+        "passthrough": ["tests.bench.passthrough", str(ports["passthrough"]), str(up)],
+    }
+    body = chat_body("m", SATURATION_EVENTS, long=True)
+    rates: dict[str, list[float]] = {name: [] for name in SATURATED}
+    us: dict[str, list[float]] = {name: [] for name in SATURATED}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            program("-m", "tests.bench.sseupstream", str(up), answers=f"{upstream}/health")
+        )
+        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+        pids = {
+            name: stack.enter_context(
+                program("-m", *argv[name], answers=f"{urls[name]}/health")
+            ).pid
+            for name in SATURATED
+        }
+        for i in range(runs):
+            shift = i % len(SATURATED)
+            for name in SATURATED[shift:] + SATURATED[:shift]:
+                before = cpu_s(pids[name])
+                events, failed, took = saturate(urls[name], body, SATURATION_STREAMS)
+                if failed:
+                    raise RuntimeError(f"{failed} saturating streams through {name} failed")
+                rates[name].append(events / took)
+                us[name].append((cpu_s(pids[name]) - before) / events * 1e6)
+    # The figure is per second of the process's own CPU (a whole core's worth): on a shared
+    # machine the wall-clock rate says how much CPU the process was given, not what it costs.
+    note = f"{SATURATION_STREAMS} streams of {SATURATION_EVENTS} events at once; " + "; ".join(
+        f"{name} {statistics.median(us[name]):.0f} us CPU per event, "
+        f"{statistics.median(rates[name]):.0f}/s of wall clock"
+        for name in SATURATED
+    )
+    return Figure(
+        "front_events_per_s",
+        [1e6 / u for u in us["front"]],
+        "the bare pass-through (/s)",
+        [1e6 / u for u in us["passthrough"]],
+        note=note,
+    )
+
+
+def measure(names: set[str], *, quick: bool) -> list[Figure]:
+    """The front's cost figures among ``names``."""
+    figures = []
+    if names - {"front_events_per_s"}:
+        figures += measure_paths(names, quick=quick)
+    if "front_events_per_s" in names:
+        figures.append(measure_saturation(quick=quick))
     return figures

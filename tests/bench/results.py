@@ -36,8 +36,19 @@ FIGURES: dict[str, tuple[str, float, Literal["lower", "higher"], str]] = {
     "handover_gap_s": ("s", math.inf, "lower", "router hand-over: refused connections, longest"),
     "handover_failed": ("", 0, "lower", "router hand-over: requests failed otherwise (worst run)"),
     # Issue 28's front door, measured beside the router in the same job.
-    "front_added_ms_p50": ("ms", 1, "lower", "the front's added latency per streamed chat, p50"),
+    "front_added_ms_p50": ("ms", 2, "lower", "the front's added latency per streamed chat, p50"),
+    "front_added_ms_p95": ("ms", math.inf, "lower", "the same, p95"),
     "front_stream_ratio": ("x", 0.95, "higher", "streamed bytes/s through the front / direct"),
+    # Issue 38: the front beside the floors (a bare pass-through, nginx, HAProxy).
+    "front_cpu_us_per_event": ("us", 60, "lower", "the front's CPU per streamed event"),
+    "front_cpu_s_per_1k": ("s", math.inf, "lower", "the front's CPU per 1,000 streamed chats"),
+    "front_ttfb_p99_x_nginx": ("x", 1.5, "lower", "p99 time to first byte, 32 clients / nginx's"),
+    "front_events_per_s": (
+        "/s",
+        20000,
+        "higher",
+        "events per CPU-second of one front process, saturated",
+    ),
 }
 
 Statistic = Literal["median", "mean", "p50", "p95", "max"]
