@@ -122,13 +122,16 @@ def _load(args: argparse.Namespace) -> tuple[LoadedRecipe, ServicePlan, Any]:
     loaded = load_recipe(
         Path(args.recipe), overrides=args.overrides, unsets=args.unsets, cluster=cluster
     )
-    splan = service_plan(loaded.recipe)
+    try:
+        splan = service_plan(loaded.recipe)
+    except InputError as exc:  # named after the recipe file, as the loader's own problems are
+        raise InputError(exc.problems, loaded.source) from None
     plan = make_plan(loaded, mock=mock, launcher="process" if args.local else None)
     if args.local:
         plan = msgspec.structs.replace(plan, network_interface="lo")
     problems = serving(loaded.recipe, signal_lead_s=plan.slurm.signal_lead_s, local=args.local)
     if problems:
-        raise InputError(problems)
+        raise InputError(problems, loaded.source)
     return loaded, splan, plan
 
 
