@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from agent.front import sse
 from agent.front.openai import CHAT, COMPLETIONS
 from agent.front.resume import Seam, continuation, why_not
 from agent.front.sse import DONE, StreamWatch, event_data
@@ -158,6 +159,36 @@ def test_a_stream_that_carried_more_than_text_is_not_plain() -> None:
     thought = chunk("x").replace(b'"content": "x"', b'"reasoning_content": "hm"')
     for event in [chunk("H"), thought, CUT]:
         watch.push(event)
+    assert not watch.plain
+
+
+def test_a_kept_streams_tokens_are_not_parsed_until_its_text_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With resume on the per-event path is the byte scan: only the role chunk is parsed as the
+    tokens pass; a cut that asks for the text decodes the kept bytes."""
+    decoded: list[bytes] = []
+    real = sse._decoded
+
+    def counted(data: bytes) -> dict[str, Any] | None:
+        decoded.append(data)
+        return real(data)
+
+    monkeypatch.setattr(sse, "_decoded", counted)
+    watch = StreamWatch(keep_text=True, quiet_cut=True)
+    for event in [ROLE, *(chunk(c) for c in "Hello"), CUT]:
+        watch.push(event)
+    assert len(decoded) == 2  # the role chunk, the cut's error chunk
+    assert (watch.text, watch.chunks, watch.plain) == ("Hello", 5, True)
+
+
+def test_a_token_with_tool_calls_beside_its_text_makes_the_stream_not_plain() -> None:
+    """A chunk the byte scan passes (it has text) is still read for more than text at the cut."""
+    watch = StreamWatch(keep_text=True, quiet_cut=True)
+    call = chunk("x").replace(b'"content": "x"', b'"content": "x", "tool_calls": [{"index": 0}]')
+    for event in [ROLE, chunk("H"), call, CUT]:
+        watch.push(event)
+    assert (watch.text, watch.chunks) == ("Hx", 2)
     assert not watch.plain
 
 

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from agent.front import sse
 from agent.front.openai import models_body, unsupported, upstream_error, wants_usage
 from agent.front.retry import (
     BACKOFF_MAX_S,
@@ -183,12 +184,20 @@ def test_only_plain_tokens_pass_unparsed(event: bytes, plain: bool) -> None:
         assert choice["delta"]["content"]
 
 
-def test_the_byte_scan_and_the_parse_agree_on_a_stream() -> None:
-    """Tokens after the role chunk pass unparsed; the stream's state is the parse's."""
+@pytest.mark.parametrize("keep_text", [False, True])
+def test_the_byte_scan_and_the_parse_agree_on_a_stream(
+    monkeypatch: pytest.MonkeyPatch, keep_text: bool
+) -> None:
+    """Tokens after the role chunk pass unparsed; the stream's state (and its kept text) is the
+    parse's."""
     events = [ROLE, chunk("a"), chunk("b"), chunk(None, "stop"), USAGE, DONE]
-    fast, parsed = StreamWatch(want_usage=True), StreamWatch(want_usage=True, keep_text=True)
-    assert run(fast, events) == run(parsed, events)
-    for name in ("chunks", "events", "finish", "done", "truncated", "usage_seen", "chunk_id"):
+    fast = StreamWatch(want_usage=True, keep_text=keep_text)
+    fast_out = run(fast, events)
+    monkeypatch.setattr(sse, "plain_content", lambda _event: False)  # every event parsed
+    parsed = StreamWatch(want_usage=True, keep_text=keep_text)
+    assert fast_out == run(parsed, events)
+    names = ("chunks", "events", "finish", "done", "truncated", "usage_seen", "chunk_id", "text")
+    for name in (*names, "plain"):
         assert getattr(fast, name) == getattr(parsed, name), name
 
 

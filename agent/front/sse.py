@@ -106,7 +106,7 @@ def _finish_reason(chunk: dict[str, Any]) -> str | None:
     return None
 
 
-def _plain(chunk: dict[str, Any]) -> bool:
+def _plain_chunk(chunk: dict[str, Any]) -> bool:
     """Whether a chunk's choices carry only text (no reasoning, tool calls, logprobs)."""
     for choice in chunk.get("choices") or []:
         if not isinstance(choice, dict) or choice.get("logprobs"):
@@ -147,14 +147,35 @@ class StreamWatch:
     keep_text: bool = False  # keep the reply's text (``text``): a canary's, a resumable stream's
     # A cut says nothing yet (``agent.front.resume`` continues it, or says ``cut_events``).
     quiet_cut: bool = False
-    plain: bool = True  # with ``keep_text``: every chunk carried only text (it can be continued)
-    _texts: list[str] = field(default_factory=list)
+    # With ``keep_text``: the parsed chunks carried only text (``plain`` adds the unparsed ones).
+    _plain: bool = True
+    # With ``keep_text``: the reply's text, in order: a parsed chunk's text, or the bytes of a
+    # content chunk the byte scan passed on, decoded only when the text is asked for (``text``,
+    # ``plain``: a cut to continue, a canary's reply), so a resumable stream's tokens cost the
+    # byte scan's, not a parse each (docs/performance.md, "The front beside the floors").
+    _texts: list[str | bytes] = field(default_factory=list)
     _held_text: str = ""  # the held finish chunk's own text (not sent if the stream is cut)
 
     @property
     def text(self) -> str:
         """The reply's text so far (with ``keep_text``)."""
-        return "".join(self._texts)
+        self._decode_kept()
+        return "".join(t for t in self._texts if isinstance(t, str))
+
+    @property
+    def plain(self) -> bool:
+        """With ``keep_text``: every chunk carried only text (the stream can be continued)."""
+        self._decode_kept()
+        return self._plain
+
+    def _decode_kept(self) -> None:
+        """The kept bytes of the chunks the byte scan passed on, decoded: their text in place,
+        whether they carried only text (reasoning, tool calls, logprobs: not plain)."""
+        for i, kept in enumerate(self._texts):
+            if isinstance(kept, bytes):
+                chunk = _decoded(event_data(kept) or b"") or {}
+                self._texts[i] = _content(chunk)
+                self._plain = self._plain and _plain_chunk(chunk)
 
     @property
     def ended(self) -> bool:
@@ -189,8 +210,8 @@ class StreamWatch:
             self.chunks += 1
             if self.keep_text:
                 self._texts.append(content)
-        if self.keep_text and self.plain:
-            self.plain = _plain(chunk)
+        if self.keep_text and self._plain:
+            self._plain = _plain_chunk(chunk)
         reason = _finish_reason(chunk)
         if reason is not None:
             self.finish = reason
@@ -214,14 +235,17 @@ class StreamWatch:
 
     def _unparsed(self, event: bytes) -> bool:
         """Whether ``event`` is a token passed on as it came, counted from its bytes alone (most
-        events: only one that can end the stream, or whose text is kept, is parsed;
-        docs/performance.md, "The front beside the floors")."""
-        if self.held is not None or not self.chunk_id or self.keep_text:
+        events: only one that can end the stream is parsed; with ``keep_text`` its bytes are
+        kept, parsed when the text is asked for; docs/performance.md, "The front beside the
+        floors")."""
+        if self.held is not None or not self.chunk_id:
             return False
         if not plain_content(event):
             return False
         self.events += 1
         self.chunks += 1
+        if self.keep_text:
+            self._texts.append(event)
         return True
 
     def end(self) -> list[bytes]:
