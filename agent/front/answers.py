@@ -13,7 +13,7 @@ import trio
 from agent.errors import BadInput
 from agent.front.admission import QueueRefused
 from agent.front.figures import Outcome
-from agent.front.openai import error_body, upstream_error
+from agent.front.openai import error_body, unsupported, upstream_error
 from agent.front.proxy import Refused
 from agent.job.frontpolicy import FrontPolicy
 from agent.web.asgi import HTTPError, Request, Response, decode_json, json_response
@@ -118,3 +118,18 @@ async def _bounded_body(request: Request, limit: int, timeout_s: float) -> bytes
             "timeout",
         )
     return b"".join(parts)
+
+
+async def servable(
+    request: Request, policy: FrontPolicy
+) -> tuple[bytes, dict[str, Any]] | Response:
+    """The request's body and its JSON (``read_json``) when TileRT can serve it, else the 4xx
+    to answer: a bad body, or what TileRT 0.1.6 cannot do."""
+    try:
+        body, value = await read_json(request, policy)
+    except BodyError as exc:
+        return error(exc.status, exc.message, exc.kind)
+    why = unsupported(request.path, value)
+    if why is not None:
+        return error(400, why, "unsupported")
+    return body, value

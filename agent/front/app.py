@@ -24,15 +24,14 @@ import trio
 from agent.front.admission import Admission, QueueRefused
 from agent.front.answers import (
     RETRY_AFTER_S,
-    BodyError,
     error,
     queue_refusal,
-    read_json,
     refused,
+    servable,
     toolkit_refusal,
 )
 from agent.front.figures import FrontFigures
-from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, models_body, unsupported, wants_usage
+from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, models_body, wants_usage
 from agent.front.proxy import (
     Proxy,
     Refused,
@@ -144,13 +143,10 @@ class Front:
             raise
 
     async def _answer(self, request: Request, ticket: Ticket) -> Response | StreamingResponse:
-        try:
-            body, value = await read_json(request, self.policy)
-        except BodyError as exc:
-            return ticket.answer(error(exc.status, exc.message, exc.kind), "rejected")
-        why = unsupported(request.path, value)
-        if why is not None:
-            return ticket.answer(error(400, why, "unsupported"), "rejected")
+        checked = await servable(request, self.policy)
+        if isinstance(checked, Response):
+            return ticket.answer(checked, "rejected")
+        body, value = checked
         if self.proxy is None:  # not serving yet: run() makes it before the socket serves
             return ticket.answer(error(503, "the front is starting", "unavailable"), "rejected")
         now = self.router()

@@ -26,16 +26,15 @@ import trio
 
 from agent.front.admission import QueueRefused
 from agent.front.answers import (
-    BodyError,
     error,
     queue_refusal,
-    read_json,
     refused,
+    servable,
     toolkit_refusal,
     unavailable,
 )
 from agent.front.figures import OUTCOMES, Outcome
-from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, unsupported, wants_usage
+from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, wants_usage
 from agent.front.proxy import Opened, Proxy, Refused, StreamStart, Unavailable, make_client
 from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
@@ -222,13 +221,10 @@ class ServiceFront:
     async def _answer(
         self, request: Request, ticket: Ticket, counted: _Counted
     ) -> Response | StreamingResponse:
-        try:
-            body, value = await read_json(request, self.policy)
-        except BodyError as exc:
-            return ticket.answer(error(exc.status, exc.message, exc.kind), "rejected")
-        why = unsupported(request.path, value)
-        if why is not None:
-            return ticket.answer(error(400, why, "unsupported"), "rejected")
+        checked = await servable(request, self.policy)
+        if isinstance(checked, Response):
+            return ticket.answer(checked, "rejected")
+        body, value = checked
         if self.client is None:  # not serving yet: run() opens it before the socket serves
             return ticket.answer(unavailable("the service front is starting"), "rejected")
         if not self.serving() and not self._coming:
