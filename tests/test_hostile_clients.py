@@ -130,7 +130,7 @@ def test_a_stream_through_nginx_with_its_defaults_ends_at_its_last_event(
                 got = events(response.iter_lines())
             assert got[-1] == "[DONE]"
             assert any(isinstance(e, dict) and e["choices"][0]["finish_reason"] for e in got)
-        log = proxy.error_log()
+        log = proxy.output()
     assert "timed out" not in log, log
     assert "prematurely closed" not in log, log
 

@@ -10,20 +10,10 @@ ends. Nothing of the system's nginx (its service, /etc/nginx, /var/log/nginx) is
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import signal
-import subprocess
-from pathlib import Path
-from types import TracebackType
 
-import httpx
-
-from tests.infra.ports import free_port
-from tests.kit.waiting import wait_for
-
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
+from tests.infra.proxyprocess import ProxyProcess
 
 CONFIG = """\
 daemon off;
@@ -54,64 +44,17 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
 
 
-class Nginx:
+class Nginx(ProxyProcess):
     """nginx proxying ``http://127.0.0.1:PORT`` to ``upstream``; a context manager."""
 
-    def __init__(self, upstream: str, root: Path) -> None:
-        self.upstream = upstream
-        self.root = root
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
+    name = "nginx"
+    stop_signal = signal.SIGQUIT
+    log_name = "error.log"
 
-    def error_log(self) -> str:
-        """What nginx logged."""
-        path = self.root / "error.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def start(self) -> Nginx:
-        """Start it and wait until it answers (proxying the upstream's ``/health``)."""
+    def command(self) -> list[str]:
+        """The configuration under ``root``, and its command line."""
         binary = nginx_binary()
         assert binary is not None, "nginx is not installed"
-        self.root.mkdir(parents=True, exist_ok=True)
         conf = self.root / "nginx.conf"
         conf.write_text(CONFIG.format(root=self.root, port=self.port, upstream=self.upstream))
-        self.proc = subprocess.Popen(
-            [binary, "-p", str(self.root), "-c", str(conf), "-e", str(self.root / "error.log")],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-        def answers() -> bool:
-            assert self.proc is not None
-            assert self.proc.poll() is None, f"nginx exited:\n{self.error_log()}"
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"{self.url}/health", timeout=5).status_code < 500
-            return False
-
-        try:
-            wait_for("nginx to answer", answers, START_TIMEOUT_S, detail=self.error_log)
-        except BaseException:
-            self.stop()  # a failed start leaves no nginx behind (__exit__ will not run)
-            raise
-        return self
-
-    def stop(self) -> None:
-        """Stop it (SIGQUIT: a graceful end; SIGKILL past the bound)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGQUIT)
-        try:
-            self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(STOP_TIMEOUT_S)
-
-    def __enter__(self) -> Nginx:
-        return self.start()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return [binary, "-p", str(self.root), "-c", str(conf), "-e", str(self.root / "error.log")]
