@@ -23,6 +23,7 @@ import trio.testing
 
 from agent.front.openai import CHAT
 from agent.front.sse import DONE
+from agent.front.upstream import H11Upstream
 from agent.job.frontpolicy import FrontPolicy, FrontQueue, FrontRetry
 from agent.service.figures import ServiceFigures
 from agent.service.front import ServiceFront
@@ -461,6 +462,18 @@ async def test_models_metrics_and_the_counts_carried_on(
     assert value("tilert_service_requests_in_flight") == 0
     assert value("tilert_service_queue_waiting") == 0
     assert value("tilert_service_retries_total", reason="cell_cut") == 0
+
+
+async def test_its_own_clients_are_the_front_doors_h11_upstream_open_while_it_runs() -> None:
+    front = ServiceFront(FrontPolicy(), ServiceFigures())
+    assert front.upstream is None
+    assert front.client is None
+    async with front.connected():
+        upstream = front.upstream
+        assert isinstance(upstream, H11Upstream)
+        assert front.client is not None
+    assert front.upstream is None
+    assert front.client is None
 
 
 def test_every_series_is_in_docs_metrics_md() -> None:

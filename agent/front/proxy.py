@@ -96,7 +96,7 @@ class Refused:
 
 def make_client() -> httpx.AsyncClient:
     """An httpx client with the bounds of a stream (keep-alive, no overall timeout): the service
-    front's to its cells (their ``/v1/models``; its requests through ``HttpxUpstream``)."""
+    front's to its cells' ``/v1/models`` (its requests go through ``make_upstream``'s)."""
     timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S, write=60.0, pool=60.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)

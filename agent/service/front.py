@@ -35,10 +35,18 @@ from agent.front.answers import (
 )
 from agent.front.figures import OUTCOMES, Outcome
 from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, wants_usage
-from agent.front.proxy import Opened, Proxy, Refused, StreamStart, Unavailable, make_client
+from agent.front.proxy import (
+    Opened,
+    Proxy,
+    Refused,
+    StreamStart,
+    Unavailable,
+    make_client,
+    make_upstream,
+)
 from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
-from agent.front.upstream import HttpxUpstream, Reply, UpstreamError
+from agent.front.upstream import HttpxUpstream, Reply, Upstream, UpstreamError
 from agent.job.frontpolicy import FrontPolicy
 from agent.service.cellslots import CellSlots, Route
 from agent.service.figures import CELL_CUT, CONTENT_TYPE, NO_CELL, ServiceFigures
@@ -80,7 +88,9 @@ class _Counted:
 
 
 class ServiceFront:
-    """The service front: its app, its routing across cells, its client to their front doors."""
+    """The service front: its app, its routing across cells, its client to their front doors
+    (``client``: a test's, its transport the cells in process; None: the front door's own h11
+    upstream to them, and an httpx client for their ``/v1/models``, open while ``run()`` runs)."""
 
     def __init__(
         self,
@@ -100,7 +110,9 @@ class ServiceFront:
         )
         self._coming = False
         self._given = client  # the caller's (it closes it); None: our own, open while run()s
-        self.client: httpx.AsyncClient | None = client
+        self.client: httpx.AsyncClient | None = client  # the cells' /v1/models
+        # The requests to the cells: the front door's upstream (``make_upstream``), or the test's.
+        self.upstream: Upstream | None = None if client is None else HttpxUpstream(client)
         self._carried: dict[str, int] = {}
         self.app = self._build()
 
@@ -158,16 +170,21 @@ class ServiceFront:
 
     @asynccontextmanager
     async def connected(self) -> AsyncIterator[None]:
-        """The front's client to the cells open: ``app`` sends requests on within it."""
+        """The front's clients to the cells open: ``app`` sends requests on within it."""
         if self._given is not None:
             yield
             return
-        async with make_client() as client:
-            self.client = client
-            try:
-                yield
-            finally:
-                self.client = None
+        upstream = make_upstream()
+        try:
+            async with make_client() as client:
+                self.client, self.upstream = client, upstream
+                try:
+                    yield
+                finally:
+                    self.client = self.upstream = None
+        finally:
+            with trio.CancelScope(shield=True):
+                await upstream.aclose()
 
     # ---- the app -----------------------------------------------------------------------------
 
@@ -225,7 +242,7 @@ class ServiceFront:
         if isinstance(checked, Response):
             return ticket.answer(checked, "rejected")
         body, value = checked
-        if self.client is None:  # not serving yet: run() opens it before the socket serves
+        if self.upstream is None:  # not serving yet: run() opens it before the socket serves
             return ticket.answer(unavailable("the service front is starting"), "rejected")
         if not self.serving() and not self._coming:
             return ticket.answer(unavailable("no cell of the service is ready yet"), "rejected")
@@ -235,11 +252,11 @@ class ServiceFront:
             return ticket.answer(queue_refusal(exc), "rejected")
         counted.route = route
         ticket.hold(route)  # given back when the ticket ends: a stream's when its relay ends
-        return await self._send(self.client, request.path, body, value, ticket, route)
+        return await self._send(self.upstream, request.path, body, value, ticket, route)
 
     async def _send(
         self,
-        client: httpx.AsyncClient,
+        upstream: Upstream,
         path: str,
         body: bytes,
         value: dict[str, Any],
@@ -248,7 +265,7 @@ class ServiceFront:
     ) -> Response | StreamingResponse:
         """The request at its cell's front door (another cell's after a failed try or a cut)."""
         stream = bool(value.get("stream"))
-        proxy = Proxy(HttpxUpstream(client), route.now, self.budget)
+        proxy = Proxy(upstream, route.now, self.budget)
 
         def retried(reason: str) -> None:
             ticket.retried(reason)
@@ -275,14 +292,14 @@ class ServiceFront:
         if result.stream is None:
             ctype = result.response.content_type
             return ticket.answer(Response(result.body, 200, ctype), ticket.served())
-        upstream = result.response
+        reply = result.response
 
         async def closed() -> None:
             # The relay's ``finally`` ends the ticket; this covers a relay that never ran.
-            await upstream.aclose()
+            await reply.aclose()
             ticket.end("cancelled")
 
-        chunks = self._relay(upstream, result.stream, ticket, route)
+        chunks = self._relay(reply, result.stream, ticket, route)
         return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}, closed)
 
     async def _relay(

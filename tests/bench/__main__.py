@@ -35,6 +35,8 @@ GROUPS = {
         "front_cpu_us_per_event",
         "front_cpu_s_per_1k",
         "front_ttfb_p99_x_nginx",
+        "service_added_ms_p50",
+        "service_cpu_us_per_event",
         "front_events_per_s",
     ),
 }

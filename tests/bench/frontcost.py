@@ -2,7 +2,9 @@
 mock job (1 prefill + 2 decodes, TileRT's real router when one is found as for the chaos
 benchmark, the stand-in decode streaming without delay) and, before the same router, the front
 (status.json ``front_url``), a bare pass-through on trio (``tests/bench/passthrough.py``), nginx
-(``proxy_buffering off``) and HAProxy (``option http-no-delay``); each round sends the same
+(``proxy_buffering off``) and HAProxy (``option http-no-delay``), and a service front in a process
+of its own whose one cell is the job (``tests/bench/servicealone.py``: service front + the job's
+front door, both processes' CPU its cost); each round sends the same
 request to every path and straight to the router, the order turned every round.
 
 - ``front_added_ms_p50`` / ``_p95``: per round of the same 64-token streamed chat, a path's
@@ -12,6 +14,8 @@ request to every path and straight to the router, the order turned every round.
 - ``front_cpu_us_per_event`` / ``front_cpu_s_per_1k``: each proxy process's CPU time (psutil,
   before and after each of its own requests) over the events of the long streams / per 1,000 short
   chats (the front's process is the head agent's: its probes while a request streams are in it);
+- ``service_added_ms_p50`` / ``service_cpu_us_per_event``: the same for the service front + cell
+  (the service front's process and the head agent's), beside the front door's alone;
 - ``front_ttfb_p99_x_nginx``: 32 clients streaming short chats at once through each path in turn,
   the p99 time to the first event, over nginx's;
 - ``front_events_per_s``: the front alone in a process of its own (``tests/bench/frontalone.py``)
@@ -51,6 +55,7 @@ SATURATION_STREAMS = 32
 SATURATION_EVENTS = 2000
 SATURATED = ["front", "front-lean", "passthrough"]
 STRAIGHT = "straight"
+SERVICE = "service+cell"
 BOOTSTRAP = 2000
 
 
@@ -64,11 +69,11 @@ def median_ci(values: list[float], seed: int = 28) -> tuple[float, float]:
 
 @dataclass
 class Way:
-    """One way to the router: its URL, the process whose CPU is its cost (None: straight), and
+    """One way to the router: its URL, the processes whose CPU is its cost (none: straight), and
     what was measured through it."""
 
     url: str
-    pid: int | None
+    pids: tuple[int, ...] = ()
     short: list[tuple[float, int]] = field(default_factory=list)
     long: list[tuple[float, int]] = field(default_factory=list)
     cpu_short_s: float = 0.0
@@ -125,9 +130,9 @@ def _rounds(paths: dict[str, Way], body: dict[str, object], count: int, long: bo
                 # The proxy's CPU over its own requests only: the head's process (the front's)
                 # spends about 1% of a core on its probes meanwhile, which over the other
                 # paths' requests too would be a third of its figure.
-                before = cpu_s(way.pid) if way.pid is not None else 0.0
+                before = sum(cpu_s(pid) for pid in way.pids)
                 (way.long if long else way.short).append(timed_chat(clients[name], way.url, body))
-                used = cpu_s(way.pid) - before if way.pid is not None else 0.0
+                used = sum(cpu_s(pid) for pid in way.pids) - before
                 if long:
                     way.cpu_long_s += used
                 else:
@@ -169,7 +174,7 @@ def side_by_side(paths: dict[str, Way], long_events: int) -> str:
             f"ratio {statistics.median(_ratios(paths, name)):.2f}",
             f"ttfb p99 {percentile(p.ttfb_s, 0.99) * 1000:.1f} ms ({p.refused} refused)",
         ]
-        if p.pid is not None:
+        if p.pids:
             cells.append(f"{p.cpu_long_s / long_events * 1e6:.0f} us/event")
             cells.append(f"{p.cpu_short_s / len(p.short) * 1000:.2f} s/1k")
         lines.append(", ".join(cells))
@@ -193,7 +198,19 @@ def measure_paths(names: set[str], *, quick: bool) -> list[Figure]:
             if not isinstance(front, str) or not isinstance(router, str):
                 raise RuntimeError("status.json has no front_url: this job has no front door")
             assert isinstance(model, str)
-            paths = {STRAIGHT: Way(router, None), "front": Way(front, _listener_pid(front))}
+            head = _listener_pid(front)
+            paths = {STRAIGHT: Way(router), "front": Way(front, (head,))}
+            port = free_port()
+            service = stack.enter_context(
+                program(
+                    "-m",
+                    "tests.bench.servicealone",
+                    str(port),
+                    str(job.job),
+                    answers=f"http://127.0.0.1:{port}/health",
+                )
+            )
+            paths[SERVICE] = Way(f"http://127.0.0.1:{port}", (service.pid, head))
             port = free_port()
             bare = stack.enter_context(
                 program(
@@ -204,15 +221,15 @@ def measure_paths(names: set[str], *, quick: bool) -> list[Figure]:
                     answers=f"http://127.0.0.1:{port}/health",
                 )
             )
-            paths["passthrough"] = Way(f"http://127.0.0.1:{port}", bare.pid)
+            paths["passthrough"] = Way(f"http://127.0.0.1:{port}", (bare.pid,))
             if nginx_binary() is not None:
                 ngx = stack.enter_context(Nginx(router, Path(tmp) / "nginx"))
                 assert ngx.proc is not None
-                paths["nginx"] = Way(ngx.url, ngx.proc.pid)
+                paths["nginx"] = Way(ngx.url, (ngx.proc.pid,))
             if haproxy_binary() is not None:
                 hap = stack.enter_context(HAProxy(router, Path(tmp) / "haproxy"))
                 assert hap.proc is not None
-                paths["haproxy"] = Way(hap.url, hap.proc.pid)
+                paths["haproxy"] = Way(hap.url, (hap.proc.pid,))
             short = chat_body(model, 64, long=False)
             _rounds(paths, short, short_rounds, long=False)
             _rounds(paths, chat_body(model, LONG_TOKENS, long=True), long_rounds, long=True)
@@ -256,6 +273,21 @@ def _path_figures(paths: dict[str, Way], names: set[str], note: str, events: int
             [front.cpu_short_s / len(front.short) * 1000],
             "the bare pass-through (s)",
             [bare.cpu_short_s / len(bare.short) * 1000],
+        ),
+    ]
+    service = paths[SERVICE]
+    figures += [
+        Figure(
+            "service_added_ms_p50",
+            _added(paths, SERVICE),
+            "the front door's alone (ms)",
+            added,
+        ),
+        Figure(
+            "service_cpu_us_per_event",
+            [service.cpu_long_s / events * 1e6],
+            "the front door's alone (us)",
+            [front.cpu_long_s / events * 1e6],
         ),
     ]
     if "nginx" in paths:

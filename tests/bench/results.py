@@ -43,6 +43,14 @@ FIGURES: dict[str, tuple[str, float, Literal["lower", "higher"], str]] = {
     "front_cpu_us_per_event": ("us", 60, "lower", "the front's CPU per streamed event"),
     "front_cpu_s_per_1k": ("s", math.inf, "lower", "the front's CPU per 1,000 streamed chats"),
     "front_ttfb_p99_x_nginx": ("x", 1.5, "lower", "p99 time to first byte, 32 clients / nginx's"),
+    # Issue 38: the service front before its one cell (the same job), service front + front door.
+    "service_added_ms_p50": ("ms", math.inf, "lower", "service front + cell added per chat, p50"),
+    "service_cpu_us_per_event": (
+        "us",
+        math.inf,
+        "lower",
+        "the service front's + the cell's front door's CPU per streamed event",
+    ),
     "front_events_per_s": (
         "/s",
         20000,
