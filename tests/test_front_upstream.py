@@ -5,63 +5,21 @@ each an ``UpstreamError`` that says so."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Awaitable, Callable
-
 import pytest
 import trio
 import trio.testing
 
 from agent.front.upstream import H11Upstream, Reply, UpstreamError
 from tests.infra.ports import free_port
+from tests.kit.rawhttp import RawServer
 
-# What the router does with one request: send its reply; False closes the connection after.
-Answer = Callable[[trio.SocketStream, bytes], Awaitable[bool]]
+CHAT = "/v1/chat/completions"
 BODY = b'{"model": "m", "stream": true}'
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-class Router:
-    """A server on 127.0.0.1 that reads each request (head and sized body) and lets ``answer``
-    reply."""
-
-    def __init__(self, answer: Answer) -> None:
-        self.answer = answer
-        self.bodies: list[bytes] = []
-        self.connections = 0
-        self.url = ""
-
-    async def start(self, nursery: trio.Nursery) -> str:
-        """Listen; the URL of its chat route."""
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, self._handle, listeners)
-        self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        return self.url
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        self.connections += 1
-        buffer = b""
-        async with stream:
-            while True:
-                while b"\r\n\r\n" not in buffer:
-                    data = await stream.receive_some(4096)
-                    if not data:
-                        return
-                    buffer += data
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
-                size = re.search(rb"(?i)content-length: (\d+)", head)
-                length = int(size.group(1)) if size else 0
-                while len(buffer) < length:
-                    buffer += await stream.receive_some(4096)
-                self.bodies.append(buffer[:length])
-                buffer = buffer[length:]
-                if not await self.answer(stream, head):
-                    return
 
 
 async def read_all(reply: Reply) -> list[bytes]:
@@ -77,7 +35,7 @@ async def stream_two(stream: trio.SocketStream, _head: bytes) -> bool:
 
 async def test_a_chunked_stream_is_read_as_it_arrives_on_one_kept_connection() -> None:
     async with trio.open_nursery() as nursery:
-        router = Router(stream_two)
+        router = RawServer(stream_two, CHAT)
         url = await router.start(nursery)
         upstream = H11Upstream()
         for _ in range(2):
@@ -96,7 +54,7 @@ async def test_a_connection_closed_while_idle_is_opened_again_at_once() -> None:
         return False  # a router handed over: the kept connection is closed
 
     async with trio.open_nursery() as nursery:
-        router = Router(once)
+        router = RawServer(once, CHAT)
         url = await router.start(nursery)
         upstream = H11Upstream()
         assert len(await read_all(await upstream.post(url, BODY))) == 2
@@ -109,7 +67,7 @@ async def test_a_connection_closed_while_idle_is_opened_again_at_once() -> None:
 
 async def test_a_reply_left_part_way_is_closed_never_reused() -> None:
     async with trio.open_nursery() as nursery:
-        router = Router(stream_two)
+        router = RawServer(stream_two, CHAT)
         url = await router.start(nursery)
         upstream = H11Upstream()
         reply = await upstream.post(url, BODY)
@@ -127,7 +85,7 @@ async def test_a_body_cut_mid_way_says_so() -> None:
         return False  # the router died mid-stream
 
     async with trio.open_nursery() as nursery:
-        url = await Router(cut).start(nursery)
+        url = await RawServer(cut, CHAT).start(nursery)
         upstream = H11Upstream()
         reply = await upstream.post(url, BODY)
         with pytest.raises(UpstreamError, match="without sending complete message body"):

@@ -4,50 +4,16 @@ other failure a ``PollFailed`` that says what happened."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 import pytest
 import trio
 import trio.testing
 
 from agent.http.longpoll import BarePoll, PollFailed
 from tests.infra.ports import free_port
+from tests.kit.rawhttp import RawServer
 
+STATUS = "/decode-1/status"
 BODY = b'{"state": "healthy"}'
-Answer = Callable[[trio.SocketStream, bytes], Awaitable[bool]]  # False: close the connection
-
-
-class Server:
-    """A server on 127.0.0.1 that reads each request head and lets ``answer`` reply."""
-
-    def __init__(self, answer: Answer) -> None:
-        self.answer = answer
-        self.heads: list[bytes] = []  # every request head read, in order
-        self.connections = 0
-        self.url = ""
-
-    async def start(self, nursery: trio.Nursery) -> str:
-        """Listen; the URL of its /status."""
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, self._handle, listeners)
-        self.url = f"http://127.0.0.1:{port}/decode-1/status"
-        return self.url
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        self.connections += 1
-        buffer = b""
-        async with stream:
-            while True:
-                while b"\r\n\r\n" not in buffer:
-                    data = await stream.receive_some(4096)
-                    if not data:
-                        return
-                    buffer += data
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
-                self.heads.append(head)
-                if not await self.answer(stream, head):
-                    return
 
 
 def with_length(body: bytes = BODY, code: int = 200, extra: bytes = b"") -> bytes:
@@ -66,7 +32,7 @@ async def test_an_answer_with_a_length_on_one_kept_connection() -> None:
         return True
 
     async with trio.open_nursery() as nursery:
-        server = Server(answer)
+        server = RawServer(answer, STATUS)
         url = await server.start(nursery)
         poll = BarePoll()
         assert await poll(url, -1, 5.0, 2.0) == BODY
@@ -93,7 +59,7 @@ async def test_a_chunked_answer_is_read_whole() -> None:
         return True
 
     async with trio.open_nursery() as nursery:
-        url = await Server(answer).start(nursery)
+        url = await RawServer(answer, STATUS).start(nursery)
         poll = BarePoll()
         assert await poll(url, -1, 5.0, 2.0) == BODY
         assert await poll(url, -1, 5.0, 2.0) == BODY  # the connection is still in step
@@ -107,7 +73,7 @@ async def test_a_connection_closed_while_idle_is_opened_again_at_once() -> None:
         return False  # the peer closes it after answering (a restarted agent, an idle timeout)
 
     async with trio.open_nursery() as nursery:
-        server = Server(answer)
+        server = RawServer(answer, STATUS)
         url = await server.start(nursery)
         poll = BarePoll()
         assert await poll(url, -1, 5.0, 2.0) == BODY
@@ -134,7 +100,7 @@ async def test_an_unusable_answer_says_what_it_was(reply: bytes, says: str) -> N
         return False
 
     async with trio.open_nursery() as nursery:
-        url = await Server(answer).start(nursery)
+        url = await RawServer(answer, STATUS).start(nursery)
         poll = BarePoll()
         with pytest.raises(PollFailed, match=says):
             await poll(url, -1, 5.0, 2.0)
@@ -148,7 +114,7 @@ async def test_no_answer_within_the_bound_and_a_refused_connection_fail_the_poll
         return False
 
     async with trio.open_nursery() as nursery:
-        url = await Server(answer).start(nursery)
+        url = await RawServer(answer, STATUS).start(nursery)
         with pytest.raises(PollFailed, match=r"no answer from .* within 0\.2s"):
             await BarePoll()(url, 1, 5.0, 0.2)
         nursery.cancel_scope.cancel()
