@@ -129,7 +129,7 @@ def _load(args: argparse.Namespace) -> tuple[LoadedRecipe, ServicePlan, Any]:
     plan = make_plan(loaded, mock=mock, launcher="process" if args.local else None)
     if args.local:
         plan = msgspec.structs.replace(plan, network_interface="lo")
-    problems = serving(loaded.recipe, signal_lead_s=plan.slurm.signal_lead_s, local=args.local)
+    problems = serving(loaded.recipe, signal_lead_s=plan.slurm.signal_lead_s)
     if problems:
         raise InputError(problems, loaded.source)
     return loaded, splan, plan

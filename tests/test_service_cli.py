@@ -90,18 +90,18 @@ def rendered(problems: list[Problem]) -> str:
 
 def test_serve_refuses_cells_that_would_get_their_term_as_they_start() -> None:
     recipe = load_recipe(DEMO, overrides=["slurm.time_limit='2'"]).recipe
-    text = rendered(serving(recipe, signal_lead_s=120, local=False))
+    text = rendered(serving(recipe, signal_lead_s=120))
     assert "slurm.time_limit" in text, text
     assert "every cell would get its TERM as it starts" in text, text
     assert "shorter signal_lead_s in the cluster file" in text, text
-    assert serving(recipe, signal_lead_s=30, local=False) == []
+    assert serving(recipe, signal_lead_s=30) == []
 
 
 def test_serve_refuses_a_successor_lead_inside_the_signal_lead() -> None:
     recipe = load_recipe(
         DEMO, overrides=["slurm.time_limit='10'", "service.successor_lead_s=20"]
     ).recipe
-    text = rendered(serving(recipe, signal_lead_s=30, local=False))
+    text = rendered(serving(recipe, signal_lead_s=30))
     assert "service.successor_lead_s" in text, text
     assert "(more than 30 s), or 'auto'" in text, text
 
@@ -111,7 +111,7 @@ def test_serve_refuses_a_benchmark_that_ends_its_cell() -> None:
         DEMO,
         overrides=["benchmark={type: aiperf, isl: 8, osl: 8, concurrencies: [1]}"],
     ).recipe
-    text = rendered(serving(recipe, signal_lead_s=30, local=False))
+    text = rendered(serving(recipe, signal_lead_s=30))
     assert "benchmark.keep_serving" in text, text
     loaded = load_recipe(
         DEMO,
@@ -119,7 +119,7 @@ def test_serve_refuses_a_benchmark_that_ends_its_cell() -> None:
             "benchmark={type: aiperf, isl: 8, osl: 8, concurrencies: [1], keep_serving: true}"
         ],
     )
-    assert serving(loaded.recipe, signal_lead_s=30, local=False) == []
+    assert serving(loaded.recipe, signal_lead_s=30) == []
 
 
 def test_max_cells_without_room_for_a_successor_is_refused_naming_it() -> None:

@@ -88,19 +88,9 @@ def service_plan(recipe: Recipe) -> ServicePlan:
                 "remove it",
             )
         )
-    # As Slurm keeps it: whole minutes (a '0:30' cell runs a minute).
+    # As Slurm keeps it: whole minutes (a '0:30' cell runs a minute). One that is not a Slurm
+    # time was refused when the recipe loaded (agent.recipe.rules.service).
     limit = slurm_limit_s(recipe.slurm.time_limit)
-    if recipe.slurm.time_limit is not None:
-        try:
-            slurm_seconds(recipe.slurm.time_limit)
-        except ValueError:
-            problems.append(
-                Problem(
-                    "slurm.time_limit",
-                    f"{recipe.slurm.time_limit!r} is not a Slurm time",
-                    "write minutes, H:MM:SS or D-HH:MM:SS (sbatch --time), e.g. '4:00:00'",
-                )
-            )
     lead = service.successor_lead_s
     if isinstance(lead, float | int) and limit is not None and lead >= limit:
         problems.append(

@@ -63,11 +63,9 @@ def service(recipe: Recipe, out: list[Problem]) -> None:
         )
 
 
-def serving(recipe: Recipe, *, signal_lead_s: int, local: bool) -> list[Problem]:
+def serving(recipe: Recipe, *, signal_lead_s: int) -> list[Problem]:
     """What ``tilert-submit serve`` refuses beyond the load-time rules: ``signal_lead_s`` is the
-    cluster file's (the cells' ``--signal=TERM@lead``), ``local`` whether the cells run here
-    (no rule of its own today: local cells are given ports of their own, submit.servecells)."""
-    del local
+    cluster file's (the cells' ``--signal=TERM@lead``)."""
     out: list[Problem] = []
     limit = slurm_limit_s(recipe.slurm.time_limit)
     if limit is not None and limit <= signal_lead_s:
