@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,18 +70,27 @@ def engine_pid(job: kit.LocalJob, name: str) -> int:
     return pid
 
 
-def busy_decode(job: kit.LocalJob) -> str:
-    """The decode serving a request now (its /decode_status)."""
+def streaming_decode(job: kit.LocalJob, settle_s: float = 0.5) -> str:
+    """A decode serving the same stream ``settle_s`` apart (busy at both looks, and a stream
+    lasts about 3 s): a kill now cuts a stream that has sent text (a restarting decode is
+    passed over)."""
 
-    def busy() -> str | None:
-        for name in ("decode-0", "decode-1"):
-            http = kit.record(job.job, name)["ports"]["http"]
-            with_status = httpx.get(f"http://127.0.0.1:{http}/decode_status", timeout=5)
-            if with_status.json().get("status") == "busy":
-                return name
-        return None
+    def busy(name: str) -> bool:
+        http = kit.record(job.job, name)["ports"]["http"]
+        try:
+            reply = httpx.get(f"http://127.0.0.1:{http}/decode_status", timeout=5)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200 and reply.json().get("status") == "busy"
 
-    name = kit.wait_for("a busy decode", busy, 30)
+    def settled() -> str | None:
+        first = [name for name in ("decode-0", "decode-1") if busy(name)]
+        if not first:
+            return None
+        time.sleep(settle_s)
+        return next((name for name in first if busy(name)), None)
+
+    name = kit.wait_for("a decode streaming", settled, 60)
     assert name is not None
     return name
 
@@ -191,7 +201,7 @@ def cut_mid_stream(job: kit.LocalJob, body: dict[str, Any]) -> list[dict[str, An
             got += events(iter([line]))
             if '"content"' in line and '"content": ""' not in line:
                 break
-        psutil.Process(engine_pid(job, busy_decode(job))).kill()
+        psutil.Process(engine_pid(job, streaming_decode(job, settle_s=0))).kill()
         got += events(lines)
     return got
 
@@ -288,7 +298,9 @@ def test_killed_decode_engines_under_load_lose_nothing(job: kit.LocalJob) -> Non
 
     for kill in range(4):
         served_at_least(2 * (kill + 1))
-        psutil.Process(engine_pid(job, f"decode-{kill % 2}")).kill()
+        # Not the moment a chat was served: its decode has just been given the next request,
+        # and a kill before that one's first byte is retried, not resumed.
+        psutil.Process(engine_pid(job, streaming_decode(job))).kill()
     served_at_least(12)
     after = finish_with_only_cuts(job, load, before, most=0)
     assert after["truncated"] == before["truncated"]

@@ -406,7 +406,9 @@ def test_a_local_job_converting_then_serving_ends_ready(tmp_path: Path) -> None:
             return any(a["state"] == "converting" and "convert" in a for a in status["agents"])
 
         seen = wait_status(job, converting, "a decode agent converting", 30, poll_s=0.05)
-        entry = next(a for a in seen["agents"] if a["state"] == "converting")
+        # The holder's entry: an agent still checking its converter (the preflight) shows
+        # ``converting`` before it has any progress to show.
+        entry = next(a for a in seen["agents"] if a["state"] == "converting" and "convert" in a)
         assert entry["convert"]["folder"] == str(weights)
         assert seen["state"] in ("starting", "waiting")
         status = local.wait_state("ready", timeout=60)
