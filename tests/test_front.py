@@ -19,6 +19,7 @@ import httpx
 import psutil
 import pytest
 
+from agent.facts import derive_rid
 from tests import kit
 from tests.kit import FAST
 from tests.kit.chatload import ChatLoad, stream_chat
@@ -33,6 +34,7 @@ TOKEN_DELAY = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.05"
 SMALL_BODY = "agent.front.max_body_bytes=65536"
 SHORT_BODY_WAIT = "agent.front.body_timeout_s=2"
 MODEL = "demo-model"  # recipes/local-demo.yaml's served name
+DECODES = ("decode-0", "decode-1")
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}
 
 
@@ -63,36 +65,79 @@ def front_figures(job: kit.LocalJob) -> dict[str, float]:
     return out
 
 
-def engine_pid(job: kit.LocalJob, name: str) -> int:
-    """The pid of agent ``name``'s engine."""
-    pid = kit.agent_status(kit.agent_entry(job.status(), name)["status_url"])["pid"]
-    assert isinstance(pid, int)
-    return pid
+def kill_engine(job: kit.LocalJob, name: str) -> int:
+    """SIGKILL agent ``name``'s engine; its restarts before (``back_ready`` waits past them)."""
+    before = kit.agent_status(kit.agent_entry(job.status(), name)["status_url"])
+    psutil.Process(before["pid"]).kill()
+    restarts = before["restarts"]
+    assert isinstance(restarts, int)
+    return restarts
+
+
+def back_ready(job: kit.LocalJob, restarts: dict[str, int]) -> None:
+    """status.json ``ready`` once the head has seen each killed decode restart (past its count
+    in ``restarts``): right after a kill, status.json can still say ``ready`` from before it."""
+    kit.wait_status(
+        job.job,
+        lambda s: (
+            s["state"] == "ready"
+            and all(kit.agent_entry(s, n)["restarts"] > r for n, r in restarts.items())
+        ),
+        f"ready again after the restarts of {sorted(restarts)}",
+        READY_S,
+    )
+
+
+def current_rid(job: kit.LocalJob, name: str) -> str | None:
+    """The request decode ``name`` serves now (its /decode_status), None when idle or down."""
+    http = kit.record(job.job, name)["ports"]["http"]
+    try:
+        reply = httpx.get(f"http://127.0.0.1:{http}/decode_status", timeout=5)
+    except httpx.HTTPError:
+        return None
+    rid = reply.json().get("current_rid") if reply.status_code == 200 else None
+    return rid if isinstance(rid, str) else None
 
 
 def streaming_decode(job: kit.LocalJob, settle_s: float = 0.5) -> str:
-    """A decode serving the same stream ``settle_s`` apart (busy at both looks, and a stream
-    lasts about 3 s): a kill now cuts a stream that has sent text (a restarting decode is
-    passed over)."""
-
-    def busy(name: str) -> bool:
-        http = kit.record(job.job, name)["ports"]["http"]
-        try:
-            reply = httpx.get(f"http://127.0.0.1:{http}/decode_status", timeout=5)
-        except httpx.HTTPError:
-            return False
-        return reply.status_code == 200 and reply.json().get("status") == "busy"
+    """A decode serving the same request at two looks ``settle_s`` apart (a stream lasts about
+    3 s): a kill now cuts a stream that has sent text, not one handed over between the looks
+    before its first byte (a restarting decode is passed over)."""
 
     def settled() -> str | None:
-        first = [name for name in ("decode-0", "decode-1") if busy(name)]
+        first = {name: rid for name in DECODES if (rid := current_rid(job, name)) is not None}
         if not first:
             return None
         time.sleep(settle_s)
-        return next((name for name in first if busy(name)), None)
+        return next((name for name, rid in first.items() if current_rid(job, name) == rid), None)
 
     name = kit.wait_for("a decode streaming", settled, 60)
     assert name is not None
     return name
+
+
+def decode_serving(job: kit.LocalJob, chunk_id: str) -> str:
+    """The decode serving the stream whose chunks carry ``chunk_id`` (the router derives the
+    request's rid at the decode from it): not a canary's or another client's."""
+    rid = derive_rid(chunk_id)
+
+    def serving() -> str | None:
+        return next((name for name in DECODES if current_rid(job, name) == rid), None)
+
+    name = kit.wait_for(f"the decode serving {rid}", serving, 30)
+    assert name is not None
+    return name
+
+
+def settled_figures(job: kit.LocalJob) -> dict[str, float]:
+    """``front_figures`` once nothing is in flight at the front: a stream's outcome is counted
+    as its relay ends, a moment after the client got its last byte."""
+    return kit.wait_for(
+        "the front's requests ended",
+        lambda: front_figures(job),
+        30,
+        until=lambda f: f["in_flight"] == 0,
+    )
 
 
 def events(lines: Iterator[str]) -> list[dict[str, Any] | str]:
@@ -190,9 +235,11 @@ def test_a_slow_client_and_a_client_gone_mid_stream_block_nothing(job: kit.Local
     assert front_figures(job)["cancelled"] >= 1
 
 
-def cut_mid_stream(job: kit.LocalJob, body: dict[str, Any]) -> list[dict[str, Any] | str]:
+def cut_mid_stream(
+    job: kit.LocalJob, body: dict[str, Any]
+) -> tuple[list[dict[str, Any] | str], dict[str, int]]:
     """A streamed chat at the front whose decode is SIGKILLed after its first text: every
-    event the client got."""
+    event the client got, and the killed decode's restarts before (for ``back_ready``)."""
     got: list[dict[str, Any] | str] = []
     with httpx.stream("POST", f"{front(job)}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -201,9 +248,10 @@ def cut_mid_stream(job: kit.LocalJob, body: dict[str, Any]) -> list[dict[str, An
             got += events(iter([line]))
             if '"content"' in line and '"content": ""' not in line:
                 break
-        psutil.Process(engine_pid(job, streaming_decode(job, settle_s=0))).kill()
+        name = decode_serving(job, chunks_of(got)[0]["id"])
+        killed = {name: kill_engine(job, name)}
         got += events(lines)
-    return got
+    return got, killed
 
 
 def chunks_of(got: list[dict[str, Any] | str]) -> list[dict[str, Any]]:
@@ -224,8 +272,8 @@ def test_a_stream_cut_by_a_dead_decode_is_continued_whole(job: kit.LocalJob) -> 
     body = {**CHAT, "model": MODEL, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{front(job)}/v1/chat/completions", json=body, timeout=60) as r:
         uncut = events(r.iter_lines())
-    before = front_figures(job)
-    got = cut_mid_stream(job, body)
+    before = settled_figures(job)
+    got, killed = cut_mid_stream(job, body)
     chunks = chunks_of(got)
     assert got[-1] == "[DONE]", got
     assert not [c for c in chunks if "error" in c], got
@@ -239,21 +287,22 @@ def test_a_stream_cut_by_a_dead_decode_is_continued_whole(job: kit.LocalJob) -> 
         chunks[-1]["usage"]["completion_tokens"]
         == chunks_of(uncut)[-1]["usage"]["completion_tokens"]
     )
-    after = front_figures(job)
+    after = settled_figures(job)
     assert (after["resumed"], after["truncated"]) == (before["resumed"] + 1, before["truncated"])
-    kit.wait_state(job.job, "ready", READY_S)
+    back_ready(job, killed)
 
 
 def test_a_cut_that_cannot_be_continued_is_marked_truncated(job: kit.LocalJob) -> None:
     """A chat with a response_format cannot be continued (its grammar would start again):
     its stream ends with the stream_truncated error event and [DONE], never a ``stop`` chunk;
     the front counts it truncated."""
-    before = front_figures(job)["truncated"]
+    before = settled_figures(job)["truncated"]
     form = {"type": "json_object"}
-    got = cut_mid_stream(job, {**CHAT, "model": MODEL, "stream": True, "response_format": form})
+    body = {**CHAT, "model": MODEL, "stream": True, "response_format": form}
+    got, killed = cut_mid_stream(job, body)
     assert_marked(got)
-    assert front_figures(job)["truncated"] == before + 1
-    kit.wait_state(job.job, "ready", READY_S)
+    assert settled_figures(job)["truncated"] == before + 1
+    back_ready(job, killed)
 
 
 def assert_marked(got: list[dict[str, Any] | str]) -> None:
@@ -274,7 +323,7 @@ def finish_with_only_cuts(
     failed at the front, at most ``most`` chats cut, each with the visible stream_truncated
     error; the front's figures after."""
     load.finish()
-    after = front_figures(job)
+    after = settled_figures(job)
     print(f"\nserved {load.served}, failures {load.failures}, front {before} -> {after}")
     assert not load.refused_at
     assert load.busy == 0
@@ -290,8 +339,9 @@ def test_killed_decode_engines_under_load_lose_nothing(job: kit.LocalJob) -> Non
     nothing busy, no 5xx, nothing cut: every chat ends with [DONE] and the whole answer (the
     streams on a killed decode continued on another)."""
     url = front(job)
-    before = front_figures(job)
+    before = settled_figures(job)
     load = ChatLoad(url, MODEL, clients=3, answer=ANSWER).start()
+    killed: dict[str, int] = {}
 
     def served_at_least(count: int) -> None:
         kit.wait_for(f"{count} chats served", lambda: load.served >= count, 120)
@@ -300,11 +350,13 @@ def test_killed_decode_engines_under_load_lose_nothing(job: kit.LocalJob) -> Non
         served_at_least(2 * (kill + 1))
         # Not the moment a chat was served: its decode has just been given the next request,
         # and a kill before that one's first byte is retried, not resumed.
-        psutil.Process(engine_pid(job, streaming_decode(job))).kill()
+        name = streaming_decode(job)
+        killed[name] = kill_engine(job, name)
     served_at_least(12)
     after = finish_with_only_cuts(job, load, before, most=0)
     assert after["truncated"] == before["truncated"]
     assert after["resumed"] > before["resumed"]
+    back_ready(job, killed)  # the module's next test meets a job proven again
 
 
 def test_a_killed_router_under_load_refuses_nothing(job: kit.LocalJob) -> None:
@@ -312,7 +364,7 @@ def test_a_killed_router_under_load_refuses_nothing(job: kit.LocalJob) -> None:
     router (nothing refused, nothing failed); only the streams it was serving are cut, each
     with the visible stream_truncated error."""
     url = front(job)
-    before = front_figures(job)
+    before = settled_figures(job)
     load = ChatLoad(url, MODEL, clients=2).start()
     kit.wait_for("chats served", lambda: load.served >= 2, 60)
     head = kit.agent_status(kit.agent_entry(job.status(), "prefill-0")["status_url"])
@@ -355,5 +407,7 @@ def test_without_resume_a_cut_stream_is_marked_truncated(
     sets, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, "agent.front.resume=false")
     with kit.LocalJob(tmp_path / "job", sets) as running:
         running.wait_state("ready", timeout=READY_S)
-        assert_marked(cut_mid_stream(running, {**CHAT, "model": MODEL, "stream": True}))
-        assert (front_figures(running)["truncated"], front_figures(running)["resumed"]) == (1, 0)
+        got, _ = cut_mid_stream(running, {**CHAT, "model": MODEL, "stream": True})
+        assert_marked(got)
+        after = settled_figures(running)
+        assert (after["truncated"], after["resumed"]) == (1, 0)
