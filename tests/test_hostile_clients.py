@@ -24,6 +24,7 @@ from tests.kit import FAST
 from tests.kit.chatload import ChatLoad
 from tests.kit.endpoints import exchange
 from tests.test_front import CHAT, MODEL, READY_S, TOKEN_DELAY, events, front
+from tests.test_scale import PROBE
 from tests.test_web import LATIN1, NESTED, endpoint_app, front_app
 
 pytestmark = pytest.mark.router
@@ -52,7 +53,9 @@ DECODE_ROUTES = [
 @pytest.fixture(scope="module")
 def job(router_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[kit.LocalJob]:
     """One ready job for the module's tests (none of them changes its pool)."""
-    sets, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY)
+    # PROBE: the real router's /health can take over FAST's 0.5 s while 300 connections and two
+    # clients load two cores, and three such probes restart it (every stream cut, not ready).
+    sets, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, PROBE)
     with kit.LocalJob(tmp_path_factory.mktemp("hostile") / "job", sets) as running:
         running.wait_state("ready", timeout=READY_S)
         yield running
