@@ -71,12 +71,12 @@ def test_a_child_stalled_before_exec_does_not_hold_the_submitter(tmp_path: Path)
     )
     sets, _ = kit.isolated_sets(None)
     with kit.LocalJob(tmp_path / "job", sets, env=env) as job:
-        kit.wait_for("prefill-0's log folder", (job.job / "logs" / "prefill-0").is_dir, 30)
-        time.sleep(0.5)
+        # Its first agent spawned (a stalled pre-exec hook never lets the supervisor say so):
+        # the log folder alone comes before the spawn, a SIGTERM then can come before it too.
+        job.wait_output("prefill-0 started: pid", 30)
         job.remember_tree()
         job.proc.send_signal(signal.SIGTERM)
         assert job.wait_exit(20) == 0, job.output()
-        assert "started: pid" in job.output()
         assert kit.current_status(job.job)["state"] == "stopped"
         kit.assert_gone(list(job.seen.values()), 10)
         kit.assert_nothing_left(job.job, 10)
@@ -131,15 +131,15 @@ def test_a_second_signal_during_a_slow_stop_ends_it_at_once(
         job.wait_state("ready", timeout=READY_S)
         _, procs = kit.running_processes(job.job, at_least=6)
         job.proc.send_signal(signal.Signals[first])
-        job.wait_output("stopping every agent", 5)
+        job.wait_output("stopping every agent", 30)
         time.sleep(1.5)
         assert job.proc.poll() is None, "the stop was not slow: the fault did not hold"
         job.remember_tree()
-        t0 = time.monotonic()
         job.proc.send_signal(signal.Signals[second])
-        code = job.wait_exit(5)
+        # "At once" is against the 60 s grace the first signal waits out: a bound well below it,
+        # not a speed (the SIGKILLs, the last status.json write and the exit on a loaded machine).
+        code = job.wait_exit(20)
         assert code == 128 + signal.Signals[second], job.output()
-        assert time.monotonic() - t0 < 3
         out = job.output()
         assert "received again: killing every agent now" in out, out
         assert out.rstrip().splitlines()[-1].startswith("job stopped; logs:"), out
