@@ -45,6 +45,8 @@ def test_a_hand_started_agent_ends_with_the_job_and_names_the_secrets_it_lacks(
         kit.wait_for(
             "the missing secret said", lambda: MISSING in agent_log(job.job, "decode-1"), 30
         )
+        # Its own /status: status.json's decode-1 row can still be the old agent's ``healthy``.
+        hand.wait_state("healthy", READY_S)
         kit.wait_status(
             job.job,
             lambda s: kit.agent_entry(s, "decode-1")["state"] == "healthy",
