@@ -33,6 +33,10 @@ READY_S = 120.0
 TOKEN_DELAY = "roles.decode.env.TILERT_MOCK_TOKEN_DELAY_S=0.05"
 SMALL_BODY = "agent.front.max_body_bytes=65536"
 SHORT_BODY_WAIT = "agent.front.body_timeout_s=2"
+# The module's job has its decode engines SIGKILLed six times, all of them on one decode when it
+# is the one serving each time: more than the default 5 restarts in 600 s, after which the agent
+# gives up and the decode is dropped (the job degraded for the tests after).
+KILLS_BUDGET = "agent.restart.max_restarts=20"
 MODEL = "demo-model"  # recipes/local-demo.yaml's served name
 DECODES = ("decode-0", "decode-1")
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}
@@ -42,7 +46,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}
 def job(router_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[kit.LocalJob]:
     """One ready job for the module's tests (none of them changes its pool)."""
     sets, _ = kit.isolated_sets(
-        router_python, *FAST, TOKEN_DELAY, PROBE, SMALL_BODY, SHORT_BODY_WAIT
+        router_python, *FAST, TOKEN_DELAY, PROBE, SMALL_BODY, SHORT_BODY_WAIT, KILLS_BUDGET
     )
     with kit.LocalJob(tmp_path_factory.mktemp("front") / "job", sets) as running:
         running.wait_state("ready", timeout=READY_S)
