@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from agent.front.openai import CHAT
+from agent.front.proxy import STALE_AFTER_RESTART_S
 from agent.front.resume import MAX_RESUMES
 from agent.front.sse import DONE
 from tests.kit.front import (
@@ -182,6 +183,27 @@ async def test_after_a_failure_the_next_try_waits_for_the_pool_to_be_whole(
     assert got.status == 200
     assert trio.current_time() - start >= 30.0
     assert len(kit.upstream.seen) == 2
+
+
+async def test_a_try_sent_while_the_pool_settles_with_no_first_event_is_tried_again(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    """A request's first try, sent while a decode restarts, can be handed to it (TileRT's router
+    gives it the first free decode, dead or not): its KV never comes and the router would wait
+    120 s. Once the pool is whole, STALE_AFTER_RESTART_S without a first event gives it up and
+    tries again, as for a try an engine restart overtook."""
+    kit = FrontKit()
+    kit.router.serving(settling="decode-1 is restarting")
+    kit.upstream.script(events(then="hang"), events(*full_reply("Hel", "lo")))
+    start = trio.current_time()
+    async with kit.front.connected(), trio.open_nursery() as nursery:
+        nursery.start_soon(kit.router.play, [(1.0, kit.router.serving)])
+        got = await kit.chat(stream=True)
+    assert got.events() == full_reply("Hel", "lo")
+    assert 1.0 + STALE_AFTER_RESTART_S <= trio.current_time() - start < 10.0
+    assert len(kit.upstream.seen) == 2
+    assert kit.upstream.streams[0].closed  # the lost try's request let go (the router cancels)
+    assert kit.outcomes() == {"retried_ok": 1}
 
 
 # ---- streams ---------------------------------------------------------------------------------

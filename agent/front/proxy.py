@@ -44,7 +44,8 @@ from agent.front.upstream import (
 WAIT_POLL_S = 0.5  # a safety net: the head's changes wake waiting requests before this
 # A stream with no first event this long after an engine restarted and the pool is whole again
 # is given up and tried again: its request was lost with the engine (the router would wait for
-# KV that never comes, 120 s).
+# KV that never comes, 120 s). So is one sent while the pool was not whole: the router may have
+# handed it to the restarting engine, whose KV link was not up yet.
 STALE_AFTER_RESTART_S = 5.0
 MAX_REPLY_BYTES = 64 << 20  # a non-streamed reply, or a refusal's body, read at most this far
 
@@ -195,7 +196,7 @@ class Proxy:
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 if stream:
-                    nursery.start_soon(self._give_up_if_lost, scope, self.router().marks)
+                    nursery.start_soon(self._give_up_if_lost, scope, self.router())
                 try:
                     response = await self.client.post(url, body)
                     result = await _answer(response, stream, new_watch)
@@ -212,12 +213,13 @@ class Proxy:
                 await response.aclose()
         return result
 
-    async def _give_up_if_lost(self, scope: trio.CancelScope, marks: object) -> None:
-        """Cancel ``scope`` once an engine restarted since ``marks``, the pool is whole again
-        and ``STALE_AFTER_RESTART_S`` passed: the try's request may have died with the engine."""
+    async def _give_up_if_lost(self, scope: trio.CancelScope, began: RouterNow) -> None:
+        """Cancel ``scope`` once an engine restarted since the try ``began`` (or it began while
+        the pool was not whole), the pool is whole again and ``STALE_AFTER_RESTART_S`` passed:
+        the try's request may have died with the engine, or gone to it while it restarted."""
         while True:
             now = self.router()
-            if now.marks != marks and now.settling is None:
+            if (now.marks != began.marks or began.settling is not None) and now.settling is None:
                 await trio.sleep(STALE_AFTER_RESTART_S)
                 scope.cancel()
                 return
