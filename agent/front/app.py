@@ -2,10 +2,10 @@
 
 Served by the head agent from its start (before the router) on ``agent.front.port``, fixed for the
 job's life. ``GET /v1/models`` and the refusals of what TileRT 0.1.6 cannot serve are answered
-here; chats and completions go to the router through ``agent.front.proxy`` (tries, waits for a
-hand-over), no more at a time than the router has decodes (``agent.front.admission``: the
-others wait in the front's queue, in arrival order); a streamed reply is passed on event by
-event through ``agent.front.sse``. Before a router serves, and after the job ended, every request
+here; chats and completions go to the router through ``agent.front.relay`` (tries, waits for a
+hand-over, a cut stream continued or marked), no more at a time than the router has decodes
+(``agent.front.admission``: the others wait in the front's queue, in arrival order); a streamed
+reply is passed on event by event through ``agent.front.sse``. Before a router serves, and after the job ended, every request
 gets 503 with Retry-After; past the queue's bounds, 429 with Retry-After.
 """
 

@@ -3,10 +3,12 @@
 Each chat or completion (streamed or not) takes a slot at a ``ready`` cell with a free decode, or
 waits for one in the front's one FIFO queue (``agent.service.cellslots``), and is sent to that
 cell's front door (``CellRecord.front_url``), which has its own admission, retries and hand-overs.
-A try that fails before the client's first byte goes to another cell (the front door's rules,
-``agent.front.retry``, by ``agent.front.proxy``); a stream is passed on event by event and one
-cut is marked (``agent.front.sse``); a request whose cell is ``cut`` (its job failed) before its
-first byte is tried again at another cell, and a stream under way there ends with the visible
+The request is sent and its reply passed on by the front door's relay (``agent.front.relay``),
+its cell (``agent.service.cellslots.Route``) the relay's way: a try that fails before the
+client's first byte goes to another cell (the front door's rules, ``agent.front.retry``), as
+does a request whose cell is ``cut`` (its job failed) before its first byte; a stream is passed
+on event by event, and one cut by its cell's failure (or broken mid-way) is continued at another
+cell (``agent.front.resume``, counted ``resumed``) or, where it cannot be, ends with the visible
 ``stream_truncated`` error event. Everything the front answers itself is the front door's
 (``agent.front.answers``, ``agent.front.openai``), counted once per request by a
 ``agent.front.ticket.Ticket``. ``/v1/models`` is a ready cell's answer, ``/health`` is 200 while
