@@ -5,8 +5,9 @@ job's life. ``GET /v1/models`` and the refusals of what TileRT 0.1.6 cannot serv
 here; chats and completions go to the router through ``agent.front.relay`` (tries, waits for a
 hand-over, a cut stream continued or marked), no more at a time than the router has decodes
 (``agent.front.admission``: the others wait in the front's queue, in arrival order); a streamed
-reply is passed on event by event through ``agent.front.sse``. Before a router serves, and after the job ended, every request
-gets 503 with Retry-After; past the queue's bounds, 429 with Retry-After.
+reply is passed on event by event through ``agent.front.sse``. Before a router serves, and after
+the job ended, every request gets 503 with Retry-After; past the queue's bounds, 429 with
+Retry-After.
 """
 
 from __future__ import annotations
