@@ -32,6 +32,7 @@ import pytest
 from tests import kit
 from tests.kit import FAST
 from tests.kit.servicefront import FrontThread, cell_record
+from tests.test_scale import PROBE
 
 READY_S = 120.0
 LOAD_S = 120.0
@@ -137,8 +138,10 @@ class Load:
 
 
 def local_job(path: Path, router_python: Path) -> kit.LocalJob:
-    """A cell: ``tilert-submit --local --mock`` with the real router and slow tokens."""
-    args, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY)
+    """A cell: ``tilert-submit --local --mock`` with the real router and slow tokens (and
+    test_scale's PROBE: the real router's /health can take over FAST's 0.5 s while four clients
+    stream through two cells on two cores, and three such probes restart it)."""
+    args, _ = kit.isolated_sets(router_python, *FAST, TOKEN_DELAY, PROBE)
     return kit.LocalJob(path, args)
 
 
