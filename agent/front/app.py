@@ -47,7 +47,7 @@ from agent.front.ticket import Ticket
 from agent.front.upstream import Reply
 from agent.job.frontpolicy import FrontPolicy
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
-from agent.web.server import serve
+from agent.web.h11server import serve
 
 SSE = "text/event-stream; charset=utf-8"
 
