@@ -154,11 +154,12 @@ async def test_a_client_gone_before_its_answer_cancels_the_handler(
     assert reply.endswith(b"ok")
 
 
-def refused_with_body(port: int, size: int) -> bytes:
-    """A body of ``size`` bytes the app does not read: the whole body sent, then the answer."""
+def refused_with_body(port: int, size: int, then: bytes) -> bytes:
+    """A body of ``size`` bytes the app does not read, sent whole, then ``then``; everything
+    read until the server closes."""
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
         conn.sendall(b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
-        conn.sendall(b"x" * size)
+        conn.sendall(b"x" * size + then)
         data = b""
         while chunk := conn.recv(65536):
             data += chunk
@@ -166,11 +167,15 @@ def refused_with_body(port: int, size: int) -> bytes:
 
 
 async def test_a_body_the_app_did_not_read_is_drained_not_reset(port: tuple[int, Probe]) -> None:
-    """The client still sending a large body reads the 413 whole, then the close."""
+    """A client still sending a body the app answered without reads the 413 whole (not a
+    reset), and its connection carries the next request."""
     number, _ = port
-    reply = await trio.to_thread.run_sync(refused_with_body, number, 4 << 20)
+    then = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nConnection: close\r\n\r\nnext"
+    reply = await trio.to_thread.run_sync(refused_with_body, number, 4 << 20, then)
     assert reply.startswith(b"HTTP/1.1 413 ")
     assert b"too large" in reply
+    assert reply.count(b"HTTP/1.1 200 ") == 1
+    assert reply.endswith(b"next\r\n0\r\n\r\n")  # the echo, chunked: the client is HTTP/1.1
 
 
 async def test_shutdown_closes_idle_connections_and_finishes_answers() -> None:

@@ -32,7 +32,7 @@ MAX_HEAD_BYTES = 16384
 # stops past this (the disconnect is then seen by a failed send).
 MAX_AHEAD_BYTES = 65536
 # A response the app ended before reading the whole body: the rest is read and dropped for this
-# long before the close, so that the client, still sending, reads the answer instead of a reset.
+# long (the connection then kept), so that a client still sending reads the answer, not a reset.
 DRAIN_S = 2.0
 DISCONNECT = {"type": "http.disconnect"}
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError)
@@ -105,7 +105,11 @@ class _Exchange:
         h11conn = self.conn.h11
         if message["type"] == "http.response.start":
             self.started = True
-            response = h11.Response(status_code=message["status"], headers=message["headers"])
+            headers = message["headers"]
+            if h11conn.they_are_waiting_for_100_continue:
+                # answered without the body, which the client may never send: no drain waits
+                headers = [*headers, (b"connection", b"close")]
+            response = h11.Response(status_code=message["status"], headers=headers)
             data = h11conn.send(response) or b""
         elif message["type"] == "http.response.body":
             body = message.get("body", b"")
@@ -119,9 +123,10 @@ class _Exchange:
             return
         if not await self.conn.send_all(data):
             self.left()
-        elif self.ended and h11conn.our_state is h11.MUST_CLOSE:
+        elif self.ended and h11conn.our_state is h11.MUST_CLOSE and h11conn.their_state is h11.DONE:
             # HTTP/1.0 or ``Connection: close``: the close is the response's end, so it is sent
-            # now, not once the app has returned (it may still be releasing what it held).
+            # now, not once the app has returned (it may still be releasing what it held). With
+            # the body unread, the close waits for the drain (``_serve``).
             await self.conn.close()
 
     async def _watch(self) -> None:
@@ -185,7 +190,11 @@ class _Connection:
     async def _refuse(self, exc: h11.RemoteProtocolError) -> None:
         """Answer a request h11 cannot read (400, or 431 for a head too large) and close."""
         body = f"{exc}\n".encode()
-        headers = [("content-type", "text/plain"), ("content-length", str(len(body)))]
+        headers = [
+            ("content-type", "text/plain"),
+            ("content-length", str(len(body))),
+            ("connection", "close"),
+        ]
         response = h11.Response(status_code=exc.error_status_hint, headers=headers)
         try:
             head = self.h11.send(response) or b""
@@ -205,20 +214,19 @@ class _Connection:
             nursery.cancel_scope.cancel()  # the watch
         if not exchange.ended or exchange.gone.is_set() or self.h11.our_state is not h11.DONE:
             return False  # a response the app left unfinished ends with the close
-        if self.h11.their_state is not h11.DONE:
-            await self._drain()
-            return False
-        return True
+        return self.h11.their_state is h11.DONE or await self._drain()
 
-    async def _drain(self) -> None:
-        """Read and drop the rest of a body the app did not want, for ``DRAIN_S`` at most."""
+    async def _drain(self) -> bool:
+        """Read and drop the rest of a body the app answered without (a 413, a 404), for
+        ``DRAIN_S`` at most; whether it ended in time (the connection is kept)."""
         with trio.move_on_after(DRAIN_S):
             try:
-                await self.stream.send_eof()
-                while await self.stream.receive_some(READ_BYTES):
+                while not isinstance(await self.next_event(), h11.EndOfMessage):
                     pass
-            except (*_CLOSED, OSError):
+                return True
+            except (_Gone, h11.RemoteProtocolError):
                 pass
+        return False
 
     def collect(self, parts: list[bytes]) -> bool:
         """Take the body parts h11 holds already (no read); whether the body is complete."""
