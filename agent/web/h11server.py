@@ -15,6 +15,7 @@ shutdown (idle connections closed, the others given ``GRACE_S``).
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 from urllib.parse import unquote
@@ -53,6 +54,7 @@ class _Exchange:
         self.delivered = False  # the app has received the body's end
         self.watching = False
         self.started = False
+        self.chunked = False  # the response's parts framed here (h11 chose chunked)
         self.ended = False
         self.gone = trio.Event()
         self.app_scope = trio.CancelScope()
@@ -111,9 +113,17 @@ class _Exchange:
                 headers = [*headers, (b"connection", b"close")]
             response = h11.Response(status_code=message["status"], headers=headers)
             data = h11conn.send(response) or b""
+            # A part costs h11 3 us (a streamed event 40-70 in all): where h11 chose chunked
+            # framing (it says so in the head it wrote), the parts are framed here.
+            self.chunked = b"\r\nTransfer-Encoding: chunked\r\n" in data
         elif message["type"] == "http.response.body":
             body = message.get("body", b"")
-            data = (h11conn.send(h11.Data(data=body)) or b"") if body else b""
+            if not body:
+                data = b""
+            elif self.chunked:  # h11's own framing, without its state machine's cost per part
+                data = b"%x\r\n%b\r\n" % (len(body), body)
+            else:
+                data = h11conn.send(h11.Data(data=body)) or b""
             if not message.get("more_body", False):
                 data += h11conn.send(h11.EndOfMessage()) or b""
                 self.ended = True
@@ -156,6 +166,7 @@ class _Connection:
         self.server = server
         self.stream = stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.fd = stream.socket.fileno()
         self.closed = False
 
     async def run(self) -> None:
@@ -258,8 +269,18 @@ class _Connection:
 
     async def send_all(self, data: bytes) -> bool:
         """Write ``data``; False when the client is gone."""
+        if self.closed:
+            return False  # never a write on a descriptor number that may be another's now
         try:
-            await self.stream.send_all(data)
+            # What the socket takes at once is written without trio's send, whose two trips
+            # through the run loop cost a tenth of a streamed event; the rest waits for room
+            # there. Only the app's task sends, one send at a time, so nothing interleaves.
+            try:
+                sent = os.write(self.fd, data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                await self.stream.send_all(memoryview(data)[sent:])
         except (*_CLOSED, OSError):
             return False
         return True
