@@ -27,7 +27,8 @@ from agent.web.asgi import App, Scope
 from agent.web.server import GRACE_S, KEEP_ALIVE_S, Accepting, listener_of
 
 READ_BYTES = 65536
-# A request head larger than this is answered 431 (h11's buffer bound; hypercorn's default too).
+# A request head still incomplete past this many bytes is answered 431 (h11's buffer bound,
+# hypercorn's default too: a head that arrives whole in one read may be up to a read larger).
 MAX_HEAD_BYTES = 16384
 # Bytes a client may send ahead (a pipelined request) while its response is written: reading
 # stops past this (the disconnect is then seen by a failed send).
