@@ -79,6 +79,7 @@ UNIT_MODULES = frozenset(
         "test_schema1",
         "test_sdnotify",
         "test_service_cli",
+        "test_service_cuts",
         "test_service_keeper",
         "test_service_policy",
         "test_service_routing",

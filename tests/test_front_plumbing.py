@@ -355,6 +355,19 @@ async def test_a_stream_that_ends_early_closes_the_routers_stream_and_frees_its_
     assert second.status == 200
 
 
+async def test_a_client_that_leaves_on_reading_done_was_served(
+    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
+) -> None:
+    # The relay is the service front's too (agent/front/relay.py): a client that closes the
+    # moment it read [DONE], before the response's own end, got the whole stream.
+    kit = served(FrontKit())
+    kit.upstream.script(events(*full_reply("Hel", "lo")))
+    async with kit.front.connected():
+        got = await kit.call("POST", CHAT, Client((chat_body(stream=True),), leave_on=b"[DONE]"))
+    assert got.events() == full_reply("Hel", "lo")
+    assert kit.outcomes() == {"ok": 1}
+
+
 # ---- bad bodies and every error in OpenAI's shape --------------------------------------------
 
 

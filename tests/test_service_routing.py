@@ -1,22 +1,17 @@
 """The service front's routing in process (agent/service/front.py, cellslots.py, figures.py): the
-cells' front doors on an ``httpx.MockTransport`` (one ``Upstream`` of tests/kit/front.py per
-cell, by host), requests through the ASGI app with no socket, on trio's autojump clock.
+cells of tests/kit/servicecells.py (their front doors on an ``httpx.MockTransport``), requests
+through the ASGI app with no socket, on trio's autojump clock.
 
 Which cell takes a request (a ready one with a free decode, the least loaded), how many at once
-(its decodes), the one FIFO queue when none is free and its bounds, a cell leaving the table (its
-streams run on, new requests go elsewhere), a cell cut (its streams end marked, its requests
-before their first byte go elsewhere), a try failing before its first byte moved to another cell,
-and the figures. The same with real jobs as cells: tests/test_service_front.py.
+(its decodes), the one FIFO queue when none is free and its bounds, and the figures. A cell
+leaving, a cell cut, a stream continued or marked: tests/test_service_cuts.py. The same with
+real jobs as cells: tests/test_service_front.py.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 import trio
 import trio.testing
@@ -24,147 +19,23 @@ import trio.testing
 from agent.front.openai import CHAT
 from agent.front.sse import DONE
 from agent.front.upstream import H11Upstream
-from agent.job.frontpolicy import FrontPolicy, FrontQueue, FrontRetry
+from agent.job.frontpolicy import FrontPolicy
 from agent.service.figures import ServiceFigures
 from agent.service.front import ServiceFront
-from agent.service.records import CellRecord, CellState
+from agent.service.records import CellState
 from tests.kit.front import (
     ROLE,
-    Answer,
     Client,
     Reply,
-    Upstream,
     call,
     chat_body,
     chunk,
     events,
-    refused,
     whole,
 )
 from tests.kit.metrics import samples
+from tests.kit.servicecells import ANSWER, MODELS, ServiceKit, gated, start, text
 from tests.kit.waiting import until
-
-ANSWER = {"id": "chatcmpl-1", "object": "chat.completion", "choices": [{"index": 0}]}
-MODELS = {"object": "list", "data": [{"id": "demo-model", "object": "model"}]}
-
-
-def url(name: str) -> str:
-    """Cell ``name``'s front door (its host is its name)."""
-    return f"http://{name}:8080"
-
-
-class GatedStream(httpx.AsyncByteStream):
-    """A cell's streamed reply: its role and first token (unless ``early``: nothing before the
-    gate), then it waits for ``gate``, then its end."""
-
-    def __init__(self, gate: trio.Event, early: bool) -> None:
-        self.gate = gate
-        self.early = early
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        if not self.early:
-            yield ROLE
-            yield chunk("Hello")
-        await self.gate.wait()
-        if self.early:
-            yield ROLE
-            yield chunk("Hello")
-        yield chunk(" world")
-        yield chunk(None, "stop")
-        yield DONE
-
-
-def gated(gate: trio.Event, *, early: bool = False) -> Answer:
-    """A stream that waits for ``gate`` after its first token (``early``: before its first)."""
-
-    async def answer(_request: httpx.Request) -> httpx.Response:
-        headers = {"content-type": "text/event-stream"}
-        return httpx.Response(200, headers=headers, stream=GatedStream(gate, early))
-
-    return answer
-
-
-class ServiceKit:
-    """A ``ServiceFront`` whose cells are in process: ``cell`` adds one to the table."""
-
-    def __init__(self, *, max_waiting: int = 1024, max_wait_s: float = 300.0) -> None:
-        policy = FrontPolicy(
-            retry=FrontRetry(attempts=5, budget_s=60.0),
-            queue=FrontQueue(max_waiting=max_waiting, max_wait_s=max_wait_s),
-        )
-        self.doors: dict[str, Upstream] = {}
-        self.records: dict[str, CellRecord] = {}
-        self.figures = ServiceFigures()
-        client = httpx.AsyncClient(transport=httpx.MockTransport(self._handle))
-        self.front = ServiceFront(policy, self.figures, client)
-
-    async def _handle(self, request: httpx.Request) -> httpx.Response:
-        return await self.doors[request.url.host].handle(request)
-
-    def cell(
-        self, name: str, decodes: int = 1, state: CellState = "ready", served: int = 0
-    ) -> Upstream:
-        """Cell ``name`` in the table (its front door answers as scripted)."""
-        door = self.doors.setdefault(name, Upstream())
-        record = CellRecord(
-            name=name, state=state, front_url=url(name), decodes=decodes, served=served
-        )
-        self.records[name] = record
-        self.table()
-        return door
-
-    def table(self, *names: str) -> None:
-        """The table handed to the front: ``names`` (all cells when none given)."""
-        listed = names or tuple(self.records)
-        self.front.set_cells([self.records[n] for n in listed])
-
-    async def chat(self, tag: str = "", *, stream: bool = True) -> Reply:
-        """One chat at the service front (``tag``: its ``user``, to tell requests apart)."""
-        body = chat_body(stream=stream, user=tag)
-        return await call(self.front.app, "POST", CHAT, Client((body,)))
-
-    async def get(self, path: str) -> Reply:
-        """A GET at the service front."""
-        return await call(self.front.app, "GET", path, Client())
-
-    def outcomes(self) -> dict[str, int]:
-        """Requests by outcome so far (those counted)."""
-        return {k: v for k, v in self.front.requests().items() if v}
-
-    def at(self, name: str) -> list[str]:
-        """The tags of the requests cell ``name`` was sent, in order."""
-        return [json.loads(r.content)["user"] for r in self.doors[name].seen]
-
-
-async def start(kit: ServiceKit, nursery: trio.Nursery, tag: str, got: dict[str, Reply]) -> None:
-    """A streamed chat started (its reply into ``got[tag]`` once it ended)."""
-
-    async def run() -> None:
-        got[tag] = await kit.chat(tag)
-
-    nursery.start_soon(run)
-    await trio.testing.wait_all_tasks_blocked()
-
-
-def text(reply: Reply) -> str:
-    """A streamed reply's text (every content delta)."""
-    out = ""
-    for event in reply.events():
-        data = event[len(b"data: ") :].strip()
-        if data != b"[DONE]":
-            for choice in json.loads(data).get("choices") or []:
-                out += (choice.get("delta") or {}).get("content") or ""
-    return out
-
-
-def last_error(reply: Reply) -> dict[str, Any]:
-    """The error event of a streamed reply (its second-to-last, before [DONE])."""
-    events = reply.events()
-    assert events[-1] == DONE, events
-    error = json.loads(events[-2][len(b"data: ") :])["error"]
-    assert isinstance(error, dict)
-    return error
-
 
 # ---- which cell, how many ----------------------------------------------------------------------
 
@@ -327,99 +198,6 @@ async def test_past_the_queue_bounds_a_429_with_retry_after(
         s.labels["reason"]: s.value for s in page if s.name == "tilert_service_queue_rejected_total"
     }
     assert rejected == {"full": 1, "wait": 1}
-
-
-# ---- a cell leaving, a cell cut, a try moved ---------------------------------------------------
-
-
-async def test_a_cell_leaving_the_table_finishes_its_streams_and_takes_no_new_one(
-    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
-) -> None:
-    kit = ServiceKit()
-    gate = trio.Event()
-    kit.cell("cell-1", 1).script(gated(gate))
-    kit.cell("cell-2", 1).script(gated(gate))
-    got: dict[str, Reply] = {}
-    async with trio.open_nursery() as nursery:
-        await start(kit, nursery, "r1", got)
-        assert kit.at("cell-1") == ["r1"]
-        kit.table("cell-2")  # cell-1 retired: its stream runs on
-        assert kit.front.in_flight("cell-1") == 1
-        assert kit.front.slots.routable() == ["cell-2"]
-        await start(kit, nursery, "r2", got)  # cell-2's decode is free: at once
-        assert kit.at("cell-2") == ["r2"]
-        await start(kit, nursery, "r3", got)  # waits for cell-2's decode, not cell-1's
-        assert kit.front.slots.admission.waiting == 1
-        gate.set()
-    assert kit.at("cell-1") == ["r1"]
-    assert kit.at("cell-2") == ["r2", "r3"]
-    assert {tag: text(reply) for tag, reply in got.items()} == dict.fromkeys(got, "Hello world")
-    assert kit.outcomes() == {"ok": 3}
-    assert kit.front.in_flight("cell-1") == 0
-    assert kit.front.served("cell-1") == 1  # still known once it left
-    page = samples(kit.figures.page().decode())
-    gauges = {s.labels["cell"] for s in page if s.name == "tilert_service_cell_in_flight"}
-    assert gauges == {"cell-2"}  # the gone cell's gauges went with it
-
-
-async def test_a_cut_cell_ends_its_streams_marked_and_its_waiting_tries_move(
-    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
-) -> None:
-    kit = ServiceKit()
-    never = trio.Event()  # cell-1 died: its streams never go on
-    kit.cell("cell-1", 2).script(gated(never), gated(never, early=True))
-    gate = trio.Event()
-    kit.cell("cell-2", 2).script(gated(gate))
-    got: dict[str, Reply] = {}
-    async with trio.open_nursery() as nursery:
-        await start(kit, nursery, "streaming", got)  # cell-1, its first token passed
-        await start(kit, nursery, "other", got)  # cell-2
-        await start(kit, nursery, "not-begun", got)  # cell-1, no byte yet
-        assert kit.at("cell-1") == ["streaming", "not-begun"]
-        kit.front.cut("cell-1")
-        await trio.testing.wait_all_tasks_blocked()
-        assert "streaming" in got
-        assert kit.at("cell-2") == ["other", "not-begun"]
-        kit.table()  # a table still saying cell-1 is ready does not bring it back
-        assert kit.front.slots.routable() == ["cell-2"]
-        gate.set()
-    assert text(got["streaming"]) == "Hello"
-    error = last_error(got["streaming"])
-    assert error["type"] == "stream_truncated"
-    assert "cell-1 failed" in error["message"]
-    assert text(got["other"]) == text(got["not-begun"]) == "Hello world"
-    assert kit.outcomes() == {"ok": 1, "retried_ok": 1, "truncated": 1}
-    assert kit.figures.tally[("truncated", "cell-1")] == 1
-    assert kit.figures.tally[("retried_ok", "cell-2")] == 1
-    assert kit.front.in_flight("cell-1") == 0
-
-
-async def test_a_try_failing_before_its_first_byte_goes_to_another_cell(
-    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
-) -> None:
-    kit = ServiceKit()
-    kit.cell("cell-1", 1).script(refused())  # its front door is gone
-    kit.cell("cell-2", 1).script(whole(ANSWER))
-    reply = await kit.chat("r1", stream=False)
-    assert (reply.status, reply.json()) == (200, ANSWER)
-    assert (kit.at("cell-1"), kit.at("cell-2")) == (["r1"], ["r1"])
-    assert kit.outcomes() == {"retried_ok": 1}
-    assert kit.figures.tally[("retried_ok", "cell-2")] == 1
-
-
-async def test_the_last_cell_cut_before_the_first_byte_is_a_503(
-    autojump_clock: trio.abc.Clock,  # noqa: ARG001 (requesting it puts the test on trio's clock)
-) -> None:
-    kit = ServiceKit()
-    kit.cell("cell-1", 1).script(gated(trio.Event(), early=True))
-    got: dict[str, Reply] = {}
-    async with trio.open_nursery() as nursery:
-        await start(kit, nursery, "r1", got)
-        kit.front.cut("cell-1")
-    assert got["r1"].status == 503
-    assert got["r1"].error()["type"] == "unavailable"
-    assert kit.outcomes() == {"failed": 1}
-    assert not kit.front.serving()
 
 
 # ---- what else it answers, and its figures -----------------------------------------------------

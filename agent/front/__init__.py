@@ -9,6 +9,9 @@ front of TileRT's router (docs/agent.md, "The front door").
   figures counted in this one place, its slot given back once.
 - ``proxy``: the way to the router: its URL asked at every try, a wait while it is handed over,
   tries again before the client's first byte.
+- ``relay``: ``Relay``, one request sent and its reply passed on (a refusal, a whole reply, a
+  stream event by event, a cut continued or marked), the front door's and the service front's;
+  its ``Way`` says what may cut it and where the next try goes.
 - ``upstream``: the client to the router: h11 on trio's streams, kept-alive connections per
   router (``HttpxUpstream``: an httpx transport handed in, the router in process, for tests).
 - ``retry``: which failures are tried again, the pause, the budget (pure).

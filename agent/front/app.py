@@ -2,11 +2,12 @@
 
 Served by the head agent from its start (before the router) on ``agent.front.port``, fixed for the
 job's life. ``GET /v1/models`` and the refusals of what TileRT 0.1.6 cannot serve are answered
-here; chats and completions go to the router through ``agent.front.proxy`` (tries, waits for a
-hand-over), no more at a time than the router has decodes (``agent.front.admission``: the
-others wait in the front's queue, in arrival order); a streamed reply is passed on event by
-event through ``agent.front.sse``. Before a router serves, and after the job ended, every request
-gets 503 with Retry-After; past the queue's bounds, 429 with Retry-After.
+here; chats and completions go to the router through ``agent.front.relay`` (tries, waits for a
+hand-over, a cut stream continued or marked), no more at a time than the router has decodes
+(``agent.front.admission``: the others wait in the front's queue, in arrival order); a streamed
+reply is passed on event by event through ``agent.front.sse``. Before a router serves, and after
+the job ended, every request gets 503 with Retry-After; past the queue's bounds, 429 with
+Retry-After.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -26,30 +27,18 @@ from agent.front.answers import (
     RETRY_AFTER_S,
     error,
     queue_refusal,
-    refused,
     servable,
     toolkit_refusal,
 )
 from agent.front.figures import FrontFigures
-from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, models_body, wants_usage
-from agent.front.proxy import (
-    Proxy,
-    Refused,
-    RouterNow,
-    StreamStart,
-    Unavailable,
-    make_upstream,
-    relayed,
-)
-from agent.front.resume import Resume, why_not
+from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, models_body
+from agent.front.proxy import Proxy, RouterNow, make_upstream
+from agent.front.relay import Relay, ToRouter
 from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
-from agent.front.upstream import Reply
 from agent.job.frontpolicy import FrontPolicy
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
 from agent.web.h11server import serve
-
-SSE = "text/event-stream; charset=utf-8"
 
 log = logging.getLogger(__name__)
 
@@ -164,77 +153,14 @@ class Front:
     async def _send(
         self, proxy: Proxy, path: str, body: bytes, value: dict[str, Any], ticket: Ticket
     ) -> Response | StreamingResponse:
-        """The request at the router, within its slot."""
-        stream = bool(value.get("stream"))
-        resume = self._resume(proxy, path, value, ticket)
-        try:
-            result = await proxy.send(
-                path,
-                body,
-                stream=stream,
-                on_retry=ticket.retried,
-                want_usage=wants_usage(value),
-                new_watch=None if resume is None else resume.first_watch,
-            )
-        except Unavailable as exc:
-            retry = {"retry-after": str(RETRY_AFTER_S)}
-            return ticket.answer(error(503, str(exc), "unavailable", **retry), "rejected")
-        if isinstance(result, Refused):
-            return ticket.answer(*refused(result))
-        if result.stream is None:
-            ctype = result.response.content_type
-            return ticket.answer(Response(result.body, 200, ctype), ticket.served())
-        chunks = self._relay(result.response, result.stream, ticket, resume)
-        upstream = result.response
-
-        async def closed() -> None:
-            # The relay's own ``finally`` ends the ticket; this covers a relay that never ran
-            # (the response cancelled before its first chunk): the router's stream closed, the
-            # slot given back. Both are no-ops after the relay's end.
-            await upstream.aclose()
-            ticket.end("cancelled")
-
-        return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}, closed)
-
-    def _resume(
-        self, proxy: Proxy, path: str, value: dict[str, Any], ticket: Ticket
-    ) -> Resume | None:
-        """The request's continuations after a cut, when ``agent.front.resume`` and the request
-        allow them (``agent.front.resume``)."""
-        if not self.policy.resume or why_not(path, value) is not None:
-            return None
-        return Resume(proxy, path, value, wants_usage(value), ticket.retried, self.log)
-
-    async def _relay(
-        self, response: Reply, start: StreamStart, ticket: Ticket, resume: Resume | None
-    ) -> AsyncIterator[bytes]:
-        """The stream passed on as it arrives (a cut continued by ``resume``); its ticket ended
-        when it ends (its slot given back once the router's reply ended: the router has freed
-        its decode by then)."""
-        watch = start.reader.watch
-        finished = False
-        try:
-            ticket.first_byte()
-            async with aclosing(relayed(response, start, self.log)) as events:
-                async for out in events:
-                    yield out
-            if watch.truncated and resume is not None:
-                self.log.warning("front: a stream was cut, continuing it: %s", watch.truncated)
-                async with aclosing(resume.rest(watch)) as events:
-                    async for out in events:
-                        yield out
-                watch = resume.last or watch
-            finished = True
-            if watch.truncated:
-                self.log.warning("front: a stream was cut: %s", watch.truncated)
-        finally:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
-            # A cut counts as truncated even when the client left on its error event.
-            last = watch if resume is None or resume.last is None else resume.last
-            if last.truncated:
-                ticket.end("truncated")
-            elif not finished:
-                ticket.end("cancelled")
-            else:
-                ticket.end("resumed" if resume is not None and resume.count else ticket.served())
+        """The request at the router, within its slot (a cut stream continued when
+        ``agent.front.resume`` and the request allow it)."""
+        relay = Relay(
+            proxy,
+            ticket,
+            way=ToRouter(),
+            resume=self.policy.resume,
+            unavailable_outcome="rejected",
+            log=self.log,
+        )
+        return await relay.answer(path, body, value)

@@ -1,5 +1,5 @@
-"""The front door's way to the router: tries, waits for a router being handed over, and the
-streamed reply passed on event by event.
+"""The front door's way to the router: tries, waits for a router being handed over, a stream
+read up to its first content (its rest is passed on by ``agent.front.relay``).
 
 The router's address is asked for at every try (``RouterNow``), so a restarted or handed-over
 router is followed. While the head's supervisor says the router is (re)starting, a try waits for
@@ -13,8 +13,7 @@ before its first token is tried again too. The router is reached through
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -264,26 +263,3 @@ async def _first_events(response: Reply, watch: StreamWatch) -> Opened | Failure
             return Opened(response, stream=StreamStart(first, reader))
     reader.end()
     return stream_failure(f"the stream ended before its first event: {watch.truncated}")
-
-
-async def relayed(
-    response: Reply, start: StreamStart, log: logging.Logger
-) -> AsyncGenerator[bytes, None]:
-    """A stream begun (``start``) passed on as it arrives, to its end (a cut marked by its
-    watch); the router's reply closed however it ends. Nothing waits for more than what has
-    arrived (``StreamReader.read``)."""
-    reader = start.reader
-    try:
-        if start.first:
-            yield b"".join(start.first)
-        try:
-            while (out := await reader.read()) is not None:
-                if out:
-                    yield out
-        except UpstreamError as exc:
-            log.warning("front: the router's stream broke: %r", exc)
-        if tail := reader.end():
-            yield tail
-    finally:
-        with trio.CancelScope(shield=True):
-            await response.aclose()

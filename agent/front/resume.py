@@ -5,12 +5,13 @@ TileRT's router passes a chat's body to the prefill unchanged (``build_prefill_b
 conversation plus the text already sent, as an assistant message with
 ``continue_final_message: true`` and ``add_generation_prompt: false``, continues the answer where
 it was cut with no change to TileRT (0.1.6.post3 sends such a chat down its chat path: vLLM
-renders the open assistant turn). The continuation goes the way of any request (``Proxy.send``:
-tries before its first byte, waits through a hand-over) in the request's own admission slot, its
-``max_tokens`` (or ``max_completion_tokens``) less the tokens already sent; its chunks are
-rewritten to the first stream's ``id``, ``created`` and ``model``, its role chunk dropped and its
-usage summed (``Seam``). At most ``MAX_RESUMES`` per request; then, or when the continuation is
-refused, the cut is marked as without resume (``stream_truncated``).
+renders the open assistant turn). The continuation goes the way of any request
+(``agent.front.relay.Relay``: tries before its first byte, waits through a hand-over; at the
+service front, to another cell) in the request's own admission slot, its ``max_tokens`` (or
+``max_completion_tokens``) less the tokens already sent; its chunks are rewritten to the first
+stream's ``id``, ``created`` and ``model``, its role chunk dropped and its usage summed
+(``Seam``). At most ``MAX_RESUMES`` per request; then, or when the continuation is refused, the
+cut is marked as without resume (``stream_truncated``).
 
 Only plain chats are continued (``why_not``): not with tools, ``response_format`` or a grammar,
 ``n > 1``, logprobs; nor a stream whose chunks carried more than text (reasoning, tool calls):
@@ -21,16 +22,12 @@ never cut after its first byte (it is tried again instead).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from agent.front.openai import CHAT
-from agent.front.proxy import Opened, Proxy, Unavailable, relayed
 from agent.front.sse import StreamWatch, event_data
 
 MAX_RESUMES = 3  # continuations per request; a fourth cut is marked
@@ -167,50 +164,37 @@ class ContinuedWatch(StreamWatch):
 
 @dataclass
 class Resume:
-    """One streamed chat's continuations: its cuts continued up to ``MAX_RESUMES`` times."""
+    """One streamed chat's continuations, as ``agent.front.relay.Relay`` makes them: the text
+    and tokens sent so far, the stream read now, at most ``MAX_RESUMES``."""
 
-    proxy: Proxy
     path: str
     value: dict[str, Any]
     want_usage: bool
-    on_retry: Callable[[str], None]
-    log: logging.Logger
     text: str = ""  # the answer's text sent before the last stream
     sent: int = 0  # its tokens (content chunks)
     count: int = 0  # continuations that reached the client
     last: StreamWatch | None = None  # the stream read now (its end is the answer's)
+    marked: bool = False  # given up: the cut was marked (``stream_truncated``)
     seam: Seam = field(default_factory=lambda: Seam("", 0, "", 0))
 
     def first_watch(self) -> StreamWatch:
-        """The first stream's watch: its text kept, a cut left to ``rest``."""
+        """The first stream's watch: its text kept, a cut left to the relay."""
         return StreamWatch(want_usage=self.want_usage, keep_text=True, quiet_cut=True)
 
-    def _next_watch(self) -> StreamWatch:
+    def next_watch(self) -> StreamWatch:
+        """A continuation's watch: its events rewritten into the first stream's (``seam``)."""
         return ContinuedWatch(
             want_usage=self.want_usage, keep_text=True, quiet_cut=True, seam=self.seam
         )
 
-    async def rest(self, cut: StreamWatch) -> AsyncGenerator[bytes, None]:
-        """After ``cut`` (the first stream) was cut: the continuations' events; the cut marked
-        when it cannot be continued."""
+    def begin(self, cut: StreamWatch) -> None:
+        """The first stream (``cut``) was cut: its identity is the answer's."""
         self.last = cut
         self.seam = Seam(cut.chunk_id, cut.created, cut.model, 0)
-        while (watch := self.last).truncated is not None:
-            body = self._body(watch)
-            opened = None if body is None else await self._open(body)
-            start = None if opened is None else opened.stream
-            if opened is None or start is None:
-                yield b"".join(watch.cut_events(self.sent - watch.chunks))
-                return
-            self.count += 1
-            self.log.info("front: a cut stream continued (%d): %s", self.count, watch.truncated)
-            self.last = start.reader.watch
-            async with aclosing(relayed(opened.response, start, self.log)) as events:
-                async for out in events:
-                    yield out
 
-    def _body(self, watch: StreamWatch) -> bytes | None:
-        """The next continuation's body, or None: not plain, too many, no budget left."""
+    def next_body(self, watch: StreamWatch) -> bytes | None:
+        """After ``watch`` was cut: the next continuation's body, or None (not plain, too many,
+        no budget left)."""
         self.text += watch.text
         self.sent += watch.chunks
         if not watch.plain or self.count >= MAX_RESUMES:
@@ -218,21 +202,7 @@ class Resume:
         self.seam = Seam(self.seam.chunk_id, self.seam.created, self.seam.model, self.sent)
         return continuation(self.value, self.text, self.sent)
 
-    async def _open(self, body: bytes) -> Opened | None:
-        """The continuation at the router (None: refused or no router within the budget)."""
-        try:
-            result = await self.proxy.send(
-                self.path,
-                body,
-                stream=True,
-                on_retry=self.on_retry,
-                want_usage=self.want_usage,
-                new_watch=self._next_watch,
-            )
-        except Unavailable as exc:
-            self.log.warning("front: a cut stream could not be continued: %s", exc)
-            return None
-        if not isinstance(result, Opened):
-            self.log.warning("front: a cut stream could not be continued: %s", result.failure)
-            return None
-        return result
+    def opened(self, watch: StreamWatch) -> None:
+        """A continuation began (its first content reached us): ``watch`` is read now."""
+        self.count += 1
+        self.last = watch

@@ -65,13 +65,14 @@ class Route:
         self._slots = slots
         self._slot: Slot | None = slot
         self.cell: _Cell | None = None
+        self._last: str | None = None  # the last cell it was at (it may have left every cell)
         self.was_cut = False  # its cell was cut while it was there (until it moves)
         self._scope: trio.CancelScope | None = None
 
     @property
     def cell_name(self) -> str | None:
-        """The cell the request is at (or was at when it ended)."""
-        return self.cell.name if self.cell is not None else None
+        """The cell the request is at, or the last one it was at (its cells cut, say)."""
+        return self.cell.name if self.cell is not None else self._last
 
     def now(self) -> RouterNow:
         """The request's cell as ``agent.front.proxy.Proxy`` asks at every try: its front door,
@@ -82,8 +83,9 @@ class Route:
         return RouterNow(cell.url, True, f"cell {cell.name}")
 
     def move(self) -> None:
-        """A try failed before the first byte: the request goes to another cell (a free one
-        first); it stays where it is when no other takes requests, unless its cell was cut."""
+        """A try failed before the first byte, or its stream was cut (continued by
+        ``agent.front.relay``): the request goes to another cell (a free one first); it stays
+        where it is when no other takes requests, unless its cell was cut."""
         if self._slot is None:
             return
         current = self.cell
@@ -93,6 +95,10 @@ class Route:
         self._leave()
         self.was_cut = False
         self._at(cell)
+
+    def cut_why(self) -> str:
+        """Why its step at the cell was cancelled: the cell failed (the cut's mark)."""
+        return f"its cell {self.cell_name} failed"
 
     def count_served(self) -> None:
         """The request ended served (its cell's ``served``)."""
@@ -131,6 +137,7 @@ class Route:
     def _at(self, cell: _Cell | None) -> None:
         self.cell = cell
         if cell is not None:
+            self._last = cell.name
             cell.in_flight += 1
             cell.taken += 1
             cell.routes.add(self)

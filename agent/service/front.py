@@ -3,10 +3,12 @@
 Each chat or completion (streamed or not) takes a slot at a ``ready`` cell with a free decode, or
 waits for one in the front's one FIFO queue (``agent.service.cellslots``), and is sent to that
 cell's front door (``CellRecord.front_url``), which has its own admission, retries and hand-overs.
-A try that fails before the client's first byte goes to another cell (the front door's rules,
-``agent.front.retry``, by ``agent.front.proxy``); a stream is passed on event by event and one
-cut is marked (``agent.front.sse``); a request whose cell is ``cut`` (its job failed) before its
-first byte is tried again at another cell, and a stream under way there ends with the visible
+The request is sent and its reply passed on by the front door's relay (``agent.front.relay``),
+its cell (``agent.service.cellslots.Route``) the relay's way: a try that fails before the
+client's first byte goes to another cell (the front door's rules, ``agent.front.retry``), as
+does a request whose cell is ``cut`` (its job failed) before its first byte; a stream is passed
+on event by event, and one cut by its cell's failure (or broken mid-way) is continued at another
+cell (``agent.front.resume``, counted ``resumed``) or, where it cannot be, ends with the visible
 ``stream_truncated`` error event. Everything the front answers itself is the front door's
 (``agent.front.answers``, ``agent.front.openai``), counted once per request by a
 ``agent.front.ticket.Ticket``. ``/v1/models`` is a ready cell's answer, ``/health`` is 200 while
@@ -28,25 +30,17 @@ from agent.front.admission import QueueRefused
 from agent.front.answers import (
     error,
     queue_refusal,
-    refused,
     servable,
     toolkit_refusal,
     unavailable,
 )
 from agent.front.figures import OUTCOMES, Outcome
-from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE, wants_usage
-from agent.front.proxy import (
-    Opened,
-    Proxy,
-    Refused,
-    StreamStart,
-    Unavailable,
-    make_client,
-    make_upstream,
-)
+from agent.front.openai import CHAT, COMPLETIONS, NO_ENGINE
+from agent.front.proxy import Proxy, make_client, make_upstream
+from agent.front.relay import Relay
 from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
-from agent.front.upstream import HttpxUpstream, Reply, Upstream, UpstreamError
+from agent.front.upstream import HttpxUpstream, Upstream
 from agent.job.frontpolicy import FrontPolicy
 from agent.service.cellslots import CellSlots, Route
 from agent.service.figures import CELL_CUT, CONTENT_TYPE, NO_CELL, ServiceFigures
@@ -54,11 +48,10 @@ from agent.service.records import CellRecord, CellState
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
 from agent.web.h11server import serve
 
-SSE = "text/event-stream; charset=utf-8"
 MODELS_TIMEOUT_S = 5.0
 # Cells that may serve soon: a request that finds none serving waits for them in the queue.
 COMING: frozenset[CellState] = frozenset({"submitted", "starting", "ready"})
-SERVED: frozenset[Outcome] = frozenset({"ok", "retried_ok"})
+SERVED: frozenset[Outcome] = frozenset({"ok", "retried_ok", "resumed"})
 
 log = logging.getLogger(__name__)
 
@@ -263,82 +256,17 @@ class ServiceFront:
         ticket: Ticket,
         route: Route,
     ) -> Response | StreamingResponse:
-        """The request at its cell's front door (another cell's after a failed try or a cut)."""
-        stream = bool(value.get("stream"))
-        proxy = Proxy(upstream, route.now, self.budget)
-
-        def retried(reason: str) -> None:
-            ticket.retried(reason)
-            route.move()
-
-        result: Opened | Refused | None = None
-        for _ in range(self.budget.attempts):
-            with route.guarded() as scope:
-                try:
-                    result = await proxy.send(
-                        path, body, stream=stream, on_retry=retried, want_usage=wants_usage(value)
-                    )
-                except Unavailable as exc:
-                    return ticket.answer(unavailable(str(exc)), "failed")
-            if not scope.cancelled_caught:
-                break
-            result = None  # its cell was cut before the first byte: another cell's turn
-            retried(CELL_CUT)
-        if result is None:
-            message = "the request's cells failed before it was answered"
-            return ticket.answer(unavailable(message), "failed")
-        if isinstance(result, Refused):
-            return ticket.answer(*refused(result))
-        if result.stream is None:
-            ctype = result.response.content_type
-            return ticket.answer(Response(result.body, 200, ctype), ticket.served())
-        reply = result.response
-
-        async def closed() -> None:
-            # The relay's ``finally`` ends the ticket; this covers a relay that never ran.
-            await reply.aclose()
-            ticket.end("cancelled")
-
-        chunks = self._relay(reply, result.stream, ticket, route)
-        return StreamingResponse(chunks, 200, SSE, {"cache-control": "no-cache"}, closed)
-
-    async def _relay(
-        self, response: Reply, start: StreamStart, ticket: Ticket, route: Route
-    ) -> AsyncIterator[bytes]:
-        """The stream passed on as it arrives; a cut of its cell ends it marked; its ticket
-        ended when it ends (its slot given back once the cell's reply ended)."""
-        reader, watch = start.reader, start.reader.watch
-        finished = False
-        try:
-            ticket.first_byte()
-            if start.first:
-                yield b"".join(start.first)
-            while True:
-                # Only the wait for the cell is guarded: a cut never lands in the client's send.
-                with route.guarded() as scope:
-                    try:
-                        out = await reader.read()
-                    except UpstreamError as exc:
-                        self.log.warning("service front: a cell's stream broke: %r", exc)
-                        out = None
-                if scope.cancelled_caught:
-                    yield reader.cut(f"its cell {route.cell_name} failed")
-                    break
-                if out is None:
-                    if tail := reader.end():
-                        yield tail
-                    break
-                if out:
-                    yield out
-            finished = True
-            if watch.truncated:
-                self.log.warning("service front: a stream was cut: %s", watch.truncated)
-        finally:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
-            if watch.truncated:
-                ticket.end("truncated")
-            else:
-                # A client may leave the moment it read the end (before the response's own end
-                # was sent): the stream was served whole all the same.
-                ticket.end(ticket.served() if finished or watch.done else "cancelled")
+        """The request at its cell's front door (another cell's after a failed try or a cut; a
+        stream cut by its cell's failure continued at another when ``agent.front.resume`` and
+        the request allow it)."""
+        relay = Relay(
+            Proxy(upstream, route.now, self.budget),
+            ticket,
+            way=route,
+            resume=self.policy.resume,
+            unavailable_outcome="failed",
+            log=self.log,
+            who="service front",
+            cut_reason=CELL_CUT,
+        )
+        return await relay.answer(path, body, value)

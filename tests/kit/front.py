@@ -237,6 +237,8 @@ class Client:
     leave_on: bytes | None = None
     # The server stops (cancels the app) while the reply's start is being sent, before any chunk.
     stopped_at_start: bool = False
+    # Leaves once this is set (the test's moment), as well as by the rules above.
+    leave: trio.Event | None = None
 
 
 async def call(
@@ -246,7 +248,7 @@ async def call(
     scope = {"type": "http", "method": method, "path": path, "query_string": b""}
     scope["headers"] = [(b"host", b"front"), *headers]
     body_parts = list(client.parts)
-    left = trio.Event()
+    left = client.leave if client.leave is not None else trio.Event()
     start: dict[str, Any] = {}
     parts: list[bytes] = []
 
