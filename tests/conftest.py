@@ -46,6 +46,7 @@ UNIT_MODULES = frozenset(
         "test_commands",
         "test_enginechecks",
         "test_errors",
+        "test_h11server",
         "test_folderlock",
         "test_front_plumbing",
         "test_front_resume",

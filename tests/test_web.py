@@ -23,7 +23,7 @@ from agent.front import Front, RouterNow
 from agent.front.figures import FrontFigures
 from agent.http.endpoint import StatusFeed, build_app
 from agent.job.frontpolicy import FrontPolicy
-from agent.web import server
+from agent.web import h11server, server
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
 from agent.web.server import bound_socket, serve
 from tests.kit.endpoints import exchange
@@ -145,7 +145,11 @@ async def open_long(port: int) -> trio.SocketStream:
     return stream
 
 
-async def test_a_stream_ends_at_its_last_event_for_every_client() -> None:
+SERVERS = pytest.mark.parametrize("serve", [serve, h11server.serve], ids=["hypercorn", "h11"])
+
+
+@SERVERS
+async def test_a_stream_ends_at_its_last_event_for_every_client(serve: Any) -> None:
     """HTTP/1.0 (no chunked encoding) and ``Connection: close`` clients get the whole stream and
     then the server's close; a keep-alive client gets the chunked end; a client gone mid-stream
     ends the stream (its generator's ``finally`` runs)."""
@@ -181,7 +185,9 @@ def malformed(port: int, path: str, tries: int) -> list[bytes]:
     return out
 
 
-async def _malformed_beside_a_stream(caplog: pytest.LogCaptureFixture) -> list[str]:
+async def _malformed_beside_a_stream(
+    caplog: pytest.LogCaptureFixture, serve: Any = serve
+) -> list[str]:
     """Malformed connections at ``/health``-like and slower routes while a stream is open: the
     stream stays whole, the server answers after; the contained failures logged."""
     ended = trio.Event()
@@ -201,9 +207,13 @@ async def _malformed_beside_a_stream(caplog: pytest.LogCaptureFixture) -> list[s
     return [r.getMessage() for r in caplog.records if "a connection failed" in r.getMessage()]
 
 
-async def test_the_malformed_connection_no_longer_races(caplog: pytest.LogCaptureFixture) -> None:
-    """With the close under the send lock, #203's connection fails nothing at all."""
-    assert await _malformed_beside_a_stream(caplog) == []
+@SERVERS
+async def test_the_malformed_connection_no_longer_races(
+    caplog: pytest.LogCaptureFixture, serve: Any
+) -> None:
+    """With the close under the send lock (hypercorn), or h11's own close, #203's connection
+    fails nothing at all."""
+    assert await _malformed_beside_a_stream(caplog, serve) == []
 
 
 async def test_a_failing_connection_is_contained(

@@ -38,7 +38,7 @@ from agent.front.retry import RetryBudget
 from agent.front.ticket import Ticket
 from agent.job.frontpolicy import FrontPolicy
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
-from agent.web.server import serve
+from agent.web.h11server import serve
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from agent.service.cellslots import CellSlots, Route
 from agent.service.figures import CELL_CUT, CONTENT_TYPE, NO_CELL, ServiceFigures
 from agent.service.records import CellRecord, CellState
 from agent.web.asgi import App, Request, Response, StreamingResponse, json_response
-from agent.web.server import serve
+from agent.web.h11server import serve
 
 MODELS_TIMEOUT_S = 5.0
 # Cells that may serve soon: a request that finds none serving waits for them in the queue.

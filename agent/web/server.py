@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 import hypercorn.config
 import trio
@@ -70,25 +71,18 @@ class _Connection(TCPServer):
             await self.stream.aclose()
 
 
-class _Server:
-    """The app's connections and the accept loop of one socket."""
+class Accepting:
+    """The accept loop of one socket and the containment of its connections' failures: shared
+    by this module's server and ``agent.web.h11server``."""
 
-    def __init__(self, app: App) -> None:
-        config = hypercorn.config.Config()
-        config.accesslog = None
-        config.errorlog = logging.getLogger("hypercorn.error")
-        config.loglevel = "WARNING"
-        config.keep_alive_timeout = KEEP_ALIVE_S
-        self.config = config
-        self.app: AppWrapper = wrap_app(app, config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
-        self.context = WorkerContext(None)
+    def __init__(self, connection: Callable[[trio.SocketStream], Awaitable[None]]) -> None:
+        self.connection = connection
         self.seen: set[str] = set()
 
-    async def connection(self, stream: trio.SocketStream) -> None:
+    async def contained(self, stream: trio.SocketStream) -> None:
         """One connection served; what it raises is logged and ends it alone."""
-        server = _Connection(self.app, self.config, self.context, ConnectionState({}), stream)  # type: ignore[arg-type]
         try:
-            await server.run()
+            await self.connection(stream)
         except* Exception as group:
             self._contained(group)
 
@@ -122,7 +116,34 @@ class _Server:
                 pause = min(pause * 2, longest)
                 continue
             failing, pause = False, ACCEPT_PAUSE_S[0]
-            nursery.start_soon(self.connection, stream)
+            nursery.start_soon(self.contained, stream)
+
+
+def listener_of(sock: socket.socket) -> trio.SocketListener:
+    """A trio listener that owns ``sock`` from here: the caller's object is detached, so that
+    collecting it (or detaching it again) cannot close a descriptor number reused later."""
+    own = socket.socket(sock.family, sock.type, fileno=sock.detach())
+    return trio.SocketListener(trio.socket.from_stdlib_socket(own))
+
+
+class _Server(Accepting):
+    """hypercorn's connections of one app."""
+
+    def __init__(self, app: App) -> None:
+        super().__init__(self.connection_of)
+        config = hypercorn.config.Config()
+        config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")
+        config.loglevel = "WARNING"
+        config.keep_alive_timeout = KEEP_ALIVE_S
+        self.config = config
+        self.app: AppWrapper = wrap_app(app, config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+        self.context = WorkerContext(None)
+
+    async def connection_of(self, stream: trio.SocketStream) -> None:
+        """One connection served by hypercorn."""
+        server = _Connection(self.app, self.config, self.context, ConnectionState({}), stream)  # type: ignore[arg-type]
+        await server.run()
 
 
 async def serve(
@@ -135,10 +156,7 @@ async def serve(
     """Serve ``app`` on an already bound socket until cancelled (or until ``shutdown`` is set,
     when open connections get ``GRACE_S``); the socket is closed when it returns."""
     server = _Server(app)
-    # Ours from here: the caller's object is detached, so that collecting it (or detaching it
-    # again) cannot close a descriptor number reused later; ``listener`` closes it at the end.
-    own = socket.socket(sock.family, sock.type, fileno=sock.detach())
-    listener = trio.SocketListener(trio.socket.from_stdlib_socket(own))
+    listener = listener_of(sock)  # closed at the end
     try:
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as accepting:

@@ -21,7 +21,7 @@ request to every path and straight to the router, the order turned every round.
 - ``front_events_per_s``: the front alone in a process of its own (``tests/bench/frontalone.py``)
   before an upstream that costs almost nothing (``tests/bench/sseupstream.py``; the router would
   saturate first), streams read as fast as they come: events per second of the process's own
-  CPU (one core's worth); the bare pass-through and the front on a lean h11 server beside it.
+  CPU (one core's worth); the bare pass-through and the same front served by hypercorn beside it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ LONG_TOKENS = 3000
 TTFB_CLIENTS = 32
 SATURATION_STREAMS = 32
 SATURATION_EVENTS = 2000
-SATURATED = ["front", "front-lean", "passthrough"]
+SATURATED = ["front", "front-hypercorn", "passthrough"]
 STRAIGHT = "straight"
 SERVICE = "service+cell"
 BOOTSTRAP = 2000
@@ -305,15 +305,21 @@ def _path_figures(paths: dict[str, Way], names: set[str], note: str, events: int
 
 def measure_saturation(*, quick: bool) -> Figure:
     """Events per second through the front alone, before an upstream that costs almost nothing;
-    beside it the bare pass-through and the front served by a lean h11 server (a prototype:
-    ``tests/bench/leanserver.py``), the order turned each run; each one's CPU per event."""
+    beside it the bare pass-through and the front served by hypercorn (``agent/web/server.py``,
+    not the fronts' ``agent/web/h11server.py``), the order turned each run; each one's CPU per
+    event."""
     runs = 2 if quick else 4
     up = free_port()
     upstream = f"http://127.0.0.1:{up}"
     ports = {name: free_port() for name in SATURATED}
     argv = {
         "front": ["tests.bench.frontalone", str(ports["front"]), upstream],
-        "front-lean": ["tests.bench.frontalone", str(ports["front-lean"]), upstream, "--lean"],
+        "front-hypercorn": [
+            "tests.bench.frontalone",
+            str(ports["front-hypercorn"]),
+            upstream,
+            "--hypercorn",
+        ],
         "passthrough": ["tests.bench.passthrough", str(ports["passthrough"]), str(up)],
     }
     body = chat_body("m", SATURATION_EVENTS, long=True)
