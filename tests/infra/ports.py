@@ -1,34 +1,45 @@
-"""Free loopback ports for test servers (Slurm daemons, Prometheus, exporters).
+"""Free loopback ports for test servers (Slurm daemons, Prometheus, exporters, routers).
 
-The kernel picks each port (bind to port 0); all sockets of one round stay open until the round
-ends, so one call never returns the same port twice. Each port is then checked with the agent's
-own rule (bindable on the IPv4 wildcard and on ``::``), because slurmd binds the wildcard.
+Ports are drawn at random below the kernel's ephemeral range (``ip_local_port_range``) and
+checked with the agent's own rule (bindable on the IPv4 wildcard and on ``::``, because slurmd
+binds the wildcard). Not from the ephemeral range: a port the kernel handed out (bind to port 0)
+and we gave back is the kind it gives the next outgoing connection, and a server binding it a
+second later then fails with "address in use" by chance (seen with a cell's router). The job
+port bases of ``tests.kit.jobs.isolated_sets`` sit at 20000-29999: these stay below them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
+import random
+from pathlib import Path
 
 from agent.node.ports import is_bindable
 
-_ROUNDS = 20
+LOW, HIGH = 10000, 20000
+_TRIES = 200
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ceiling() -> int:
+    """The first port not to draw from: the ephemeral range's start, at most ``HIGH``."""
+    try:
+        start = int(_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return HIGH
+    return HIGH if start <= LOW else min(HIGH, start)
 
 
 def free_ports(count: int) -> list[int]:
     """``count`` distinct ports that are free on 127.0.0.1 (and on the wildcard) right now."""
     chosen: list[int] = []
-    for _ in range(_ROUNDS):
-        picked: list[int] = []
-        with contextlib.ExitStack() as stack:
-            for _ in range(count - len(chosen)):
-                sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                sock.bind(("127.0.0.1", 0))
-                picked.append(sock.getsockname()[1])
-        chosen += [p for p in picked if p not in chosen and is_bindable(p)]
-        if len(chosen) >= count:
-            return chosen[:count]
-    raise OSError(f"could not find {count} free loopback ports")
+    ceiling = _ceiling()
+    for _ in range(_TRIES):
+        port = random.randrange(LOW, ceiling)
+        if port not in chosen and is_bindable(port):
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise OSError(f"could not find {count} free loopback ports in {LOW}-{ceiling - 1}")
 
 
 def free_port() -> int:
