@@ -24,7 +24,7 @@ import h11
 import trio
 
 from agent.web.asgi import App, Scope
-from agent.web.server import GRACE_S, KEEP_ALIVE_S, Accepting, listener_of
+from agent.web.server import KEEP_ALIVE_S, Accepting, serving
 
 READ_BYTES = 65536
 # A request head still incomplete past this many bytes is answered 431 (h11's buffer bound,
@@ -326,7 +326,7 @@ class _H11Server:
         """One connection served (trio's streams set TCP_NODELAY: each part leaves at once)."""
         await _Connection(self, stream).run()
 
-    def shut(self) -> None:
+    async def shut(self) -> None:
         """Close connections waiting for a request; the others close after their response."""
         self.closing.set()
         for scope in self.idle:
@@ -343,18 +343,4 @@ async def serve(
     """Serve ``app`` on an already bound socket until cancelled (or until ``shutdown`` is set,
     when open connections get ``GRACE_S``); the socket is closed when it returns."""
     server = _H11Server(app)
-    listener = listener_of(sock)  # closed at the end
-    try:
-        async with trio.open_nursery() as connections:
-            async with trio.open_nursery() as accepting:
-                accepting.start_soon(server.accepting.accept, listener, connections)
-                task_status.started()
-                if shutdown is None:
-                    await trio.sleep_forever()
-                await shutdown.wait()
-                accepting.cancel_scope.cancel()
-            server.shut()
-            connections.cancel_scope.deadline = trio.current_time() + GRACE_S
-    finally:
-        with trio.CancelScope(shield=True):
-            await listener.aclose()
+    await serving(server.accepting, server.shut, sock, task_status, shutdown)

@@ -156,17 +156,29 @@ async def serve(
     """Serve ``app`` on an already bound socket until cancelled (or until ``shutdown`` is set,
     when open connections get ``GRACE_S``); the socket is closed when it returns."""
     server = _Server(app)
+    await serving(server, server.context.terminated.set, sock, task_status, shutdown)
+
+
+async def serving(
+    accepting: Accepting,
+    shut: Callable[[], Awaitable[None]],
+    sock: socket.socket,
+    task_status: trio.TaskStatus[None],
+    shutdown: trio.Event | None,
+) -> None:
+    """Accept on ``sock`` until cancelled or ``shutdown``; then ``shut`` (idle connections
+    close) and the open ones get ``GRACE_S``: one server's life, whichever server it is."""
     listener = listener_of(sock)  # closed at the end
     try:
         async with trio.open_nursery() as connections:
-            async with trio.open_nursery() as accepting:
-                accepting.start_soon(server.accept, listener, connections)
+            async with trio.open_nursery() as accepting_now:
+                accepting_now.start_soon(accepting.accept, listener, connections)
                 task_status.started()
                 if shutdown is None:
                     await trio.sleep_forever()
                 await shutdown.wait()
-                accepting.cancel_scope.cancel()
-            await server.context.terminated.set()  # idle keep-alive connections close now
+                accepting_now.cancel_scope.cancel()
+            await shut()
             connections.cancel_scope.deadline = trio.current_time() + GRACE_S
     finally:
         with trio.CancelScope(shield=True):
