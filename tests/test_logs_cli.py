@@ -73,9 +73,14 @@ def test_since_a_duration_and_an_iso_time(running: kit.LocalJob) -> None:
     mark = datetime.now(UTC)
     time.sleep(0.05)
     chat(running)
-    kit.wait_status(running.job, lambda _s: len(file_lines(engine)) > len(before), "logged", 10)
-    time.sleep(0.3)  # the request's last lines
-    after = file_lines(engine)
+    # The agent's log pump writes the engine's lines after the client has its answer: wait for
+    # the request's last line (its REQSTAT) in the file, so no line of it comes after ``after``.
+    after = kit.wait_for(
+        "the request's REQSTAT line in decode-0's engine.log",
+        lambda: file_lines(engine),
+        10,
+        until=lambda lines: any("REQSTAT" in line for line in lines[len(before) :]),
+    )
     new = after[len(before) :]
     assert new
     recent = logs(running.job, "decode-0", "--since", "10m")
