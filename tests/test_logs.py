@@ -248,13 +248,24 @@ async def test_recent_ring_and_notes(tmp_path: Path) -> None:
 async def test_note_while_pumping_keeps_order(tmp_path: Path) -> None:
     path = tmp_path / "engine.log"
     sink = LogSink(path, max_bytes=1 << 20, backups=1)
-    code = "import sys, time\nprint('before', flush=True)\ntime.sleep(0.3)\nprint('after')\n"
+    # The child prints 'after' only once the note is written (the go file), not after a fixed
+    # sleep that a loaded machine can outlast before the note.
+    go = tmp_path / "go"
+    code = (
+        "import os, time\n"
+        "print('before', flush=True)\n"
+        "deadline = time.monotonic() + 30\n"
+        f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "print('after')\n"
+    )
     async with child(code) as proc:
         assert proc.stdout is not None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sink.pump, proc.stdout)
             await kit.until(lambda: sink.recent(1) == ["before"], "the line 'before' in the ring")
             sink.note("--- note ---")
+            go.touch()
     assert path.read_text() == "before\n--- note ---\nafter\n"
 
 
