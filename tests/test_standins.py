@@ -34,6 +34,9 @@ from tests.infra.standin_stack import (
 from tests.kit import wait_for
 
 REPLY = tokens.FIRST_TOKEN_TEXT + tokens.CONTINUATION_TEXT
+# How long a decode waits for a KV that never comes, in the test that checks what it answers
+# meanwhile: a window the checks must land in, on a loaded machine too.
+KV_WAIT_S = 5.0
 
 
 class Stack:
@@ -273,24 +276,24 @@ def test_non_streamed_decode_is_cut_at_max_tokens(stack: Stack) -> None:
 def test_busy_429_and_kv_timeout_504(stack: Stack) -> None:
     url = f"{stack.decode_url(1)}/pd/decode"
     results: list[httpx.Response] = []
+    # The first request holds decode-1 for its KV wait: long enough that the poll below and the
+    # second request land inside it on a loaded machine (with 1 s, a poll or a second request a
+    # second late found decode-1 idle again, and the second was admitted, not refused).
+    body = {"rid": "never-sent", "first_token_id": 1, "timeout_s": KV_WAIT_S}
     waiting = threading.Thread(
-        target=lambda: results.append(
-            httpx.post(
-                url, json={"rid": "never-sent", "first_token_id": 1, "timeout_s": 1.0}, timeout=10
-            )
-        )
+        target=lambda: results.append(httpx.post(url, json=body, timeout=KV_WAIT_S + 20))
     )
     waiting.start()
     wait_for(
         "decode-1 busy with the first request",
         lambda: httpx.get(f"{stack.decode_url(1)}/decode_status").json()["status"] == "busy",
-        5,
+        KV_WAIT_S,
         interval=0.02,
     )
     second = httpx.post(url, json={"rid": "other", "first_token_id": 1}, timeout=10)
     assert second.status_code == 429
     assert second.json()["error"] == "busy"
-    waiting.join(10)
+    waiting.join(KV_WAIT_S + 20)
     assert results[0].status_code == 504
     assert results[0].json() == {"error": "kv_transfer_timeout", "rid": "never-sent"}
     assert httpx.get(f"{stack.decode_url(1)}/decode_status").json()["status"] == "idle"
