@@ -37,6 +37,8 @@ REPLY = tokens.FIRST_TOKEN_TEXT + tokens.CONTINUATION_TEXT
 # How long a decode waits for a KV that never comes, in the test that checks what it answers
 # meanwhile: a window the checks must land in, on a loaded machine too.
 KV_WAIT_S = 5.0
+# How long a stand-in "loads" (its ports unbound) in the test that checks them meanwhile.
+LOAD_S = 6.0
 
 
 class Stack:
@@ -499,7 +501,9 @@ def test_fault_starts_limit_the_switches_to_the_first_starts(tmp_path: Path) -> 
 
 def test_startup_delay_keeps_port_free(spawn: Spawn) -> None:
     http, ctrl = free_port(), free_port()
-    proc = spawn(decode_argv(http, ctrl), TILERT_MOCK_STARTUP_DELAY_S="1.5")
+    # Long enough that the checks below come before the load ends on a loaded machine (with
+    # 1.5 s the port could be bound by the time they ran).
+    proc = spawn(decode_argv(http, ctrl), TILERT_MOCK_STARTUP_DELAY_S=str(LOAD_S))
     wait_for("the stand-in to start loading", lambda: "loading TileRT engine" in proc.output(), 10)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{http}/health", timeout=1)
