@@ -39,6 +39,8 @@ REPLY = tokens.FIRST_TOKEN_TEXT + tokens.CONTINUATION_TEXT
 KV_WAIT_S = 5.0
 # How long a stand-in "loads" (its ports unbound) in the test that checks them meanwhile.
 LOAD_S = 6.0
+# How soon a decode whose client hung up is idle again (its whole reply takes 19 s there).
+HANG_UP_S = 5.0
 
 
 class Stack:
@@ -303,7 +305,9 @@ def test_busy_429_and_kv_timeout_504(stack: Stack) -> None:
 
 def test_hang_up_clears_busy_and_cancel(spawn: Spawn) -> None:
     http, ctrl = free_port(), free_port()
-    proc = spawn(decode_argv(http, ctrl), TILERT_MOCK_NO_KV="1", TILERT_MOCK_TOKEN_DELAY_S="0.2")
+    # A whole reply takes 38 tokens x 0.5 s: the node idle within HANG_UP_S is the hang-up's
+    # doing, with room for a loaded machine (0.2 s a token left 2 s of a 7.6 s reply).
+    proc = spawn(decode_argv(http, ctrl), TILERT_MOCK_NO_KV="1", TILERT_MOCK_TOKEN_DELAY_S="0.5")
     base = f"http://127.0.0.1:{http}"
     wait_http(f"{base}/health", proc)
     body = {"rid": "r1", "first_token_id": tokens.first_token_id(), "stream": True}
@@ -314,7 +318,7 @@ def test_hang_up_clears_busy_and_cancel(spawn: Spawn) -> None:
     wait_for(
         "the node idle after the client hung up (else the hang-up left it busy)",
         lambda: httpx.get(f"{base}/decode_status").json()["status"] == "idle",
-        2,
+        HANG_UP_S,
     )
     assert httpx.post(f"{base}/pd/cancel", json={"rid": "nope"}).status_code == 404
     with httpx.stream("POST", f"{base}/pd/decode", json={**body, "rid": "r2"}, timeout=10) as r:
