@@ -37,7 +37,10 @@ from tests.kit import (
 )
 from tests.kit.checkpoint import checkpoint
 
-SLOW = "0.25"  # seconds per shard: a conversion of 4 shards takes about a second
+# Seconds per shard: a conversion of 4 shards takes about 5 s (with the MTP shard), 2 s to the
+# second shard. The other agent must find the lock held, however late a loaded machine starts it
+# (at 0.25 s a shard, one second late found the conversion over, or failed, and never waited).
+SLOW = "1.0"
 
 
 @pytest.fixture
