@@ -9,6 +9,7 @@ jobs of parallel tests (and other users of this machine) do not meet.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import signal
@@ -26,6 +27,11 @@ from tests.kit.processes import job_processes, kill_all, still_alive
 from tests.kit.waiting import wait_for
 
 CLUSTER_FILE = "network_interface: lo\nlauncher: process\n"
+# The job port bases isolated_sets hands out (20000-29900, above tests.infra.ports' range), in a
+# random order drawn once: two jobs of this test run never get the same base until a hundred
+# more came after (drawn each time, two jobs alive at once got the same one one time in a
+# hundred: their agents then probe the same ports, and two starting at once can take the same).
+_BASES = itertools.cycle(random.sample(range(20000, 30000, 100), 100))
 # The demo's generous settings, made small so failures show within a second or two.
 FAST = (
     "agent.restart.backoff_initial_s=0.05",
@@ -63,7 +69,7 @@ def isolated_sets(router_python: Path | None, *extra: str) -> tuple[list[str], i
     port = free_port()
     # Port bases of our own, away from the defaults every other job on this shared machine
     # uses: a probed-free port is only free until someone binds it.
-    b = random.randrange(20000, 30000, 100)
+    b = next(_BASES)
     bases = (
         f"{{prefill: {{http: {b}, agent: {b + 10}}}, "
         f"decode: {{http: {b + 20}, agent: {b + 40}, ctrl: {b + 60}}}}}"
